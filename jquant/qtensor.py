@@ -1,0 +1,166 @@
+"""QTensor: a quantized array as a pytree of packed codes, scales and static metadata.
+
+Array leaves (``data``, ``scale``, ``zero``, ``global_scale``) move through ``jit``, ``vmap``,
+``tree_map``, donation and ``device_put``; everything needed to interpret them is static metadata,
+so a QTensor's treedef pins its format and logical shape.
+
+Block convention: ``block[i]`` is the extent of one quantization block along logical axis ``i``
+(per-tensor: ``block == shape``; per-output-channel of a [N, K] weight: ``(1, K)``; group 128
+along K: ``(1, 128)``). ``scale`` (and ``zero``) then have shape ``ceil(shape / block)``, the same
+rank as the data, so one ``PartitionSpec`` shards data and scales consistently. Formats that block a
+flattened tensor (bitsandbytes) use ``block=(blocksize,)`` over ``shape`` flattened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DequantizeFn = Callable[["QTensor", Any], jax.Array]
+
+_DEQUANTIZERS: dict[str, DequantizeFn] = {}
+
+
+def register_format(name: str, dequantize_fn: DequantizeFn) -> None:
+    """Registers how QTensors of format ``name`` turn back into floats."""
+    _DEQUANTIZERS[name] = dequantize_fn
+
+
+def registered_formats() -> tuple[str, ...]:
+    return tuple(sorted(_DEQUANTIZERS))
+
+
+@dataclasses.dataclass(frozen=True)
+class QTensor:
+    """A quantized tensor.
+
+    Attributes:
+      data: packed codes (uint8 / int8 / float8 / ...; several codes per byte for sub-byte formats).
+      scale: per-block scales, shape ``ceil(shape / block)``; a nested QTensor for double quantization.
+      zero: optional per-block zero points (same shape as ``scale``).
+      global_scale: optional per-tensor scale (NVFP4), a 0-d array.
+      group_index: optional int32 map from each index along the grouped axis to its group (GPTQ
+        act-order ``g_idx``); None means index ``i`` belongs to group ``i // block[axis]``.
+      fmt: format name, a key of the format registry (``"int4"``, ``"fp8_e4m3"``, ``"mxfp4"``, ...).
+      shape: logical (unquantized) shape.
+      dtype: logical dtype that ``dequantize`` returns by default.
+      block: block extent per logical axis (see module docstring).
+      pack_axis: axis along which sub-byte codes are packed, or None when stored one per element.
+      options: format-specific static settings as sorted ``(key, value)`` pairs.
+    """
+
+    data: jax.Array
+    scale: Any
+    zero: jax.Array | None = None
+    global_scale: jax.Array | None = None
+    group_index: jax.Array | None = None
+    fmt: str = ""
+    shape: tuple[int, ...] = ()
+    dtype: Any = jnp.float32
+    block: tuple[int, ...] = ()
+    pack_axis: int | None = None
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "block", tuple(int(b) for b in self.block))
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        object.__setattr__(self, "options", tuple(sorted(dict(self.options).items())))
+
+    # ---- metadata -------------------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def option(self, key: str, default: Any = None) -> Any:
+        return dict(self.options).get(key, default)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every stored leaf: codes, scales (nested included), zeros, global scale."""
+        return sum(int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+                   for leaf in jax.tree_util.tree_leaves(self))
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.nbytes / self.size
+
+    # ---- conversion -----------------------------------------------------------------------------
+    def dequantize(self, dtype: Any = None) -> jax.Array:
+        fn = _DEQUANTIZERS.get(self.fmt)
+        if fn is None:
+            raise ValueError(f"QTensor.fmt={self.fmt!r} has no registered dequantizer; "
+                             f"known formats: {registered_formats()}")
+        return fn(self, jnp.dtype(dtype) if dtype is not None else self.dtype)
+
+    def expand(self, values: jax.Array) -> jax.Array:
+        """Broadcasts per-block ``values`` (scales, zeros) to the logical shape, honouring ``group_index``."""
+        if self.group_index is None:
+            return expand_blocks(values, self.shape, self.block)
+        axis = next(i for i, b in enumerate(self.block) if b != 1 and values.shape[i] != 1
+                    or values.shape[i] != self.shape[i])
+        out = jnp.take(values, self.group_index, axis=axis)
+        other = tuple(1 if i == axis else b for i, b in enumerate(self.block))
+        return expand_blocks(out, self.shape, other)
+
+    def replace(self, **changes) -> "QTensor":
+        return dataclasses.replace(self, **changes)
+
+    def sharding_tree(self, sharding: jax.sharding.NamedSharding) -> "QTensor":
+        """Per-leaf shardings for ``jax.device_put``: leaves of the data's rank take ``sharding``'s
+        spec (so scales split along the same axes as the codes); lower-rank leaves are replicated.
+
+        Raises ValueError when a sharded axis would split a quantization block.
+        """
+        spec = tuple(sharding.spec) + (None,) * (self.ndim - len(sharding.spec))
+        mesh = sharding.mesh
+        for axis, names in enumerate(spec):
+            if names is None or axis >= self.ndim:
+                continue
+            names = names if isinstance(names, tuple) else (names,)
+            parts = math.prod(mesh.shape[n] for n in names)
+            nblocks = -(-self.shape[axis] // self.block[axis]) if self.block else self.shape[axis]
+            if nblocks % parts:
+                raise ValueError(
+                    f"sharding splits axis {axis} of shape {self.shape} into {parts} parts, but it "
+                    f"holds {nblocks} quantization blocks of {self.block[axis]}: a shard would cut a block")
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+        def leaf_sharding(leaf):
+            return sharding if leaf.ndim == self.ndim else replicated
+
+        return jax.tree_util.tree_map(leaf_sharding, self)
+
+
+jax.tree_util.register_dataclass(
+    QTensor,
+    data_fields=["data", "scale", "zero", "global_scale", "group_index"],
+    meta_fields=["fmt", "shape", "dtype", "block", "pack_axis", "options"],
+)
+
+
+def dequantize(qt: QTensor, dtype: Any = None) -> jax.Array:
+    """Returns the float tensor ``qt`` stands for (see ``QTensor.dequantize``)."""
+    if not isinstance(qt, QTensor):
+        raise TypeError(f"dequantize expects a QTensor, got {type(qt).__name__}")
+    return qt.dequantize(dtype)
+
+
+def expand_blocks(values: jax.Array, shape: tuple[int, ...], block: tuple[int, ...]) -> jax.Array:
+    """Broadcasts per-block ``values`` (shape ``ceil(shape/block)``) to every element of ``shape``."""
+    out = values
+    for axis, (size, b) in enumerate(zip(shape, block)):
+        if b != 1:
+            out = jnp.repeat(out, b, axis=axis)
+        if out.shape[axis] != size:
+            out = jax.lax.slice_in_dim(out, 0, size, axis=axis)
+    return out
