@@ -45,7 +45,7 @@ class QTensor:
       zero: optional per-block zero points (same shape as ``scale``).
       global_scale: optional per-tensor scale (NVFP4), a 0-d array.
       group_index: optional int32 map from each index along the grouped axis to its group (GPTQ
-        act-order ``g_idx``); None means index ``i`` belongs to group ``i // block[axis]``.
+        act-order ``g_idx``) along ``grouped_axis``; None means index ``i`` is in group ``i // block``.
       fmt: format name, a key of the format registry (``"int4"``, ``"fp8_e4m3"``, ``"mxfp4"``, ...).
       shape: logical (unquantized) shape.
       dtype: logical dtype that ``dequantize`` returns by default.
@@ -81,6 +81,11 @@ class QTensor:
     def size(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def grouped_axis(self) -> int:
+        """The axis ``group_index`` maps: the last axis whose block spans more than one element."""
+        return max((i for i, b in enumerate(self.block) if b > 1), default=self.ndim - 1)
+
     def option(self, key: str, default: Any = None) -> Any:
         return dict(self.options).get(key, default)
 
@@ -106,8 +111,7 @@ class QTensor:
         """Broadcasts per-block ``values`` (scales, zeros) to the logical shape, honouring ``group_index``."""
         if self.group_index is None:
             return expand_blocks(values, self.shape, self.block)
-        axis = next(i for i, b in enumerate(self.block) if b != 1 and values.shape[i] != 1
-                    or values.shape[i] != self.shape[i])
+        axis = self.grouped_axis
         out = jnp.take(values, self.group_index, axis=axis)
         other = tuple(1 if i == axis else b for i, b in enumerate(self.block))
         return expand_blocks(out, self.shape, other)
