@@ -1,32 +1,51 @@
-"""The checkpoint-layout registry: QTensor ⇄ the tensors a vLLM checkpoint stores."""
+"""The checkpoint-layout registry: QTensor ⇄ the tensors a vLLM checkpoint stores.
+
+A layout name may have variants (``"compressed-tensors"`` stores int4 as ``pack-quantized``, FP8 as
+``float-quantized`` and NVFP4 as ``nvfp4-pack-quantized``). Each variant registers as
+``"<layout>/<variant>"`` with the QTensor formats it writes and, optionally, a ``detect(tensors)``
+that recognises its tensors; ``to_checkpoint(qt, "<layout>")`` then picks the variant by ``qt.fmt``
+and ``from_checkpoint(tensors, "<layout>")`` by ``variant=`` or by detection.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import numpy as np
 
 from jquant.qtensor import QTensor
 
-ToFn = Callable[..., dict[str, np.ndarray]]
-FromFn = Callable[..., QTensor]
-_LAYOUTS: dict[str, tuple[ToFn, FromFn]] = {}
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    name: str
+    to_fn: Callable[..., dict[str, np.ndarray]]
+    from_fn: Callable[..., QTensor]
+    fmts: tuple[str, ...] = ()
+    detect: Callable[[dict], bool] | None = None
 
 
-def register_layout(name: str, to_fn: ToFn, from_fn: FromFn) -> None:
-    _LAYOUTS[name] = (to_fn, from_fn)
+_LAYOUTS: dict[str, Layout] = {}
+
+
+def register_layout(name: str, to_fn, from_fn, fmts=(), detect=None) -> None:
+    _LAYOUTS[name] = Layout(name, to_fn, from_fn, tuple(fmts), detect)
 
 
 def layouts() -> tuple[str, ...]:
     return tuple(sorted(_LAYOUTS))
 
 
-def _lookup(layout: str):
+def _variants(layout: str) -> list[Layout]:
     if not isinstance(layout, str):
         raise TypeError(f"layout must be a layout name (str), got {type(layout).__name__}")
-    if layout not in _LAYOUTS:
+    if layout in _LAYOUTS:
+        return [_LAYOUTS[layout]]
+    found = [v for k, v in _LAYOUTS.items() if k.startswith(layout + "/")]
+    if not found:
         raise ValueError(f"unknown checkpoint layout {layout!r}; known layouts: {layouts()}")
-    return _LAYOUTS[layout]
+    return found
 
 
 def to_checkpoint(qt: QTensor, layout: str, **options) -> dict[str, np.ndarray]:
@@ -36,14 +55,27 @@ def to_checkpoint(qt: QTensor, layout: str, **options) -> dict[str, np.ndarray]:
     """
     if not isinstance(qt, QTensor):
         raise TypeError(f"to_checkpoint expects a QTensor, got {type(qt).__name__}")
-    return _lookup(layout)[0](qt, **options)
+    variants = _variants(layout)
+    if len(variants) > 1 or variants[0].fmts:
+        variants = [v for v in variants if qt.fmt in v.fmts]
+        if not variants:
+            raise ValueError(f"layout {layout!r} cannot store QTensor.fmt={qt.fmt!r}; it stores "
+                             f"{sorted({f for v in _variants(layout) for f in v.fmts})}")
+    return variants[0].to_fn(qt, **options)
 
 
-def from_checkpoint(tensors: dict[str, np.ndarray], layout: str, **meta) -> QTensor:
+def from_checkpoint(tensors: dict[str, np.ndarray], layout: str, variant: str | None = None,
+                    **meta) -> QTensor:
     """Rebuilds the QTensor (PyTorch orientation ``[N, K]``) from a checkpoint's tensors."""
     if not isinstance(tensors, dict):
         raise TypeError(f"tensors must be a dict of name → array, got {type(tensors).__name__}")
-    return _lookup(layout)[1](tensors, **meta)
+    variants = _variants(layout if variant is None else f"{layout}/{variant}")
+    if len(variants) > 1:
+        variants = [v for v in variants if v.detect is not None and v.detect(tensors)]
+        if len(variants) != 1:
+            raise ValueError(f"cannot tell which {layout!r} variant tensors {sorted(tensors)} are; "
+                             f"pass variant= one of {[v.name.split('/', 1)[1] for v in _variants(layout)]}")
+    return variants[0].from_fn(tensors, **meta)
 
 
 def require(tensors: dict, names, layout: str) -> None:
