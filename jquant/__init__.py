@@ -1,0 +1,15 @@
+"""jquant: LLM quantization for JAX, bit-exact with the PyTorch world's checkpoint formats."""
+
+from jquant.qtensor import QTensor, dequantize
+from jquant.formats import formats, quantize
+from jquant.checkpoint import from_checkpoint, layouts, to_checkpoint
+from jquant.ops import qdot
+from jquant.registry import Prepared, Scheme, get_scheme, register_scheme, schemes
+from jquant import xla_reference as _xla_reference  # noqa: F401  (registers the XLA implementation)
+from jquant import builtin_schemes as _builtin_schemes  # noqa: F401  (registers the named schemes)
+from jquant.hf_config import scheme_from_config
+
+__all__ = [
+    "Prepared", "QTensor", "Scheme", "dequantize", "formats", "from_checkpoint", "get_scheme", "layouts",
+    "qdot", "quantize", "register_scheme", "scheme_from_config", "schemes", "to_checkpoint",
+]

@@ -1,0 +1,175 @@
+"""Quantization schemes: what to quantize a weight to, how to lay it out for a kernel, how to apply it.
+
+The lifecycle follows vLLM's, without its class hierarchy:
+
+1. ``scheme.quantize_weight(w)`` (online quantization) or ``from_checkpoint`` (a quantized checkpoint)
+   gives a QTensor in PyTorch orientation ``[N, K]``, quantized along K;
+2. ``scheme.process_weights_after_loading(qw)`` re-lays it once for the best implementation this device
+   has (a Pallas kernel's tile layout, or the QTensor itself for the XLA reference);
+3. ``scheme.apply(x, prepared, bias)`` computes ``x @ W.T + bias``; the implementation picks its own path
+   by the batch size M.
+
+Implementations register with ``register_impl``; the XLA reference (dequantize + dot, or XLA's native
+FP8 dot) serves every scheme on every device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jquant import device as device_lib
+from jquant.formats import quantize
+from jquant.qtensor import QTensor
+
+ACTIVATION_MODES = ("none", "dynamic_per_tensor", "dynamic_per_token", "dynamic_per_token_group", "static")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """A quantization scheme (hashable, static under jit).
+
+    Attributes:
+      name: registry name.
+      weight_format: QTensor format of the weight (a ``jquant.formats.formats()`` name).
+      weight_options: static options passed to ``quantize`` (group_size, symmetric, ...).
+      activation: how activations are quantized before the GEMM (see ACTIVATION_MODES).
+      activation_options: options of the activation quantizer (group size, ue8m0, fp8 dtype).
+      min_capability: minimum CUDA capability for the fast path (0: anywhere); below it the XLA
+        reference runs.
+      checkpoint_layout: the ``to_checkpoint`` layout vLLM checkpoints of this scheme use.
+      layout_options: options for that layout (``checkpoint_format="gptq_v2"``, ...).
+    """
+
+    name: str
+    weight_format: str
+    weight_options: tuple[tuple[str, Any], ...] = ()
+    activation: str = "none"
+    activation_options: tuple[tuple[str, Any], ...] = ()
+    min_capability: int = 0
+    checkpoint_layout: str | None = None
+    layout_options: tuple[tuple[str, Any], ...] = ()
+    description: str = ""
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATION_MODES:
+            raise ValueError(f"activation must be one of {ACTIVATION_MODES}, got {self.activation!r}")
+        for field in ("weight_options", "activation_options", "layout_options"):
+            object.__setattr__(self, field, tuple(sorted(dict(getattr(self, field)).items())))
+
+    @property
+    def weight_only(self) -> bool:
+        return self.activation == "none"
+
+    def quantize_weight(self, w: jax.Array) -> QTensor:
+        """Quantizes a float weight ``[N, K]`` (out_features, in_features) along K."""
+        if getattr(w, "ndim", None) != 2:
+            raise ValueError(f"scheme {self.name!r}: weight must be 2-D [N, K], got shape "
+                             f"{tuple(getattr(w, 'shape', ()))}")
+        return quantize(w, self.weight_format, axis=1, **dict(self.weight_options))
+
+    def quantize_kernel(self, kernel: jax.Array) -> QTensor:
+        """Quantizes a Flax kernel ``[K, N]`` (stored transposed, as ``quantize_weight`` does)."""
+        if getattr(kernel, "ndim", None) != 2:
+            raise ValueError(f"scheme {self.name!r}: kernel must be 2-D [K, N], got shape "
+                             f"{tuple(getattr(kernel, 'shape', ()))}")
+        return self.quantize_weight(jnp.asarray(kernel).T)
+
+    def process_weights_after_loading(self, qweight: QTensor, device: jax.Device | None = None) -> "Prepared":
+        """Re-lays ``qweight`` once for the best implementation available on ``device``."""
+        _check_weight(self, qweight)
+        impl = select_impl(self, device)
+        return Prepared(data=impl.prepare(self, qweight), impl=impl.name, shape=qweight.shape)
+
+    def apply(self, x: jax.Array, weight: "Prepared | QTensor", bias: jax.Array | None = None) -> jax.Array:
+        """``x @ W.T + bias`` for ``x [..., K]`` and a prepared (or plain QTensor) weight ``[N, K]``."""
+        if isinstance(weight, QTensor):
+            _check_weight(self, weight)
+            weight = Prepared(data=weight, impl="xla", shape=weight.shape)
+        if not isinstance(weight, Prepared):
+            raise TypeError(f"weight must be a Prepared or QTensor, got {type(weight).__name__}")
+        if x.shape[-1] != weight.shape[1]:
+            raise ValueError(f"scheme {self.name!r}: x has shape {tuple(x.shape)} but the weight expects "
+                             f"K={weight.shape[1]} (weight shape {weight.shape})")
+        if bias is not None and bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        return _IMPLS[weight.impl].run(self, x, weight.data, bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A weight laid out for one implementation (a pytree; ``impl`` and ``shape`` are static)."""
+
+    data: Any
+    impl: str = "xla"
+    shape: tuple[int, ...] = ()
+
+
+jax.tree_util.register_dataclass(Prepared, data_fields=["data"], meta_fields=["impl", "shape"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    """An implementation of ``apply`` for the schemes it ``supports`` on a device capability."""
+
+    name: str
+    supports: Callable[[Scheme, int, str], bool]
+    prepare: Callable[[Scheme, QTensor], Any]
+    run: Callable[[Scheme, jax.Array, Any, jax.Array | None], jax.Array]
+    priority: int = 0
+
+
+_IMPLS: dict[str, Impl] = {}
+_SCHEMES: dict[str, Scheme] = {}
+_WARNED: set[str] = set()
+
+
+def register_impl(impl: Impl) -> None:
+    _IMPLS[impl.name] = impl
+
+
+def select_impl(scheme: Scheme, device: jax.Device | None = None) -> Impl:
+    cap = device_lib.compute_capability(device)
+    plat = device_lib.platform(device)
+    usable = [i for i in _IMPLS.values() if i.supports(scheme, cap, plat)]
+    best = max(usable, key=lambda i: i.priority)
+    if best.name == "xla" and plat == "gpu" and cap < scheme.min_capability and scheme.name not in _WARNED:
+        _WARNED.add(scheme.name)
+        warnings.warn(f"scheme {scheme.name!r} needs compute capability {scheme.min_capability} for its fast "
+                      f"path; this device has {cap}: using the XLA reference", stacklevel=3)
+    return best
+
+
+def register_scheme(scheme: Scheme, *, overwrite: bool = False) -> Scheme:
+    if not isinstance(scheme, Scheme):
+        raise TypeError(f"register_scheme expects a Scheme, got {type(scheme).__name__}")
+    if scheme.name in _SCHEMES and not overwrite:
+        raise ValueError(f"scheme {scheme.name!r} is already registered (pass overwrite=True to replace it)")
+    _SCHEMES[scheme.name] = scheme
+    return scheme
+
+
+def get_scheme(name: str | Scheme) -> Scheme:
+    if isinstance(name, Scheme):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"scheme name must be a str, got {type(name).__name__}")
+    if name not in _SCHEMES:
+        raise ValueError(f"unknown scheme {name!r}; registered schemes: {schemes()}")
+    return _SCHEMES[name]
+
+
+def schemes() -> tuple[str, ...]:
+    return tuple(sorted(_SCHEMES))
+
+
+def _check_weight(scheme: Scheme, qweight: QTensor) -> None:
+    if not isinstance(qweight, QTensor):
+        raise TypeError(f"scheme {scheme.name!r}: weight must be a QTensor, got {type(qweight).__name__}")
+    if qweight.fmt != scheme.weight_format or qweight.ndim != 2:
+        raise ValueError(f"scheme {scheme.name!r} expects a 2-D {scheme.weight_format!r} weight, got "
+                         f"fmt={qweight.fmt!r} with shape {qweight.shape}")
