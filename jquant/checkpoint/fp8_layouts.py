@@ -1,1 +1,227 @@
-"""(being written)"""
+"""FP8 weight checkpoints vLLM reads, from/to ``"fp8_e4m3"`` QTensors in PyTorch orientation [N, K].
+
+======================================  ==========================================================
+layout                                  tensors
+======================================  ==========================================================
+``compressed-tensors/float-quantized``  ``weight`` e4m3 [N, K]; ``weight_scale`` in the QTensor's
+                                        scale dtype (fp32/bf16/fp16; llm-compressor writes the
+                                        model's dtype): ``[1]`` per tensor, ``[N, 1]`` per channel,
+                                        ``[ceil(N/bh), ceil(K/bw)]`` per block; ``input_scale`` fp32
+                                        ``[1]`` when activations are static
+``modelopt/fp8``                        ``weight``; ``weight_scale`` fp32 ``[]``; ``input_scale`` fp32 ``[]``
+``fp8`` (vLLM / AutoFP8)                ``weight``; ``weight_scale`` fp32 ``[]`` or ``[N, 1]``;
+                                        ``input_scale`` fp32 ``[]``
+``fp8-block`` (DeepSeek V3)             ``weight``; ``weight_scale_inv`` fp32 ``[ceil(N/bh), ceil(K/bw)]``
+                                        (a multiplier, despite its name), block from the config's
+                                        ``weight_block_size`` (default 128 × 128)
+======================================  ==========================================================
+
+``to_checkpoint(qt, layout, input_scale=...)`` adds the activation scale; ``from_checkpoint`` checks
+it (a single float) but returns only the weight. ``from_checkpoint(..., dtype=...)`` sets the
+QTensor's logical dtype (default: the stored scale's dtype); ``block_size=(bh, bw)`` gives the block
+of block-scaled tensors (default 128 × 128).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jquant.checkpoint.base import register_layout, require
+from jquant.qtensor import QTensor
+
+_FMT = "fp8_e4m3"
+_WEIGHT_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
+_FP8_DTYPES = (_WEIGHT_DTYPE, np.dtype(ml_dtypes.float8_e5m2))
+_CT_SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
+_FP32 = (np.dtype(np.float32),)
+_DEFAULT_BLOCK = (128, 128)
+_CT = "compressed-tensors/float-quantized"
+_BLOCK = "fp8-block"
+
+
+# ---- shared checks ---------------------------------------------------------------------------------
+
+def _granularity(shape, block) -> str:
+    if tuple(block) == tuple(shape):
+        return "tensor"
+    if tuple(block) == (1, shape[1]):
+        return "channel"
+    return "block"
+
+
+def _check_qtensor(qt: QTensor, layout: str, granularities) -> str:
+    if qt.fmt != _FMT or qt.ndim != 2 or qt.pack_axis is not None:
+        raise ValueError(f"{layout} stores 2-D fp8_e4m3 weights [N, K]; got QTensor.fmt={qt.fmt!r} "
+                         f"with shape {qt.shape}")
+    granularity = _granularity(qt.shape, qt.block)
+    if granularity not in granularities:
+        raise ValueError(f"{layout} stores {' or '.join(granularities)} scales; QTensor with shape "
+                         f"{qt.shape} has block {qt.block} ({granularity})")
+    return granularity
+
+
+def _fp32_scale(qt: QTensor) -> np.ndarray:
+    # Every scale dtype fp8.py makes (bf16, fp16, e8m0) widens to fp32 exactly.
+    return np.asarray(qt.scale).astype(np.float32)
+
+
+def _input_scale(value, shape) -> dict[str, np.ndarray]:
+    if value is None:
+        return {}
+    scale = np.asarray(value)
+    if scale.size != 1 or not np.issubdtype(scale.dtype, np.floating):
+        raise ValueError(f"input_scale must be a single float, got {scale.dtype} with shape {scale.shape}")
+    return {"input_scale": scale.astype(np.float32).reshape(shape)}
+
+
+def _read(tensors: dict, name: str, layout: str) -> np.ndarray:
+    require(tensors, [name], layout)
+    return np.asarray(tensors[name])
+
+
+def _read_weight(tensors: dict, layout: str) -> np.ndarray:
+    weight = _read(tensors, "weight", layout)
+    if weight.dtype != _WEIGHT_DTYPE or weight.ndim != 2:
+        raise ValueError(f"{layout}: tensor 'weight' must be float8_e4m3fn [N, K], got {weight.dtype} "
+                         f"with shape {weight.shape}")
+    return weight
+
+
+def _read_scale(tensors, name, layout, dtypes) -> np.ndarray:
+    scale = _read(tensors, name, layout)
+    if scale.dtype not in dtypes:
+        raise ValueError(f"{layout}: tensor {name!r} must be {[str(d) for d in dtypes]}, got {scale.dtype} "
+                         f"with shape {scale.shape}")
+    return scale
+
+
+def _check_input_scale(tensors, layout, shapes):
+    if "input_scale" not in tensors:
+        return
+    scale = np.asarray(tensors["input_scale"])
+    if scale.shape not in shapes or not np.issubdtype(scale.dtype, np.floating):
+        raise ValueError(f"{layout}: tensor 'input_scale' must be a float of shape "
+                         f"{' or '.join(map(str, shapes))}, got {scale.dtype} with shape {scale.shape}")
+
+
+def _block_grid(shape, block_size) -> tuple[int, int]:
+    if (not isinstance(block_size, (tuple, list)) or len(block_size) != 2
+            or not all(isinstance(b, int) and b > 0 for b in block_size)):
+        raise ValueError(f"block_size must be two positive ints (rows, cols), got {block_size!r}")
+    return math.ceil(shape[0] / block_size[0]), math.ceil(shape[1] / block_size[1])
+
+
+def _ct_scale_block(weight, scale, block_size) -> tuple[int, int]:
+    """The block a compressed-tensors weight_scale implies: [1] per tensor, [N, 1] per output
+    channel, otherwise the ``block_size`` grid."""
+    n, k = weight.shape
+    if scale.shape in ((), (1,)):
+        return n, k
+    if scale.shape == (n, 1):
+        return 1, k
+    grid = _block_grid(weight.shape, block_size)
+    if scale.shape == grid:
+        return tuple(block_size)
+    raise ValueError(f"{_CT}: tensor 'weight_scale' has shape {scale.shape}, but weight {weight.shape} "
+                     f"needs [1] (tensor), [{n}, 1] (channel) or {list(grid)} (block {tuple(block_size)})")
+
+
+def _qtensor(weight, scale, block, dtype) -> QTensor:
+    shape = weight.shape
+    nblocks = tuple(-(-s // b) for s, b in zip(shape, block))
+    return QTensor(data=jnp.asarray(weight), scale=jnp.asarray(scale.reshape(nblocks)), fmt=_FMT,
+                   shape=shape, dtype=scale.dtype if dtype is None else dtype, block=block,
+                   options=(("granularity", _granularity(shape, block)),))
+
+
+def _is_fp8_weight(tensors: dict) -> bool:
+    return getattr(tensors.get("weight"), "dtype", None) in _FP8_DTYPES
+
+
+# ---- compressed-tensors float-quantized -------------------------------------------------------------
+
+def to_compressed_tensors(qt: QTensor, input_scale=None) -> dict[str, np.ndarray]:
+    granularity = _check_qtensor(qt, _CT, ("tensor", "channel", "block"))
+    scale = np.asarray(qt.scale)
+    if scale.dtype not in _CT_SCALE_DTYPES:
+        raise ValueError(f"{_CT} stores weight_scale as {[str(d) for d in _CT_SCALE_DTYPES]}, got "
+                         f"{scale.dtype}; quantize with scale_dtype=jnp.float32")
+    if granularity == "tensor":
+        scale = scale.reshape(1)  # compressed-tensors reshapes 0-d scales to [1]
+    return {"weight": np.asarray(qt.data), "weight_scale": scale, **_input_scale(input_scale, (1,))}
+
+
+def from_compressed_tensors(tensors: dict, dtype=None, block_size=_DEFAULT_BLOCK) -> QTensor:
+    weight = _read_weight(tensors, _CT)
+    scale = _read_scale(tensors, "weight_scale", _CT, _CT_SCALE_DTYPES)
+    if "weight_zero_point" in tensors and np.any(np.asarray(tensors["weight_zero_point"], np.float32)):
+        raise ValueError(f"{_CT}: nonzero 'weight_zero_point' (asymmetric FP8) is not supported")
+    _check_input_scale(tensors, _CT, ((1,), ()))
+    return _qtensor(weight, scale, _ct_scale_block(weight, scale, block_size), dtype)
+
+
+def _detect_compressed_tensors(tensors: dict) -> bool:
+    return _is_fp8_weight(tensors) and "weight_scale" in tensors and "weight_packed" not in tensors
+
+
+# ---- ModelOpt FP8 and vLLM fp8 (per tensor / per channel) -------------------------------------------
+
+def _to_scaled(layout, granularities):
+    def to_fn(qt: QTensor, input_scale=None) -> dict[str, np.ndarray]:
+        granularity = _check_qtensor(qt, layout, granularities)
+        scale = _fp32_scale(qt)
+        scale = scale.reshape(()) if granularity == "tensor" else scale
+        return {"weight": np.asarray(qt.data), "weight_scale": scale, **_input_scale(input_scale, ())}
+    return to_fn
+
+
+def _from_scaled(layout, per_channel):
+    def from_fn(tensors: dict, dtype=None) -> QTensor:
+        weight = _read_weight(tensors, layout)
+        scale = _read_scale(tensors, "weight_scale", layout, _FP32)
+        _check_input_scale(tensors, layout, ((), (1,)))
+        n, k = weight.shape
+        if scale.size == 1 and scale.ndim <= 1:
+            block = (n, k)
+        elif per_channel and scale.shape == (n, 1):
+            block = (1, k)
+        else:
+            expected = "[] or [1]" + (f" or [{n}, 1]" if per_channel else "")
+            raise ValueError(f"{layout}: tensor 'weight_scale' has shape {scale.shape}, but weight "
+                             f"{weight.shape} needs {expected}")
+        return _qtensor(weight, scale, block, dtype)
+    return from_fn
+
+
+def _detect_modelopt(tensors: dict) -> bool:
+    return _is_fp8_weight(tensors) and "weight_scale" in tensors and "weight_scale_2" not in tensors
+
+
+# ---- DeepSeek-style block FP8 -----------------------------------------------------------------------
+
+def to_fp8_block(qt: QTensor) -> dict[str, np.ndarray]:
+    _check_qtensor(qt, _BLOCK, ("block",))
+    return {"weight": np.asarray(qt.data), "weight_scale_inv": _fp32_scale(qt)}
+
+
+def from_fp8_block(tensors: dict, dtype=None, block_size=_DEFAULT_BLOCK) -> QTensor:
+    weight = _read_weight(tensors, _BLOCK)
+    scale = _read_scale(tensors, "weight_scale_inv", _BLOCK, _FP32)
+    grid = _block_grid(weight.shape, block_size)
+    if scale.shape != grid:
+        raise ValueError(f"{_BLOCK}: tensor 'weight_scale_inv' has shape {scale.shape}, but weight "
+                         f"{weight.shape} with block {tuple(block_size)} needs {list(grid)}")
+    return _qtensor(weight, scale, tuple(block_size), dtype)
+
+
+register_layout(_CT, to_compressed_tensors, from_compressed_tensors, fmts=(_FMT,),
+                detect=_detect_compressed_tensors)
+register_layout("modelopt/fp8", _to_scaled("modelopt/fp8", ("tensor",)),
+                _from_scaled("modelopt/fp8", per_channel=False), fmts=(_FMT,), detect=_detect_modelopt)
+register_layout("fp8", _to_scaled("fp8", ("tensor", "channel")), _from_scaled("fp8", per_channel=True),
+                fmts=(_FMT,))
+register_layout(_BLOCK, to_fp8_block, from_fp8_block, fmts=(_FMT,))
