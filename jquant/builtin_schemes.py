@@ -66,8 +66,8 @@ def fp8_block(block: tuple[int, int] = (128, 128), *, ue8m0: bool = False, eleme
     )
 
 
-def mxfp4(rounding: str = "floor") -> Scheme:
-    return Scheme(name="mxfp4", weight_format="mxfp4", weight_options={"rounding": rounding},
+def mxfp4(scale_mode: str = "floor") -> Scheme:
+    return Scheme(name="mxfp4", weight_format="mxfp4", weight_options={"scale_mode": scale_mode},
                   checkpoint_layout="gpt-oss",
                   description="MXFP4 weights (E2M1, block 32, E8M0 scale); bf16 activations (Hopper has no FP4 MMA)")
 
@@ -83,7 +83,7 @@ def nvfp4(convention: str = "compressed-tensors") -> Scheme:
 def bnb_4bit(quant_type: str = "nf4", *, double_quant: bool = False, blocksize: int = 64) -> Scheme:
     fmt = "nf4" if quant_type == "nf4" else "fp4_bnb"
     return Scheme(name=fmt + ("_dq" if double_quant else ""), weight_format=fmt,
-                  weight_options={"blocksize": blocksize, "double_quant": double_quant}, checkpoint_layout="bnb",
+                  weight_options={"blocksize": blocksize, "compress_statistics": double_quant}, checkpoint_layout="bnb",
                   description=f"bitsandbytes {quant_type.upper()} (block {blocksize}, absmax"
                               + (", double-quantized" if double_quant else "") + "); bf16 activations")
 

@@ -127,17 +127,38 @@ class QTensor:
         """
         spec = tuple(sharding.spec) + (None,) * (self.ndim - len(sharding.spec))
         mesh = sharding.mesh
-        for axis, names in enumerate(spec):
-            if names is None or axis >= self.ndim:
-                continue
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+        def parts_of(names):
             names = names if isinstance(names, tuple) else (names,)
-            parts = math.prod(mesh.shape[n] for n in names)
-            nblocks = -(-self.shape[axis] // self.block[axis]) if self.block else self.shape[axis]
+            return math.prod(mesh.shape[n] for n in names)
+
+        if len(self.block) != self.ndim:
+            # Blocks run over the flattened tensor (bitsandbytes): only a split of the leading axis keeps
+            # each shard's elements, and so its blocks, contiguous; 1-D leaves split the same way.
+            if any(n is not None for n in spec[1:]):
+                raise ValueError(f"fmt {self.fmt!r} blocks the flattened tensor: shard only axis 0, got spec {spec}")
+            if spec[0] is None:
+                return jax.tree_util.tree_map(lambda leaf: replicated, self)
+            parts = parts_of(spec[0])
+            per_shard = self.size // parts
+            if self.shape[0] % parts or per_shard % self.block[0]:
+                raise ValueError(f"sharding splits axis 0 of shape {self.shape} into {parts} parts of "
+                                 f"{per_shard} elements, not a multiple of the block {self.block[0]}: "
+                                 "a shard would cut a block")
+            flat = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(spec[0]))
+            return jax.tree_util.tree_map(
+                lambda leaf: flat if leaf.ndim == 1 and leaf.shape[0] % parts == 0 else replicated, self)
+
+        for axis, names in enumerate(spec):
+            if names is None:
+                continue
+            parts = parts_of(names)
+            nblocks = -(-self.shape[axis] // self.block[axis])
             if nblocks % parts:
                 raise ValueError(
                     f"sharding splits axis {axis} of shape {self.shape} into {parts} parts, but it "
                     f"holds {nblocks} quantization blocks of {self.block[axis]}: a shard would cut a block")
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
         def leaf_sharding(leaf):
             return sharding if leaf.ndim == self.ndim else replicated

@@ -59,9 +59,11 @@ def test_vmap_over_stacked_qtensors(qt):
 
 def test_donation(qt):
     expected = qt.dequantize()
-    fn = jax.jit(lambda q: jax.tree.map(lambda a: a + 0, q), donate_argnums=0)
-    out = fn(jax.tree.map(jnp.copy, qt))
+    fn = jax.jit(lambda q: jax.tree.map(lambda a: a, q), donate_argnums=0)
+    donated = jax.tree.map(jnp.copy, qt)
+    out = fn(donated)
     chex.assert_trees_all_equal(out.dequantize(), expected)
+    assert all(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(donated))
 
 
 def test_named_sharding_keeps_scales_with_data(qt):
