@@ -1,0 +1,8 @@
+"""Flax integration: quantize parameter trees by path rules, run linen and NNX models quantized."""
+
+from jquant.nn.qparam import QParam
+from jquant.nn.rules import QuantizeReport, Rule, quantize_params
+from jquant.nn.linen import quantized_apply
+from jquant.nn.nnx import QLinear, quantize_nnx
+
+__all__ = ["QLinear", "QParam", "QuantizeReport", "Rule", "quantize_nnx", "quantize_params", "quantized_apply"]
