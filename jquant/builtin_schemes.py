@@ -14,7 +14,8 @@ def int_weight_only(bits: int, group_size: int | None, *, symmetric: bool = True
     return Scheme(
         name=f"int{bits}_{gname}{'' if symmetric else '_asym'}",
         weight_format=f"{'int' if symmetric else 'uint'}{bits}",
-        weight_options={"group_size": group_size},
+        # GPTQ and AWQ checkpoints store fp16 scales: quantize with them so export is lossless.
+        weight_options={"group_size": group_size} | ({"scale_dtype": "float16"} if layout in ("gptq", "awq") else {}),
         checkpoint_layout=layout,
         layout_options=layout_options or {},
         description=f"INT{bits} weight-only, {'per-channel' if group_size is None else f'group {group_size}'}, "
