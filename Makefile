@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n 2 tests
+	$(VENV)/bin/python -m pytest -n 2 --dist loadfile tests
 
 demo: $(STAMP)
 	$(VENV)/bin/jquant demo

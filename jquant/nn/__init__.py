@@ -2,7 +2,7 @@
 
 from jquant.nn.qparam import QParam
 from jquant.nn.rules import QuantizeReport, Rule, quantize_params
-from jquant.nn.linen import quantized_apply
+from jquant.nn.linen import intercept_quantized, quantized_apply
 from jquant.nn.nnx import QLinear, quantize_nnx
 
-__all__ = ["QLinear", "QParam", "QuantizeReport", "Rule", "quantize_nnx", "quantize_params", "quantized_apply"]
+__all__ = ["QLinear", "QParam", "QuantizeReport", "Rule", "intercept_quantized", "quantize_nnx", "quantize_params", "quantized_apply"]

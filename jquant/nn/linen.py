@@ -21,8 +21,14 @@ def _dense_interceptor(next_fun, args, kwargs, context):
     return next_fun(*args, **kwargs)
 
 
+def intercept_quantized():
+    """A context in which ``nn.Dense`` layers whose kernel is a QParam run their scheme (wrap any code that
+    traces ``model.apply``, e.g. a generation loop)."""
+    return nn.intercept_methods(_dense_interceptor)
+
+
 def quantized_apply(model: nn.Module, variables: Any, *args, **kwargs):
     """``model.apply(variables, *args, **kwargs)`` where ``nn.Dense`` layers whose kernel is a QParam
     (from ``quantize_params``) run their scheme instead of a float matmul."""
-    with nn.intercept_methods(_dense_interceptor):
+    with intercept_quantized():
         return model.apply(variables, *args, **kwargs)
