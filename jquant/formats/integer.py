@@ -1,1 +1,349 @@
-"""(being written)"""
+"""Integer weight formats: ``int2``..``int8`` (symmetric) and ``uint2``..``uint8`` (zero points).
+
+Storage (one convention for every bit width, so layouts only re-pack bytes):
+
+* ``data``: unsigned codes packed along ``axis`` with ``pack_bits`` (low bits first; ``pack_axis``
+  is None for 8 bits, one code per byte). Symmetric codes are stored biased, ``u = q + 2**(b-1)``
+  (vLLM's ``uint4b8`` / ``uint8b128``, GPTQ's symmetric zero point, compressed-tensors' pack offset).
+* ``scale``: one float per block in ``scale_dtype`` (default float32; GPTQ/AWQ store float16).
+* ``zero`` (``uint*`` only): one integer zero point per block, uint8, *not* packed (it is as small
+  as the scales and keeps their shape, so it shards and indexes like them).
+* ``group_index`` (``quantize_int_with_params`` only): GPTQ act-order ``g_idx``.
+
+Arithmetic (``arithmetic="float32"``, the default: float32 whatever the input dtype, true IEEE
+divisions as PyTorch / numpy compute them, see ``exact_divide``):
+
+* symmetric: ``s = amax / d`` with ``d = 2**(b-1) - 1`` (``symmetric_range="restricted"``, the
+  default: codes stay in ``±(2**(b-1)-1)`` so ``-x`` quantizes to ``-q``; torchao / vLLM int8 / llama.cpp)
+  or ``d = 2**(b-1) - 0.5`` (``"full"``: amax lands on the half-way point of the full signed range
+  ``[-2**(b-1), 2**(b-1)-1]``, which is what GPTQ's ``(2·amax)/maxq`` and compressed-tensors'
+  ``amax / (bit_range/2)`` compute); ``q = clamp(round(x/s), -2**(b-1), 2**(b-1)-1)``.
+* asymmetric: the range always contains 0 (``min ≤ 0 ≤ max``, as GPTQ and compressed-tensors do,
+  so 0 is exact); ``s = (max-min)/(2**b-1)``, ``z = clamp(round(-min/s), 0, 2**b-1)``,
+  ``q = clamp(round(x/s) + z, 0, 2**b-1)``; ``x ≈ (q - z)·s``.
+* rounding: half to even (torch/numpy) unless ``rounding="half_away"`` (ggml's ``roundf``).
+* an all-zero block gets scale 0 and codes equal to the zero point, so it dequantizes to exact 0.
+* ``arithmetic="compressed-tensors"`` instead replays compressed-tensors op for op in x's dtype
+  (bfloat16 weights: every intermediate rounded to bfloat16), its zero point formula
+  ``round(-2**(b-1) - min/s)`` and its eps for zero scales; float32 inputs give the same bytes as
+  the default arithmetic except on ulp-level ties.
+* NaN/Inf: a block holding a NaN (or ±Inf) gets a non-finite scale, so the whole block dequantizes
+  to non-finite values (NaN propagates blockwise instead of silently vanishing); the codes of NaN
+  elements are stored as the zero point so the bytes stay deterministic.
+
+GGUF Q8_0 is ``int8`` with ``GGUF_Q8_0_OPTIONS`` (blocks of 32, ``d = amax/127`` computed in float32,
+codes ``roundf(x · (1/d))`` from that unrounded ``d``, ``d`` stored as float16), also registered
+as the quantizer ``"gguf_q8_0"``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jquant.formats.base import register_quantizer
+from jquant.formats.blocking import block_axes, check_float_input, group_block, per_block, to_blocks
+from jquant.formats.fp8 import exact_divide
+from jquant.formats.packing import codes_per_group, pack_bits, unpack_bits
+from jquant.qtensor import QTensor, register_format
+
+BITS = tuple(range(2, 9))
+GRANULARITIES = ("tensor", "channel", "group")
+SYMMETRIC_RANGES = ("restricted", "full")
+ROUNDINGS = ("half_even", "half_away")
+ARITHMETICS = ("float32", "compressed-tensors")
+
+GGUF_Q8_0_OPTIONS = dict(granularity="group", group_size=32, scale_dtype=jnp.float16, rounding="half_away",
+                         reciprocal=True, quantize_with_stored_scale=False)
+
+
+def int_format(bits: int, symmetric: bool) -> str:
+    """Format name: ``"int4"`` (symmetric) or ``"uint4"`` (zero points)."""
+    return f"{'int' if symmetric else 'uint'}{bits}"
+
+
+def parse_int_format(fmt: str) -> tuple[int, bool]:
+    """``"int4"`` → ``(4, True)``; ``"uint4"`` → ``(4, False)``."""
+    symmetric = not fmt.startswith("uint")
+    bits = int(fmt[3:] if symmetric else fmt[4:])
+    return bits, symmetric
+
+
+def _check_bits(bits) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in BITS:
+        raise ValueError(f"bits must be an int in [{BITS[0]}, {BITS[-1]}], got {bits!r}")
+    return int(bits)
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _float_dtype(name, dtype):
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{name} must be a floating dtype, got {dtype}")
+    return dtype
+
+
+def _round(v, rounding):
+    if rounding == "half_even":
+        return jnp.round(v)
+    # Half away from zero, exactly (floor(|v| + 0.5) would round 0.49999997 up).
+    a = jnp.abs(v)
+    whole = jnp.floor(a)
+    return jnp.sign(v) * (whole + (a - whole >= 0.5))
+
+
+def _scaled(x, s, reciprocal):
+    """``x / s`` (or ``x · (1/s)``), 0 where ``s == 0``; true IEEE divisions (see ``exact_divide``)."""
+    zero = s == 0
+    safe = jnp.where(zero, 1.0, s)
+    if reciprocal:
+        return x * jnp.where(zero, 0.0, exact_divide(jnp.ones_like(safe), safe))
+    return jnp.where(zero, 0.0, exact_divide(x, safe))
+
+
+def _encode(x, s, z, bits, rounding, reciprocal):
+    """Unsigned stored codes (uint8) of ``x`` given per-element float32 scales and zero points
+    (``z`` None: symmetric, stored biased by ``2**(b-1)``)."""
+    r = _round(_scaled(x, s, reciprocal), rounding)
+    if z is None:
+        offset = 2 ** (bits - 1)
+        u = jnp.clip(r, -offset, offset - 1) + offset
+        fill = offset
+    else:
+        u = jnp.clip(r + z, 0, 2 ** bits - 1)
+        fill = z
+    return jnp.where(jnp.isnan(u), fill, u).astype(jnp.uint8)
+
+
+def _pack(codes, bits, axis):
+    return (codes, None) if bits == 8 else (pack_bits(codes, bits, axis), axis)
+
+
+def _check_packable(shape, axis, bits):
+    n, _ = codes_per_group(bits)
+    if shape[axis] % n:
+        raise ValueError(f"x with shape {tuple(shape)}: axis {axis} (size {shape[axis]}) must be a multiple "
+                         f"of {n} to pack {bits}-bit codes into whole bytes")
+
+
+def _block(shape, axis, granularity, group_size):
+    if granularity is None:
+        granularity = "channel" if group_size in (None, -1) else "group"
+    _check_choice("granularity", granularity, GRANULARITIES)
+    if granularity == "tensor":
+        if group_size is not None:
+            raise ValueError(f"granularity='tensor' takes no group_size, got {group_size}")
+        return tuple(shape)
+    if granularity == "channel" and group_size not in (None, -1):
+        raise ValueError(f"granularity='channel' takes no group_size, got {group_size}")
+    if granularity == "group" and group_size is None:
+        raise ValueError("granularity='group' needs a group_size")
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer))):
+        raise ValueError(f"group_size must be an int (or -1 / None for the whole axis), got {group_size!r}")
+    return group_block(shape, axis, group_size)
+
+
+def quantize_int(x, *, bits: int, symmetric: bool, axis: int = -1, granularity: str | None = None,
+                 group_size: int | None = None, scale_dtype=jnp.float32, symmetric_range: str | None = None,
+                 rounding: str = "half_even", reciprocal: bool = False,
+                 quantize_with_stored_scale: bool = True, arithmetic: str = "float32") -> QTensor:
+    """Quantizes ``x`` to ``int{bits}`` (symmetric) or ``uint{bits}`` (asymmetric) blocks.
+
+    Args:
+      x: floating array (any rank ≥ 1).
+      bits: code width, 2..8.
+      symmetric: True for ``int*`` (no zero point), False for ``uint*``.
+      axis: the axis codes are packed along and groups run along.
+      granularity: ``"tensor"`` (one scale), ``"channel"`` (one scale per slice along ``axis``) or
+        ``"group"`` (``group_size`` consecutive elements along ``axis``); default: ``"group"`` when
+        ``group_size`` is set, else ``"channel"``. ``group_size=-1`` means the whole axis (GPTQ).
+      scale_dtype: dtype the scales are stored in.
+      symmetric_range: ``"restricted"`` (``amax / (2**(b-1)-1)``, the default) or ``"full"``
+        (``amax / (2**(b-1)-0.5)``, GPTQ / compressed-tensors, the default of that arithmetic);
+        symmetric formats only.
+      rounding: ``"half_even"`` or ``"half_away"``.
+      reciprocal: multiply by ``1/s`` instead of dividing by ``s`` (ggml).
+      quantize_with_stored_scale: compute codes with the scale rounded to ``scale_dtype`` (default,
+        so codes and stored scale agree) or with the float32 scale before rounding (ggml).
+      arithmetic: ``"float32"`` (the formulas above in float32, as GPTQ / AWQ / ggml compute) or
+        ``"compressed-tensors"``: its ``calculate_qparams`` + ``quantize`` op for op, each result
+        rounded to x's dtype as PyTorch does for bfloat16 / float16 weights (``s`` in x's dtype, a
+        zero scale replaced by that dtype's eps, ``zp = round(-2**(b-1) - min/s)`` in the signed
+        domain, codes ``round(x/s + zp)``); half-even rounding and division only.
+    """
+    bits = _check_bits(bits)
+    x = check_float_input(x)
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis={axis} is out of range for x with shape {tuple(x.shape)}")
+    axis %= x.ndim
+    block = _block(x.shape, axis, granularity, group_size)
+    _check_packable(x.shape, axis, bits)
+    scale_dtype = _float_dtype("scale_dtype", scale_dtype)
+    _check_choice("rounding", rounding, ROUNDINGS)
+    _check_choice("arithmetic", arithmetic, ARITHMETICS)
+    compressed_tensors = arithmetic == "compressed-tensors"
+    if compressed_tensors and (rounding != "half_even" or reciprocal or not quantize_with_stored_scale):
+        raise ValueError("arithmetic='compressed-tensors' rounds half to even and divides by the scale it "
+                         "stores; rounding, reciprocal and quantize_with_stored_scale must keep their defaults")
+    if not symmetric and symmetric_range is not None:
+        raise ValueError(f"symmetric_range applies to symmetric int formats only, got {symmetric_range!r} "
+                         f"for {int_format(bits, symmetric)}")
+    symmetric_range = symmetric_range or ("full" if compressed_tensors else "restricted")
+    _check_choice("symmetric_range", symmetric_range, SYMMETRIC_RANGES)
+
+    xb = to_blocks(x.astype(jnp.float32), block)
+    axes = block_axes(x.ndim)
+    # The range always contains 0; for symmetric formats max(-lo, hi) is amax.
+    lo = jnp.minimum(jnp.min(xb, axis=axes), 0.0)
+    hi = jnp.maximum(jnp.max(xb, axis=axes), 0.0)
+    qmax = 2 ** (bits - 1) - 1
+    divisor = qmax if symmetric_range == "restricted" else qmax + 0.5
+    if compressed_tensors:
+        s, zero, codes = _compressed_tensors_codes(xb, lo, hi, x.dtype, bits, symmetric, divisor)
+        stored = s.astype(scale_dtype)
+    else:
+        s = exact_divide(jnp.maximum(-lo, hi), divisor) if symmetric else exact_divide(hi - lo, 2 ** bits - 1)
+        stored = s.astype(scale_dtype)
+        s_codes = stored.astype(jnp.float32) if quantize_with_stored_scale else s
+        zero = None
+        if not symmetric:
+            z = jnp.clip(_round(_scaled(-lo, s_codes, reciprocal), rounding), 0, 2 ** bits - 1)
+            zero = jnp.where(jnp.isnan(z), 0, z).astype(jnp.uint8)
+        z_full = None if zero is None else per_block(zero.astype(jnp.float32), x.ndim)
+        codes = _encode(xb, per_block(s_codes, x.ndim), z_full, bits, rounding, reciprocal)
+    data, pack_axis = _pack(codes.reshape(x.shape), bits, axis)
+    return QTensor(data=data, scale=stored, zero=zero, fmt=int_format(bits, symmetric), shape=x.shape,
+                   dtype=x.dtype, block=block, pack_axis=pack_axis)
+
+
+def _compressed_tensors_codes(xb, lo, hi, dtype, bits, symmetric, divisor):
+    """(scale, zero or None, unsigned codes in block layout) as compressed-tensors computes them in
+    ``dtype``; its signed codes and zero points are stored shifted by ``2**(b-1)``, as its packer does."""
+    ndim = xb.ndim // 2
+
+    def rounded(v):  # a PyTorch op on `dtype` tensors rounds its float32 result to `dtype`
+        return v.astype(dtype).astype(jnp.float32)
+
+    offset = 2 ** (bits - 1)
+    if symmetric:
+        s = rounded(exact_divide(jnp.maximum(-lo, hi), divisor))
+    else:
+        s = rounded(exact_divide(rounded(hi - lo), 2 ** bits - 1))
+    s = jnp.where(s == 0, float(jnp.finfo(dtype).eps), s)
+    quotient = rounded(exact_divide(xb, per_block(s, ndim)))
+    zero = None
+    if not symmetric:
+        signed_zero = jnp.round(jnp.clip(rounded(-offset - rounded(exact_divide(lo, s))), -offset, offset - 1))
+        signed_zero = jnp.where(jnp.isnan(signed_zero), 0, signed_zero)
+        zero = (signed_zero + offset).astype(jnp.uint8)
+        quotient = rounded(quotient + per_block(signed_zero, ndim))
+    u = jnp.clip(jnp.round(quotient), -offset, offset - 1) + offset
+    fill = offset if zero is None else per_block(zero.astype(jnp.float32), ndim)
+    return s, zero, jnp.where(jnp.isnan(u), fill, u).astype(jnp.uint8)
+
+
+def quantize_int_with_params(x, bits: int, scale, zero=None, group_index=None, *, axis: int = -1,
+                             scale_dtype=None, rounding: str = "half_even", reciprocal: bool = False) -> QTensor:
+    """Quantizes ``x`` with precomputed per-block ``scale`` / ``zero`` (GPTQ's algorithm makes them).
+
+    Args:
+      x: floating array.
+      bits: code width, 2..8.
+      scale: per-block scales with ``x``'s rank; each axis of ``x`` must be a multiple of the
+        matching axis of ``scale`` (that ratio is the block). Codes are computed with these scales
+        as given (float32 arithmetic); they are stored in ``scale_dtype`` (default: their own dtype).
+      zero: None for a symmetric ``int{bits}`` tensor (codes ``clamp(round(x/s), -2**(b-1), 2**(b-1)-1)``,
+        GPTQ's symmetric zero ``2**(b-1)`` implied) or integer zero points shaped like ``scale``
+        for ``uint{bits}`` (clipped to ``[0, 2**b-1]``).
+      group_index: optional int32 ``[x.shape[axis]]`` map from each index along ``axis`` to its group
+        (GPTQ act-order ``g_idx``); then only ``axis`` may be grouped. A concrete ``group_index``
+        equal to ``i // group_size`` is dropped (it is the default).
+      axis: the grouped / packed axis.
+    """
+    bits = _check_bits(bits)
+    x = check_float_input(x)
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis={axis} is out of range for x with shape {tuple(x.shape)}")
+    axis %= x.ndim
+    _check_choice("rounding", rounding, ROUNDINGS)
+    _check_packable(x.shape, axis, bits)
+    scale = jnp.asarray(scale)
+    if not jnp.issubdtype(scale.dtype, jnp.floating):
+        raise TypeError(f"scale must have a floating dtype, got {scale.dtype} (shape {tuple(scale.shape)})")
+    if scale.ndim != x.ndim or any(s == 0 or d % s for d, s in zip(x.shape, scale.shape)):
+        raise ValueError(f"scale with shape {tuple(scale.shape)} must have x's rank {x.ndim} and divide "
+                         f"x's shape {tuple(x.shape)} axis by axis")
+    block = tuple(d // s for d, s in zip(x.shape, scale.shape))
+    stored = scale.astype(_float_dtype("scale_dtype", scale_dtype) if scale_dtype is not None else scale.dtype)
+    if zero is not None:
+        zero = jnp.asarray(zero)
+        if zero.shape != scale.shape:
+            raise ValueError(f"zero with shape {tuple(zero.shape)} must match scale's shape {tuple(scale.shape)}")
+        zero = jnp.clip(jnp.round(zero.astype(jnp.float32)), 0, 2 ** bits - 1).astype(jnp.uint8)
+    group_index = _check_group_index(group_index, x.shape, scale.shape, block, axis)
+    qt = QTensor(data=None, scale=stored, zero=zero, group_index=group_index, fmt=int_format(bits, zero is None),
+                 shape=x.shape, dtype=x.dtype, block=block)
+    z_full = None if zero is None else qt.expand(zero.astype(jnp.float32))
+    codes = _encode(x.astype(jnp.float32), qt.expand(scale.astype(jnp.float32)), z_full, bits, rounding,
+                    reciprocal)
+    data, pack_axis = _pack(codes, bits, axis)
+    return qt.replace(data=data, pack_axis=pack_axis)
+
+
+def _check_group_index(group_index, shape, scale_shape, block, axis):
+    if group_index is None:
+        return None
+    group_index = jnp.asarray(group_index)
+    if group_index.shape != (shape[axis],) or not jnp.issubdtype(group_index.dtype, jnp.integer):
+        raise ValueError(f"group_index must be an integer array of shape ({shape[axis]},) (x's axis {axis}), "
+                         f"got {group_index.dtype} with shape {tuple(group_index.shape)}")
+    others = [i for i, b in enumerate(block) if b > 1 and i != axis]
+    if others or block[axis] == 1:
+        raise ValueError(f"group_index needs groups along axis {axis} only; scale shape {tuple(scale_shape)} "
+                         f"gives blocks {block} for x's shape {tuple(shape)}")
+    group_index = group_index.astype(jnp.int32)
+    if isinstance(group_index, jax.core.Tracer):
+        return group_index
+    values = np.asarray(group_index)
+    if values.min() < 0 or values.max() >= scale_shape[axis]:
+        raise ValueError(f"group_index values must lie in [0, {scale_shape[axis]}) (the number of groups), "
+                         f"got [{values.min()}, {values.max()}]")
+    if np.array_equal(values, np.arange(shape[axis]) // block[axis]):
+        return None
+    return group_index
+
+
+def int_codes(qt: QTensor) -> jax.Array:
+    """The integer codes of an int/uint QTensor as int32: signed ``q`` for ``int*``, unsigned for ``uint*``."""
+    bits, symmetric = parse_int_format(qt.fmt)
+    codes = qt.data if qt.pack_axis is None else unpack_bits(qt.data, bits, qt.pack_axis)
+    codes = codes.astype(jnp.int32)
+    return codes - 2 ** (bits - 1) if symmetric else codes
+
+
+def _dequantize_int(qt: QTensor, dtype) -> jax.Array:
+    codes = int_codes(qt).astype(jnp.float32)
+    if qt.zero is not None:
+        codes = codes - qt.expand(qt.zero.astype(jnp.float32))
+    # (q - z) is a small exact integer, so the float32 product rounded to a 16-bit dtype equals the
+    # float16 / bfloat16 product PyTorch dequantizers compute.
+    return (codes * qt.expand(qt.scale.astype(jnp.float32))).astype(dtype)
+
+
+for _bits in BITS:
+    for _symmetric in (True, False):
+        _name = int_format(_bits, _symmetric)
+        register_quantizer(_name, functools.partial(quantize_int, bits=_bits, symmetric=_symmetric))
+        register_format(_name, _dequantize_int)
+
+register_quantizer("gguf_q8_0", functools.partial(quantize_int, bits=8, symmetric=True, **GGUF_Q8_0_OPTIONS))
+
+__all__ = ["BITS", "GGUF_Q8_0_OPTIONS", "int_codes", "int_format", "parse_int_format",
+           "quantize_int", "quantize_int_with_params"]
