@@ -1,1 +1,202 @@
-"""(being written)"""
+"""FP4 checkpoint layouts: ``"gpt-oss"`` (MXFP4), ``"compressed-tensors/nvfp4-pack-quantized"`` and
+``"modelopt/nvfp4"``.
+
+All take and give QTensors in PyTorch orientation ``[..., N, K]`` blocked along K (the last axis),
+codes packed two per byte with the even element in the low nibble, as every one of these files is.
+
+- gpt-oss (transformers' ``integrations/mxfp4``): ``blocks`` uint8 ``[..., N, K/32, 16]`` and
+  ``scales`` uint8 ``[..., N, K/32]`` (biased exponents, 2^(s-127)). The checkpoint names them
+  ``<proj>_blocks`` / ``<proj>_scales`` (e.g. ``mlp.experts.gate_up_proj_blocks``), joined with "_".
+  Leading expert axes are kept.
+- compressed-tensors 0.20.1 ``nvfp4-pack-quantized``: ``weight_packed`` uint8 ``[N, K/2]``,
+  ``weight_scale`` float8_e4m3fn ``[N, K/16]``, ``weight_global_scale`` float32 ``[1]`` (the divisor)
+  and, with static activation scales, ``input_global_scale`` float32 ``[1]``.
+- ModelOpt NVFP4: ``weight`` uint8 ``[N, K/2]``, ``weight_scale`` float8_e4m3fn ``[N, K/16]``,
+  ``weight_scale_2`` float32 scalar (the multiplier, written 0-d; ``[1]`` is read too) and
+  ``input_scale`` float32 scalar.
+
+An NVFP4 QTensor of the other convention is written with the reciprocal per-tensor scale computed
+in float32, as compressed-tensors' ModelOpt converter does (its dequantized values may then differ in
+the last bit); one without a per-tensor scale is written with 1.0, which dequantizes identically.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jquant.checkpoint.base import register_layout, require
+from jquant.formats import mx, nvfp4
+from jquant.qtensor import QTensor
+
+_CT = "compressed-tensors/nvfp4-pack-quantized"
+_MODELOPT = "modelopt/nvfp4"
+
+
+# ---- shared checks ---------------------------------------------------------------------------------
+
+def _check_last_axis(qt: QTensor, fmt: str, block: int, layout: str) -> None:
+    if qt.fmt != fmt:
+        raise ValueError(f"{layout} stores fmt={fmt!r}, got a QTensor with fmt={qt.fmt!r}")
+    expected = (1,) * (qt.ndim - 1) + (block,)
+    if qt.ndim < 2 or qt.block != expected or qt.pack_axis != qt.ndim - 1:
+        raise ValueError(f"{layout} needs a [..., N, K] weight blocked by {block} and packed along K "
+                         f"(the last axis); got shape {qt.shape}, block {qt.block}, "
+                         f"pack_axis {qt.pack_axis}")
+
+
+def _array(tensors: dict, name: str, dtype, layout: str) -> np.ndarray:
+    array = np.asarray(tensors[name])
+    if array.dtype != np.dtype(dtype):
+        raise ValueError(f"{layout}: tensor {name!r} must be {np.dtype(dtype)}, got {array.dtype} "
+                         f"(shape {array.shape})")
+    return array
+
+
+def _check_packed(packed: np.ndarray, scale: np.ndarray, names: tuple[str, str], block: int,
+                  layout: str) -> tuple[int, ...]:
+    """Logical [..., N, K] shape of packed codes [..., N, K/2] with scales [..., N, K/block]."""
+    if packed.ndim < 2 or scale.shape != packed.shape[:-1] + (packed.shape[-1] * 2 // block,) \
+            or packed.shape[-1] * 2 % block:
+        raise ValueError(f"{layout}: tensors {names[0]!r} {packed.shape} and {names[1]!r} {scale.shape} "
+                         f"do not fit: expected [..., N, K/2] and [..., N, K/{block}] with K a "
+                         f"multiple of {block}")
+    return packed.shape[:-1] + (packed.shape[-1] * 2,)
+
+
+def _scalar(tensors: dict, name: str, layout: str) -> jax.Array:
+    value = np.asarray(tensors[name])
+    if value.dtype != np.float32 or value.size != 1 or value.ndim > 1:
+        raise ValueError(f"{layout}: tensor {name!r} must be a float32 scalar or [1], got "
+                         f"{value.dtype} shape {value.shape}")
+    return jnp.asarray(value.reshape(()))
+
+
+def _nvfp4_qtensor(packed, scale, global_scale, shape, convention, dtype) -> QTensor:
+    ndim = len(shape)
+    return QTensor(data=jnp.asarray(packed), scale=jnp.asarray(scale), global_scale=global_scale,
+                   fmt="nvfp4", shape=shape, dtype=dtype, block=(1,) * (ndim - 1) + (nvfp4.BLOCK_SIZE,),
+                   pack_axis=ndim - 1, options=(("convention", convention),))
+
+
+def _global_scale_as(qt: QTensor, convention: str) -> np.ndarray:
+    """The QTensor's per-tensor scale in ``convention``'s units (a reciprocal across conventions)."""
+    if qt.global_scale is None:
+        return np.float32(1.0)
+    value = np.asarray(qt.global_scale, np.float32).reshape(())
+    return value if qt.option("convention") == convention else np.float32(1.0) / value
+
+
+def _optional_scalar(value, name: str) -> np.ndarray | None:
+    if value is None:
+        return None
+    value = np.asarray(value, np.float32)
+    if value.size != 1:
+        raise ValueError(f"{name} must be a scalar, got shape {value.shape}")
+    return value.reshape(())
+
+
+# ---- gpt-oss (MXFP4) -------------------------------------------------------------------------------
+
+def gpt_oss_to_checkpoint(qt: QTensor) -> dict[str, np.ndarray]:
+    _check_last_axis(qt, "mxfp4", mx.BLOCK_SIZE, "gpt-oss")
+    groups = qt.shape[-1] // mx.BLOCK_SIZE
+    blocks = np.asarray(qt.data).reshape(*qt.shape[:-1], groups, mx.BLOCK_SIZE // 2)
+    scales = np.asarray(qt.scale).view(np.uint8)
+    return {"blocks": blocks, "scales": scales}
+
+
+def gpt_oss_from_checkpoint(tensors: dict, dtype=jnp.bfloat16) -> QTensor:
+    require(tensors, ("blocks", "scales"), "gpt-oss")
+    blocks = _array(tensors, "blocks", np.uint8, "gpt-oss")
+    scales = _array(tensors, "scales", np.uint8, "gpt-oss")
+    if blocks.ndim < 3 or blocks.shape[-1] != mx.BLOCK_SIZE // 2 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"gpt-oss: tensors 'blocks' {blocks.shape} and 'scales' {scales.shape} do not "
+                         f"fit: expected [..., N, K/32, 16] and [..., N, K/32]")
+    shape = scales.shape[:-1] + (scales.shape[-1] * mx.BLOCK_SIZE,)
+    ndim = len(shape)
+    return QTensor(data=jnp.asarray(blocks.reshape(*shape[:-1], shape[-1] // 2)),
+                   scale=jnp.asarray(scales.view(ml_dtypes.float8_e8m0fnu)), fmt="mxfp4", shape=shape,
+                   dtype=dtype, block=(1,) * (ndim - 1) + (mx.BLOCK_SIZE,), pack_axis=ndim - 1)
+
+
+def _is_gpt_oss(tensors: dict) -> bool:
+    return "blocks" in tensors and "scales" in tensors
+
+
+# ---- compressed-tensors nvfp4-pack-quantized --------------------------------------------------------
+
+def ct_nvfp4_to_checkpoint(qt: QTensor, input_global_scale=None) -> dict[str, np.ndarray]:
+    _check_last_axis(qt, "nvfp4", nvfp4.BLOCK_SIZE, _CT)
+    out = {"weight_packed": np.asarray(qt.data),
+           "weight_scale": np.asarray(qt.scale),
+           "weight_global_scale": _global_scale_as(qt, "compressed-tensors").reshape(1)}
+    input_global_scale = _optional_scalar(input_global_scale, "input_global_scale")
+    if input_global_scale is not None:
+        out["input_global_scale"] = input_global_scale.reshape(1)
+    return out
+
+
+def ct_nvfp4_from_checkpoint(tensors: dict, dtype=jnp.bfloat16) -> QTensor:
+    require(tensors, ("weight_packed", "weight_scale", "weight_global_scale"), _CT)
+    packed = _array(tensors, "weight_packed", np.uint8, _CT)
+    scale = _array(tensors, "weight_scale", ml_dtypes.float8_e4m3fn, _CT)
+    shape = _check_packed(packed, scale, ("weight_packed", "weight_scale"), nvfp4.BLOCK_SIZE, _CT)
+    global_scale = _scalar(tensors, "weight_global_scale", _CT)
+    return _nvfp4_qtensor(packed, scale, global_scale, shape, "compressed-tensors", dtype)
+
+
+def _is_ct_nvfp4(tensors: dict) -> bool:
+    packed = tensors.get("weight_packed")
+    return packed is not None and np.asarray(packed).dtype == np.uint8 and "weight_global_scale" in tensors
+
+
+# ---- ModelOpt NVFP4 --------------------------------------------------------------------------------
+
+def modelopt_nvfp4_to_checkpoint(qt: QTensor, input_scale=None) -> dict[str, np.ndarray]:
+    _check_last_axis(qt, "nvfp4", nvfp4.BLOCK_SIZE, _MODELOPT)
+    out = {"weight": np.asarray(qt.data),
+           "weight_scale": np.asarray(qt.scale),
+           "weight_scale_2": _global_scale_as(qt, "modelopt")}
+    input_scale = _optional_scalar(input_scale, "input_scale")
+    if input_scale is not None:
+        out["input_scale"] = input_scale
+    return out
+
+
+def modelopt_nvfp4_from_checkpoint(tensors: dict, dtype=jnp.bfloat16) -> QTensor:
+    require(tensors, ("weight", "weight_scale", "weight_scale_2"), _MODELOPT)
+    packed = _array(tensors, "weight", np.uint8, _MODELOPT)
+    scale = _array(tensors, "weight_scale", ml_dtypes.float8_e4m3fn, _MODELOPT)
+    shape = _check_packed(packed, scale, ("weight", "weight_scale"), nvfp4.BLOCK_SIZE, _MODELOPT)
+    global_scale = _scalar(tensors, "weight_scale_2", _MODELOPT)
+    return _nvfp4_qtensor(packed, scale, global_scale, shape, "modelopt", dtype)
+
+
+def _is_modelopt_nvfp4(tensors: dict) -> bool:
+    weight = tensors.get("weight")
+    return weight is not None and np.asarray(weight).dtype == np.uint8 and "weight_scale_2" in tensors
+
+
+# ---- activations -----------------------------------------------------------------------------------
+
+def nvfp4_input_global_scale(tensors: dict, convention: str = "compressed-tensors") -> jax.Array | None:
+    """A checkpoint's static activation scale (``input_global_scale`` or ModelOpt's ``input_scale``)
+    in ``convention``'s units, for ``quantize(x, "nvfp4", convention=..., global_scale=...)``; None
+    when the checkpoint has none (dynamic activations)."""
+    if convention not in nvfp4.CONVENTIONS:
+        raise ValueError(f"convention must be one of {nvfp4.CONVENTIONS}, got {convention!r}")
+    for name, own in (("input_global_scale", "compressed-tensors"), ("input_scale", "modelopt")):
+        if name in tensors:
+            value = _scalar(tensors, name, "nvfp4")
+            return value if own == convention else jnp.float32(1.0) / value
+    return None
+
+
+register_layout("gpt-oss", gpt_oss_to_checkpoint, gpt_oss_from_checkpoint, fmts=("mxfp4",),
+                detect=_is_gpt_oss)
+register_layout(_CT, ct_nvfp4_to_checkpoint, ct_nvfp4_from_checkpoint, fmts=("nvfp4",), detect=_is_ct_nvfp4)
+register_layout(_MODELOPT, modelopt_nvfp4_to_checkpoint, modelopt_nvfp4_from_checkpoint, fmts=("nvfp4",),
+                detect=_is_modelopt_nvfp4)
