@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jquant.formats.base import register_quantizer
+from jquant.formats.exact import exact_divide
 from jquant.formats.blocking import check_float_input, pad_to_blocks
 from jquant.formats.packing import pack_bits, unpack_bits
 from jquant.qtensor import QTensor, expand_blocks, register_format
@@ -128,12 +129,6 @@ def _dynamic_thresholds() -> np.ndarray:
     return to_float(hi)
 
 
-def _divide(a, b):
-    """IEEE ``a / b``: XLA turns division by a constant or a broadcast into multiplication by the
-    reciprocal, which is not bit-exact; a barrier over the full-shape divisor keeps the division."""
-    return a / jax.lax.optimization_barrier(jnp.broadcast_to(b, jnp.shape(a)))
-
-
 # ---- torch's float32 sum (double quantization's offset) ----------------------------------------
 _TORCH_LANES = 8  # torch's CPU sum kernel works on Vectorized<float> of 8 lanes (AVX2 and AVX512 hosts)
 _TORCH_ILP = 4
@@ -186,13 +181,13 @@ def _torch_mean(x):
     """
     n = x.shape[0]
     if n < _TORCH_LANES:
-        return _divide(_row_sum(x[:, None])[0], jnp.float32(n))
+        return exact_divide(_row_sum(x[:, None])[0], jnp.float32(n))
     vectors = n // _TORCH_LANES
     lanes = _row_sum(x[:vectors * _TORCH_LANES].reshape(vectors, _TORCH_LANES))
     total = _fold(x[vectors * _TORCH_LANES:])
     for k in range(_TORCH_LANES):
         total = total + lanes[k]
-    return _divide(total, jnp.float32(n))
+    return exact_divide(total, jnp.float32(n))
 
 
 # ---- input checks -------------------------------------------------------------------------------
@@ -269,7 +264,7 @@ def _scaled(flat, blocksize):
     if full < flat.size:
         tail = flat[full:]
         tail_max = jnp.max(jnp.abs(tail))
-        scaled.append(jnp.where(tail_max == 0, 0.0, _divide(tail, tail_max)))
+        scaled.append(jnp.where(tail_max == 0, 0.0, exact_divide(tail, tail_max)))
         absmax.append(jnp.where(tail_max == 0, _F32_TINY, tail_max)[None])
     scaled = jnp.clip(jnp.concatenate([s.reshape(-1) for s in scaled]), -1.0, 1.0)
     return scaled, jnp.concatenate(absmax)

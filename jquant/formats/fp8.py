@@ -31,9 +31,9 @@ unaffected), exactly as torchao, compressed-tensors and vLLM do.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
 from jquant.formats.base import register_quantizer
+from jquant.formats.exact import exact_divide, round_to_precision
 from jquant.formats.blocking import block_amax, check_float_input, group_block, pad_to_blocks
 from jquant.qtensor import QTensor, expand_blocks, register_format
 
@@ -70,18 +70,6 @@ def saturating_cast(values: jnp.ndarray, fmt: str) -> jnp.ndarray:
     """``values`` clipped to ±max of ``fmt`` then cast (round-to-nearest-even); NaN stays NaN."""
     limit = fp8_max(fmt)
     return jnp.clip(values, -limit, limit).astype(FP8_DTYPES[fmt])
-
-
-def exact_divide(numerator: jnp.ndarray, denominator) -> jnp.ndarray:
-    """``numerator / denominator`` correctly rounded, also under ``jit``.
-
-    XLA's algebraic simplifier rewrites ``a / broadcast(b)`` (a scalar constant included) into
-    ``a * broadcast(1 / b)``, which is an ulp off often enough to change FP8 codes and scales. An
-    optimization barrier over the full-shape operands keeps a true division.
-    """
-    denominator = jnp.broadcast_to(jnp.asarray(denominator, numerator.dtype), numerator.shape)
-    numerator, denominator = lax.optimization_barrier((numerator, denominator))
-    return numerator / denominator
 
 
 def round_scale_up_to_pow2(scale: jnp.ndarray) -> jnp.ndarray:
@@ -134,7 +122,7 @@ def quantize_fp8(x, fmt: str = "fp8_e4m3", *, granularity: str = "tensor", axis:
     if ue8m0:
         scale = round_scale_up_to_pow2(scale)
     quotient = exact_divide(x.astype(jnp.float32), expand_blocks(scale.astype(jnp.float32), x.shape, block))
-    codes = saturating_cast(quotient.astype(divide_dtype), fmt)
+    codes = saturating_cast(round_to_precision(quotient, divide_dtype), fmt)
     return _qtensor(x, codes, scale.astype(scale_dtype), block, fmt, granularity)
 
 

@@ -46,7 +46,7 @@ import numpy as np
 
 from jquant.formats.base import register_quantizer
 from jquant.formats.blocking import block_axes, check_float_input, group_block, per_block, to_blocks
-from jquant.formats.fp8 import exact_divide
+from jquant.formats.exact import exact_divide, round_to_precision
 from jquant.formats.packing import codes_per_group, pack_bits, unpack_bits
 from jquant.qtensor import QTensor, register_format
 
@@ -229,7 +229,7 @@ def _compressed_tensors_codes(xb, lo, hi, dtype, bits, symmetric, divisor):
     ndim = xb.ndim // 2
 
     def rounded(v):  # a PyTorch op on `dtype` tensors rounds its float32 result to `dtype`
-        return v.astype(dtype).astype(jnp.float32)
+        return round_to_precision(v, dtype)
 
     offset = 2 ** (bits - 1)
     if symmetric:

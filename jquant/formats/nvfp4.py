@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jquant.formats.base import register_quantizer
+from jquant.formats.exact import round_to_precision
 from jquant.formats.blocking import block_amax, check_float_input, group_block
 from jquant.formats.fp8 import saturating_cast
 from jquant.formats.mx import E2M1_MAX, e2m1_codes, e2m1_values
@@ -66,7 +67,7 @@ def global_scale_from_amax(amax, convention: str = "compressed-tensors") -> jax.
     if convention == "compressed-tensors":
         dtype = amax.dtype
         amax = jnp.maximum(amax, jnp.finfo(dtype).tiny).astype(jnp.float32)
-        scale = _round_to(_round_to(1 / amax, dtype) * _SCALE_RANGE, dtype)
+        scale = round_to_precision(round_to_precision(1 / amax, dtype) * _SCALE_RANGE, dtype)
         return jnp.where(jnp.isfinite(scale), scale, 1).astype(jnp.float32)
     scale = amax.astype(jnp.float32) / _SCALE_RANGE
     return jnp.where(scale == 0, 1, scale).astype(jnp.float32)
@@ -114,7 +115,7 @@ def _encode(x, global_scale, block, axis, convention, dynamic):
 
 def _quantize_ct(x, block, global_scale):
     """compressed-tensors: calculate_qparams (TENSOR_GROUP, FP4) then ``_quantize``."""
-    scale = _round_to(block_amax(x, block).astype(jnp.float32) / E2M1_MAX, x.dtype)
+    scale = round_to_precision(block_amax(x, block).astype(jnp.float32) / E2M1_MAX, x.dtype)
     if global_scale is not None:
         scale = global_scale * scale
     scale = saturating_cast(scale, "fp8_e4m3")
@@ -124,7 +125,7 @@ def _quantize_ct(x, block, global_scale):
         divisor = divisor / global_scale
     scaled = x.astype(jnp.float32) / expand_blocks(divisor, x.shape, block)
     # Without a global scale the division stays in x's dtype (a bf16 weight divides in bf16).
-    return scale, scaled if global_scale is not None else _round_to(scaled, x.dtype)
+    return scale, scaled if global_scale is not None else round_to_precision(scaled, x.dtype)
 
 
 def _quantize_modelopt(x, block, global_scale):
@@ -157,17 +158,6 @@ def dequantize_nvfp4(qt: QTensor, dtype) -> jax.Array:
     values = e2m1_values(unpack_bits(qt.data, 4, axis=qt.pack_axis))
     return (values * qt.expand(block_scales(qt))).astype(dtype)
 
-
-def _round_to(values: jax.Array, dtype) -> jax.Array:
-    """float32 ``values`` rounded to ``dtype``'s precision (half to even), kept as float32.
-
-    This is PyTorch's bf16/fp16 arithmetic (compute in float32, round the result). Unlike a cast
-    round trip, ``reduce_precision`` is never elided by XLA's excess-precision optimisation under jit.
-    """
-    if jnp.dtype(dtype) == jnp.float32:
-        return values
-    info = jnp.finfo(dtype)
-    return jax.lax.reduce_precision(values, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 def _check_convention(convention):
