@@ -155,13 +155,18 @@ class QTensor:
                 continue
             parts = parts_of(names)
             nblocks = -(-self.shape[axis] // self.block[axis])
-            if nblocks % parts:
+            # One block spanning the axis (per-channel scales under row parallelism) splits the codes
+            # only: its scale is needed whole by every shard, so scale leaves replicate that axis.
+            if nblocks != 1 and nblocks % parts:
                 raise ValueError(
                     f"sharding splits axis {axis} of shape {self.shape} into {parts} parts, but it "
                     f"holds {nblocks} quantization blocks of {self.block[axis]}: a shard would cut a block")
 
         def leaf_sharding(leaf):
-            return sharding if leaf.ndim == self.ndim else replicated
+            if leaf.ndim != self.ndim:
+                return replicated
+            leaf_spec = tuple(None if leaf.shape[i] == 1 and self.shape[i] != 1 else n for i, n in enumerate(spec))
+            return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*leaf_spec))
 
         return jax.tree_util.tree_map(leaf_sharding, self)
 
