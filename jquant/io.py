@@ -145,7 +145,7 @@ def export_safetensors(params: Any, path: str | os.PathLike, *, name_map: Callab
     (``model.layers.0.self_attn.q_proj``); the default joins the path with dots. Float leaves keep their
     Flax orientation and names.
     """
-    from safetensors.numpy import save_file
+    from jquant.safetensors_io import save_file
 
     name_map = name_map or (lambda p: p.replace("/", "."))
     tensors: dict[str, np.ndarray] = {}

@@ -49,7 +49,7 @@ def test_restore_missing_directory(tmp_path):
 
 
 def test_safetensors_export_in_gptq_layout(tmp_path):
-    from safetensors.numpy import load_file
+    from jquant.safetensors_io import load_file
 
     qparams, _ = quantize_params(_params(), [(r".*_proj/kernel", "int4_g128"), (r".*", None)], prepare=False)
     written = export_safetensors(qparams, tmp_path / "model.safetensors",

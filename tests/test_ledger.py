@@ -23,14 +23,14 @@ def test_float_params_are_all_float_bytes():
 def test_quantized_ledger_matches_the_pytree_bytes():
     q, _ = quantize_params(_params(), "int4_g128", prepare=False)
     led = weight_ledger(q)
-    # int4 codes: half a byte per weight; scales: one fp32 per 128 weights.
+    # int4 codes: half a byte per weight; scales: one fp16 per 128 weights (GPTQ-layout scheme).
     n_q = 256 * 512 * 2
     assert led.codes == n_q // 2 and led.quantized_params == n_q
-    assert led.metadata == n_q // 128 * 4
+    assert led.metadata == n_q // 128 * 2
     assert led.float_params == 4 * (100 * 256 + 512)
     leaves = jax.tree_util.tree_leaves(q)
     assert led.total == sum(l.size * l.dtype.itemsize for l in leaves)
-    assert led.bits_per_quantized_weight == pytest.approx(4 + 32 / 128)
+    assert led.bits_per_quantized_weight == pytest.approx(4 + 16 / 128)
 
 
 def test_double_quant_metadata_is_counted():
