@@ -22,6 +22,8 @@ the last bit); one without a per-tensor scale is written with 1.0, which dequant
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -126,58 +128,59 @@ def _is_gpt_oss(tensors: dict) -> bool:
     return "blocks" in tensors and "scales" in tensors
 
 
-# ---- compressed-tensors nvfp4-pack-quantized --------------------------------------------------------
+# ---- NVFP4: compressed-tensors nvfp4-pack-quantized and ModelOpt ----------------------------------
+# The two layouts store the same codes and E4M3 block scales; they differ in tensor names and in the
+# global scale's convention (compressed-tensors keeps the divisor [1], ModelOpt its reciprocal []).
 
-def ct_nvfp4_to_checkpoint(qt: QTensor, input_global_scale=None) -> dict[str, np.ndarray]:
-    _check_last_axis(qt, "nvfp4", nvfp4.BLOCK_SIZE, _CT)
-    out = {"weight_packed": np.asarray(qt.data),
-           "weight_scale": np.asarray(qt.scale),
-           "weight_global_scale": _global_scale_as(qt, "compressed-tensors").reshape(1)}
-    input_global_scale = _optional_scalar(input_global_scale, "input_global_scale")
-    if input_global_scale is not None:
-        out["input_global_scale"] = input_global_scale.reshape(1)
-    return out
-
-
-def ct_nvfp4_from_checkpoint(tensors: dict, dtype=jnp.bfloat16) -> QTensor:
-    require(tensors, ("weight_packed", "weight_scale", "weight_global_scale"), _CT)
-    packed = _array(tensors, "weight_packed", np.uint8, _CT)
-    scale = _array(tensors, "weight_scale", ml_dtypes.float8_e4m3fn, _CT)
-    shape = _check_packed(packed, scale, ("weight_packed", "weight_scale"), nvfp4.BLOCK_SIZE, _CT)
-    global_scale = _scalar(tensors, "weight_global_scale", _CT)
-    return _nvfp4_qtensor(packed, scale, global_scale, shape, "compressed-tensors", dtype)
+@dataclasses.dataclass(frozen=True)
+class _NVFP4Names:
+    layout: str
+    convention: str
+    packed: str
+    global_scale: str
+    input_scale: str
+    global_shape: tuple[int, ...]
 
 
-def _is_ct_nvfp4(tensors: dict) -> bool:
-    packed = tensors.get("weight_packed")
-    return packed is not None and np.asarray(packed).dtype == np.uint8 and "weight_global_scale" in tensors
+_CT_NAMES = _NVFP4Names(_CT, "compressed-tensors", "weight_packed", "weight_global_scale", "input_global_scale", (1,))
+_MODELOPT_NAMES = _NVFP4Names(_MODELOPT, "modelopt", "weight", "weight_scale_2", "input_scale", ())
 
 
-# ---- ModelOpt NVFP4 --------------------------------------------------------------------------------
+def _nvfp4_to(names: _NVFP4Names):
+    def to_checkpoint(qt: QTensor, **options) -> dict[str, np.ndarray]:
+        unknown = set(options) - {names.input_scale}
+        if unknown:
+            raise TypeError(f"{names.layout}: unknown option(s) {sorted(unknown)}; accepted: {names.input_scale}")
+        _check_last_axis(qt, "nvfp4", nvfp4.BLOCK_SIZE, names.layout)
+        out = {names.packed: np.asarray(qt.data),
+               "weight_scale": np.asarray(qt.scale),
+               names.global_scale: _global_scale_as(qt, names.convention).reshape(names.global_shape)}
+        input_scale = _optional_scalar(options.get(names.input_scale), names.input_scale)
+        if input_scale is not None:
+            out[names.input_scale] = input_scale.reshape(names.global_shape)
+        return out
 
-def modelopt_nvfp4_to_checkpoint(qt: QTensor, input_scale=None) -> dict[str, np.ndarray]:
-    _check_last_axis(qt, "nvfp4", nvfp4.BLOCK_SIZE, _MODELOPT)
-    out = {"weight": np.asarray(qt.data),
-           "weight_scale": np.asarray(qt.scale),
-           "weight_scale_2": _global_scale_as(qt, "modelopt")}
-    input_scale = _optional_scalar(input_scale, "input_scale")
-    if input_scale is not None:
-        out["input_scale"] = input_scale
-    return out
-
-
-def modelopt_nvfp4_from_checkpoint(tensors: dict, dtype=jnp.bfloat16) -> QTensor:
-    require(tensors, ("weight", "weight_scale", "weight_scale_2"), _MODELOPT)
-    packed = _array(tensors, "weight", np.uint8, _MODELOPT)
-    scale = _array(tensors, "weight_scale", ml_dtypes.float8_e4m3fn, _MODELOPT)
-    shape = _check_packed(packed, scale, ("weight", "weight_scale"), nvfp4.BLOCK_SIZE, _MODELOPT)
-    global_scale = _scalar(tensors, "weight_scale_2", _MODELOPT)
-    return _nvfp4_qtensor(packed, scale, global_scale, shape, "modelopt", dtype)
+    return to_checkpoint
 
 
-def _is_modelopt_nvfp4(tensors: dict) -> bool:
-    weight = tensors.get("weight")
-    return weight is not None and np.asarray(weight).dtype == np.uint8 and "weight_scale_2" in tensors
+def _nvfp4_from(names: _NVFP4Names):
+    def from_checkpoint(tensors: dict, dtype=jnp.bfloat16) -> QTensor:
+        require(tensors, (names.packed, "weight_scale", names.global_scale), names.layout)
+        packed = _array(tensors, names.packed, np.uint8, names.layout)
+        scale = _array(tensors, "weight_scale", ml_dtypes.float8_e4m3fn, names.layout)
+        shape = _check_packed(packed, scale, (names.packed, "weight_scale"), nvfp4.BLOCK_SIZE, names.layout)
+        global_scale = _scalar(tensors, names.global_scale, names.layout)
+        return _nvfp4_qtensor(packed, scale, global_scale, shape, names.convention, dtype)
+
+    return from_checkpoint
+
+
+def _nvfp4_detect(names: _NVFP4Names):
+    def detect(tensors: dict) -> bool:
+        packed = tensors.get(names.packed)
+        return packed is not None and np.asarray(packed).dtype == np.uint8 and names.global_scale in tensors
+
+    return detect
 
 
 # ---- activations -----------------------------------------------------------------------------------
@@ -197,6 +200,6 @@ def nvfp4_input_global_scale(tensors: dict, convention: str = "compressed-tensor
 
 register_layout("gpt-oss", gpt_oss_to_checkpoint, gpt_oss_from_checkpoint, fmts=("mxfp4",),
                 detect=_is_gpt_oss)
-register_layout(_CT, ct_nvfp4_to_checkpoint, ct_nvfp4_from_checkpoint, fmts=("nvfp4",), detect=_is_ct_nvfp4)
-register_layout(_MODELOPT, modelopt_nvfp4_to_checkpoint, modelopt_nvfp4_from_checkpoint, fmts=("nvfp4",),
-                detect=_is_modelopt_nvfp4)
+for _names in (_CT_NAMES, _MODELOPT_NAMES):
+    register_layout(_names.layout, _nvfp4_to(_names), _nvfp4_from(_names), fmts=("nvfp4",),
+                    detect=_nvfp4_detect(_names))
