@@ -1,0 +1,8 @@
+"""Benchmarks: a timing harness with roofline figures, and the W4A16 kernel benchmark."""
+
+from jquant.bench.cli import main
+from jquant.bench.timing import (Roofline, Timing, array_bytes, copies_for,
+                                 measure_hbm_bandwidth, roofline, time_fn)
+
+__all__ = ["Roofline", "Timing", "array_bytes", "copies_for", "main", "measure_hbm_bandwidth",
+           "roofline", "time_fn"]

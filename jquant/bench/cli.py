@@ -1,0 +1,51 @@
+"""``python -m jquant.bench w4a16 --out bench/results [--shapes 28672x8192,...] [--ms 1,16] [--quick]``."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _shapes(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        return tuple(tuple(int(v) for v in s.lower().split("x")) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shapes must look like 28672x8192,8192x8192; got {text!r}")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jquant.bench", description=__doc__)
+    sub = parser.add_subparsers(dest="bench", required=True)
+    w4 = sub.add_parser("w4a16", help="4-bit weight-only GEMM kernels against XLA")
+    w4.add_argument("--out", default="bench/results", help="folder for w4a16.json and w4a16.md")
+    w4.add_argument("--shapes", type=_shapes, default=None, help="NxK list, e.g. 28672x8192,8192x8192")
+    w4.add_argument("--ms", type=_ints, default=None, help="M values, e.g. 1,16,128")
+    w4.add_argument("--schemes", default=None, help="comma list of int4_g128,mxfp4,nvfp4,nf4")
+    w4.add_argument("--impls", default="auto", help="w4a16_matmul impls to time, e.g. auto,xla")
+    w4.add_argument("--quick", action="store_true", help="3 shapes and 4 M values")
+    w4.add_argument("--reps", type=int, default=5)
+    w4.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from jquant.bench import w4a16   # imports jax: keep --help fast
+
+    shapes = args.shapes or (w4a16.QUICK_SHAPES if args.quick else w4a16.SHAPES)
+    ms = args.ms or (w4a16.QUICK_MS if args.quick else w4a16.MS)
+    schemes = tuple(args.schemes.split(",")) if args.schemes else tuple(w4a16.SCHEMES)
+    unknown = set(schemes) - set(w4a16.SCHEMES)
+    if unknown:
+        raise SystemExit(f"unknown schemes {sorted(unknown)}; known: {sorted(w4a16.SCHEMES)}")
+    records = w4a16.run(shapes, ms, schemes, impls=tuple(args.impls.split(",")),
+                        interpret=args.interpret, reps=args.reps)
+    js, md = w4a16.write(records, args.out)
+    print(f"wrote {js} and {md}")
+    return 0

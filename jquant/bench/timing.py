@@ -1,0 +1,112 @@
+"""Timing harness: jitted calls, warm-up, median of repeated batches, inputs rotated past the L2.
+
+A batch of back-to-back calls ends with one ``block_until_ready``, so the figure is the device time
+per call, launch gaps inside one XLA program included, the way a model step sees it. The calls of a
+rotation each take the next of several input copies, so a weight that fits the L2 (60 MB on an
+H200) is not re-read from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+H200_L2_BYTES = 60 * 2**20
+H200_HBM_BYTES_PER_S = 4.18e12      # measured: f32 ``x + 1`` over 4 GiB (see baselines.md)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Per-call times in µs: the median and minimum over batches, and every batch's mean."""
+
+    median_us: float
+    min_us: float
+    batches_us: tuple[float, ...]
+    calls_per_batch: int
+
+
+def _block(out) -> None:
+    jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a,
+                           out)
+
+
+def time_fn(fn: Callable, args_list: Sequence[tuple], warmup: int = 3, reps: int = 5,
+            calls_per_batch: int | None = None, min_batch_s: float = 2e-3,
+            max_calls: int = 400) -> Timing:
+    """Times ``fn`` over input tuples rotated from ``args_list``; returns µs per call.
+
+    One jitted program calls ``fn`` once on every tuple of ``args_list`` (so Python's per-dispatch
+    cost, tens of µs, is paid once per rotation, not per call, and the device runs the calls back to
+    back); a batch repeats that program until it lasts ``min_batch_s`` (or ``calls_per_batch``
+    calls, rounded up to whole rotations; at most ``max_calls``).
+    """
+    if not args_list:
+        raise ValueError("args_list must hold at least one tuple of arguments")
+    if warmup < 1 or reps < 1:
+        raise ValueError(f"warmup and reps must be ≥ 1, got warmup={warmup}, reps={reps}")
+    n = len(args_list)
+    rotation = jax.jit(lambda all_args: tuple(fn(*a) for a in all_args))
+    args = tuple(tuple(a) for a in args_list)
+    for _ in range(warmup):
+        _block(rotation(args))
+
+    def batch(rotations: int) -> float:
+        start = time.perf_counter()
+        out = None
+        for _ in range(rotations):
+            out = rotation(args)
+        _block(out)
+        return time.perf_counter() - start
+
+    if calls_per_batch is None:
+        probe = batch(1) / n
+        calls_per_batch = int(min(max_calls, max(n, math.ceil(min_batch_s / max(probe, 1e-9)))))
+    rotations = max(1, -(-calls_per_batch // n))
+    samples = tuple(1e6 * batch(rotations) / (rotations * n) for _ in range(reps))
+    return Timing(statistics.median(samples), min(samples), samples, rotations * n)
+
+
+def copies_for(bytes_per_set: int, l2_bytes: int = H200_L2_BYTES, max_copies: int = 64) -> int:
+    """How many input copies make one rotation read at least twice the L2 (2 ≤ copies ≤ max)."""
+    return int(min(max_copies, max(2, math.ceil(2 * l2_bytes / max(bytes_per_set, 1)))))
+
+
+def measure_hbm_bandwidth(nbytes: int = 2**30) -> float:
+    """Bytes/s of an f32 ``x + 1`` over ``nbytes`` (read + write counted)."""
+    x = jnp.zeros((nbytes // 4,), jnp.float32) + 1.0
+    t = time_fn(lambda a: a + 1.0, [(x,)], warmup=2, reps=3, calls_per_batch=5)
+    return 2 * nbytes / (t.median_us * 1e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """Figures for one timed op: achieved bandwidth and rate, and the share of the byte floor."""
+
+    tb_per_s: float
+    tflop_per_s: float
+    byte_floor_us: float
+    pct_of_byte_floor: float
+
+
+def roofline(time_us: float, nbytes: int, flops: int,
+             hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S) -> Roofline:
+    """``pct_of_byte_floor`` = byte-floor time / measured time (100 % = at the memory roof)."""
+    if time_us <= 0:
+        raise ValueError(f"time_us must be positive, got {time_us}")
+    floor_us = 1e6 * nbytes / hbm_bytes_per_s
+    return Roofline(tb_per_s=nbytes / (time_us * 1e-6) / 1e12,
+                    tflop_per_s=flops / (time_us * 1e-6) / 1e12,
+                    byte_floor_us=floor_us, pct_of_byte_floor=100.0 * floor_us / time_us)
+
+
+def array_bytes(*trees: Any) -> int:
+    """Bytes of every array leaf in ``trees``."""
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+               for t in trees for a in jax.tree_util.tree_leaves(t) if hasattr(a, "dtype"))

@@ -1,0 +1,177 @@
+"""The W4A16 benchmark: kernels against XLA bf16 ``x @ W`` and XLA dequant+dot, in one run.
+
+Each record (JSON) holds op, impl, scheme, M, N, K, time_us, baselines {name: time_us}, device,
+jax_version, date, the launch config, TB/s, TFLOP/s, speedup vs bf16 and % of the byte floor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import pathlib
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+
+from jquant.bench.timing import (H200_HBM_BYTES_PER_S, array_bytes, copies_for, roofline,
+                                 time_fn)
+from jquant.pallas_kernels import (PackedW4, TuningConfig, default_config, prepack, resolve_impl,
+                                   w4a16_matmul)
+
+SHAPES = ((28672, 8192), (8192, 28672), (8192, 8192), (4096, 4096), (1536, 576))
+MS = (1, 4, 16, 32, 64, 128, 256, 1024, 4096)
+QUICK_SHAPES = ((28672, 8192), (8192, 8192), (4096, 4096))
+QUICK_MS = (1, 16, 128, 1024)
+# scheme → (lut, group size, scale kind); int4 is GPTQ-style symmetric uint4b8.
+SCHEMES = {"int4_g128": ("int4", 128, "bf16"), "mxfp4": ("e2m1", 32, "e8m0"),
+           "nvfp4": ("e2m1", 16, "e4m3"), "nf4": ("nf4", 64, "f32")}
+M1_ONLY_SCHEMES = ("mxfp4", "nvfp4", "nf4")
+
+
+def make_weight(scheme: str, n: int, k: int, key) -> dict:
+    """Random codes [K, N] and scales for ``scheme`` (generated on the device)."""
+    lut, group, scale_kind = SCHEMES[scheme]
+    kq, ks = jax.random.split(key)
+    q = jax.random.randint(kq, (k, n), 0, 16, jnp.int32).astype(jnp.uint8)
+    groups = -(-k // group)
+    s = jax.random.uniform(ks, (groups, n), jnp.float32, 0.5, 2.0) * 0.01
+    if scale_kind == "e8m0":
+        s = s.astype(jnp.float8_e8m0fnu)
+    elif scale_kind == "e4m3":
+        s = (s * 100).astype(jnp.float8_e4m3fn)
+    elif scale_kind == "bf16":
+        s = s.astype(jnp.bfloat16)
+    gs = 0.01 if scheme == "nvfp4" else None
+    return dict(q=q, scale=s, lut=lut, group_size=group, global_scale=gs)
+
+
+def _xla_dequant_dot_fn(k: int, group: int) -> Callable:
+    """The checkpoint-style baseline: int4 codes packed two per byte along K (low nibble first),
+    bf16 scales; XLA converts, scales (materializing W) and dots."""
+    def fn(x, packed_rows, scale):
+        lo, hi = packed_rows & 15, packed_rows >> 4
+        q = jnp.stack([lo, hi], axis=1).reshape(k, -1).astype(jnp.bfloat16)
+        w = (q - 8) * jnp.repeat(scale, group, axis=0)[:k]
+        return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jax.jit(fn)
+
+
+def _device_name() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}:{d.device_kind}"
+
+
+def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
+        schemes: Iterable[str] = tuple(SCHEMES), configs: dict | None = None,
+        impls: Iterable[str] = ("auto",), interpret: bool = False, reps: int = 5,
+        hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S, log: Callable[[str], None] = print,
+        max_copies: int = 8) -> list[dict]:
+    """Measures every (shape, M) for int4 (and the M=1 row for the other schemes).
+
+    ``configs`` maps ``(mode, N, K, M)`` to a ``TuningConfig`` (e.g. a sweep's winners); missing
+    entries use ``default_config``. ``impls`` lists the ``w4a16_matmul`` impls to time per cell.
+    """
+    configs = configs or {}
+    records = []
+    key = jax.random.PRNGKey(0)
+    meta = dict(device=_device_name(), jax_version=jax.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    for n, k in shapes:
+        w_bf16 = [jax.random.normal(jax.random.fold_in(key, c), (k, n), jnp.bfloat16)
+                  for c in range(copies_for(k * n * 2, max_copies=max_copies))]
+        int4 = make_weight("int4_g128", n, k, key)
+        k_even = k + (k % 2)
+        codes = jnp.pad(int4["q"], ((0, k_even - k), (0, 0)))
+        rows = (codes[0::2] | (codes[1::2] << 4)).astype(jnp.uint8)
+        dequant_fn = _xla_dequant_dot_fn(k, 128)
+        packed_cache: dict = {}
+        for scheme in schemes:
+            weight = int4 if scheme == "int4_g128" else make_weight(scheme, n, k, key)
+            for m in ms:
+                if scheme in M1_ONLY_SCHEMES and m != 1:
+                    continue
+                xs = [jax.random.normal(jax.random.fold_in(key, 100 + c), (m, k), jnp.bfloat16)
+                      for c in range(4)]
+                baselines = {}
+                if scheme == "int4_g128" or m == 1:
+                    t = time_fn(jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)], reps=reps)
+                    baselines["xla_bf16"] = t.median_us
+                    t = time_fn(dequant_fn, [(x, rows, int4["scale"]) for x in xs], reps=reps)
+                    baselines["xla_dequant_dot"] = t.median_us
+                for impl in impls:
+                    mode = resolve_impl(impl, m, interpret)
+                    cfg = None
+                    if mode in ("gemv", "mma"):
+                        cfg = configs.get((mode, n, k, m))
+                    packed = _packed(packed_cache, scheme, weight, cfg, n, k)
+                    if cfg is not None:   # small groups may have shrunk block_k at prepack
+                        cfg = dataclasses.replace(cfg, block_n=packed[0].block_n,
+                                                  block_k=packed[0].block_k)
+                    elif mode in ("gemv", "mma"):
+                        cfg = default_config(mode, m, packed[0])
+                    fn = jax.jit(lambda x, p, _impl=impl, _cfg=cfg: w4a16_matmul(
+                        x, p, impl=_impl, config=_cfg, interpret=interpret))
+                    args = [(xs[c % 4], p) for c, p in enumerate(packed)]
+                    try:
+                        t = time_fn(fn, args, reps=reps)
+                    except Exception as e:  # one failing cell must not end the run
+                        log(f"  FAILED {scheme} {n}x{k} M={m} impl={impl}: {type(e).__name__}: {e}")
+                        continue
+                    nbytes = array_bytes(packed[0], xs[0]) + m * n * 2
+                    roof = roofline(t.median_us, nbytes, 2 * m * n * k, hbm_bytes_per_s)
+                    rec = dict(op=f"w4a16_{mode}", impl=impl, scheme=scheme, M=m, N=n, K=k,
+                               time_us=round(t.median_us, 2),
+                               baselines={b: round(v, 2) for b, v in baselines.items()},
+                               config=dataclasses.asdict(cfg) if cfg else None,
+                               tb_per_s=round(roof.tb_per_s, 3),
+                               tflop_per_s=round(roof.tflop_per_s, 2),
+                               pct_of_byte_floor=round(roof.pct_of_byte_floor, 1), **meta)
+                    if "xla_bf16" in baselines:
+                        rec["speedup_vs_bf16"] = round(baselines["xla_bf16"] / t.median_us, 3)
+                    records.append(rec)
+                    log(f"  {scheme:9s} {n}x{k} M={m:<5d} {rec['op']:11s} {rec['time_us']:9.1f} us"
+                        f"  bf16 {baselines.get('xla_bf16', float('nan')):9.1f}"
+                        f"  x{rec.get('speedup_vs_bf16', float('nan')):.2f}"
+                        f"  {rec['tb_per_s']:.2f} TB/s")
+    return records
+
+
+def _packed(cache: dict, scheme: str, weight: dict, cfg: TuningConfig | None, n: int, k: int
+            ) -> list[PackedW4]:
+    tiles = (cfg.block_n, cfg.block_k) if cfg else (TuningConfig.block_n, TuningConfig.block_k)
+    key = (scheme, tiles)
+    if key not in cache:
+        one = prepack(weight["q"], weight["scale"], lut=weight["lut"],
+                      group_size=weight["group_size"], global_scale=weight["global_scale"],
+                      config=TuningConfig(*tiles))
+        copies = copies_for(one.nbytes)
+        # Copies are distinct buffers holding the same values: the L2 never has the next one.
+        cache[key] = [one] + [jax.tree_util.tree_map(lambda a: a.copy(), one)
+                              for _ in range(copies - 1)]
+    return cache[key]
+
+
+def to_markdown(records: list[dict]) -> str:
+    head = ("| scheme | N×K | M | op | µs | XLA bf16 µs | XLA dequant+dot µs | vs bf16 | TB/s | "
+            "% byte floor |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    rows = []
+    for r in records:
+        b = r["baselines"]
+        rows.append(f"| {r['scheme']} | {r['N']}×{r['K']} | {r['M']} | {r['op']} | {r['time_us']} | "
+                    f"{b.get('xla_bf16', '')} | {b.get('xla_dequant_dot', '')} | "
+                    f"{r.get('speedup_vs_bf16', '')} | {r['tb_per_s']} | {r['pct_of_byte_floor']} |")
+    meta = records[0] if records else {}
+    title = (f"# W4A16 benchmark\n\n{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, "
+             f"{meta.get('date', '')}\n\n")
+    return title + head + "\n".join(rows) + "\n"
+
+
+def write(records: list[dict], out_dir, stem: str = "w4a16") -> tuple[pathlib.Path, pathlib.Path]:
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    js, md = out / f"{stem}.json", out / f"{stem}.md"
+    js.write_text(json.dumps(records, indent=1))
+    md.write_text(to_markdown(records))
+    return js, md

@@ -1,0 +1,65 @@
+"""The W4A16 Pallas kernels as a registry implementation for 4-bit weight-only schemes on Hopper.
+
+``process_weights_after_loading`` turns the scheme's QTensor (``[N, K]``, groups along K) into the
+kernels' unified form (codes ``[K, N]`` 0..15, per-group multipliers, optional zero points, a code
+book) and prepacks it tile-major once; ``apply`` then runs ``w4a16_matmul``, which picks the GEMV,
+the tensor-core kernel or XLA by M.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jquant.formats import nvfp4
+from jquant.formats.packing import unpack_bits
+from jquant.pallas_kernels.w4a16 import w4a16_matmul
+from jquant.pallas_kernels.w4a16_layout import PackedW4, prepack
+from jquant.qtensor import QTensor
+from jquant.registry import Impl, Scheme, register_impl
+
+HOPPER = 90
+_LUT = {"int4": "int4", "uint4": "int4", "mxfp4": "e2m1", "nvfp4": "e2m1", "nf4": "nf4"}
+
+
+def unified_w4(qt: QTensor) -> dict | None:
+    """``prepack`` arguments for a 4-bit ``[N, K]`` QTensor, or None when its blocking does not map
+    onto groups along K (e.g. bitsandbytes blocks that straddle rows)."""
+    if qt.fmt not in _LUT or qt.ndim != 2:
+        return None
+    n, k = qt.shape
+    if qt.fmt == "nf4":
+        blocksize = qt.block[0]
+        if k % blocksize or isinstance(qt.scale, QTensor) and qt.scale.fmt != "bnb_dynamic8":
+            return None
+        codes = unpack_bits(qt.data, 4, axis=0, order="high_first")[: n * k].reshape(n, k)
+        absmax = qt.scale.dequantize(jnp.float32) if isinstance(qt.scale, QTensor) else qt.scale
+        scale, group = absmax.astype(jnp.float32).reshape(n, k // blocksize), blocksize
+    else:
+        if qt.pack_axis != 1 or qt.block[0] != 1:
+            return None
+        codes = unpack_bits(qt.data, 4, axis=1)
+        group = qt.block[1]
+        scale = nvfp4.block_scales(qt) if qt.fmt == "nvfp4" else qt.scale
+    args = dict(q=codes.T, scale=scale.T, lut=_LUT[qt.fmt], group_size=-1 if group == k else group)
+    if qt.zero is not None:
+        args["zero"] = qt.zero.T.astype(jnp.float32)
+    if qt.group_index is not None:
+        args["g_idx"] = qt.group_index
+    return args
+
+
+def _supports(scheme: Scheme, capability: int, platform: str) -> bool:
+    return platform == "gpu" and capability >= HOPPER and scheme.weight_only and scheme.weight_format in _LUT
+
+
+def _prepare(scheme: Scheme, qweight: QTensor) -> PackedW4 | None:
+    args = unified_w4(qweight)
+    return None if args is None else prepack(**args)
+
+
+def _run(scheme: Scheme, x: jax.Array, packed: PackedW4, bias: jax.Array | None) -> jax.Array:
+    return w4a16_matmul(x, packed, bias=bias)
+
+
+register_impl(Impl(name="pallas_w4a16", supports=_supports, prepare=_prepare, run=_run, priority=10))

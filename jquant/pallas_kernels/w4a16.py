@@ -1,0 +1,174 @@
+"""``w4a16_matmul``: ``x @ W`` for a prepacked 4-bit weight, dispatched by M and device.
+
+Implementations (``impl``):
+* ``"gemv"``: the small-M Pallas kernel (no tensor cores), ``M ≤ GEMV_MAX_ROWS``.
+* ``"mma"``: the tensor-core Pallas kernel.
+* ``"pallas"``: whichever of the two fits M.
+* ``"xla"``: dequantize to ``x``'s dtype, then ``jnp.dot`` with fp32 accumulation (XLA/cuBLAS).
+* ``"reference"``: dequantize in fp32, fp32 dot (the exact twin; slow on GPUs).
+* ``"auto"``: on Hopper, gemv for M ≤ ``AUTO_GEMV_MAX_M``, mma up to ``AUTO_MMA_MAX_M``, then
+  xla; xla on other GPUs; reference on CPU. With ``interpret=True`` the kernels run on any device.
+
+Forcing ``"gemv"``/``"mma"`` where no GPU can run them warns once and runs the reference;
+``"pallas"`` there is an error (it asks for a kernel, nothing else).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from jquant.pallas_kernels.w4a16_layout import PackedW4, dequantize_packed
+from jquant.pallas_kernels.w4a16_triton import (GEMV_MAX_ROWS, TuningConfig, effective_split,
+                                                reference, w4a16_pallas)
+
+IMPLS = ("auto", "pallas", "gemv", "mma", "xla", "reference")
+# Measured on an H200 (bench/NOTES.md): gemv at M = 1 and mma at M = 16 beat XLA bf16 on the large
+# shapes; at M = 128 the mma kernel is ~2-3x slower than bf16 and close to XLA dequant + dot.
+AUTO_GEMV_MAX_M = 1
+AUTO_MMA_MAX_M = 32
+# Programs to aim for: many waves over the H200's 132 SMs, so enough bytes are in flight.
+_GEMV_TARGET_PROGRAMS = 2048
+_MMA_TARGET_PROGRAMS = 264
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    """(major, minor) of the default device when it is an NVIDIA GPU, else None."""
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        return None
+    cc = getattr(dev, "compute_capability", None)
+    if cc is None:
+        return None
+    major, minor = str(cc).split(".")[:2]
+    return int(major), int(minor)
+
+
+def default_config(mode: str, m: int, packed: PackedW4) -> TuningConfig:
+    """A sane launch for ``mode`` at ``m`` rows on the packed layout.
+
+    From the H200 sweeps (bench/NOTES.md): gemv wants many programs (split-K 16 or more), 4 warps,
+    2 stages; mma wants split-K 2-4, 4 warps, 2 stages, and row blocks of 16-64 (a 128-row x tile
+    with 512-row K tiles overflows the 227 KB of shared memory).
+    """
+    nt, kt = packed.data.shape[:2]
+    if mode == "gemv":
+        split = effective_split(kt, max(16, math.ceil(_GEMV_TARGET_PROGRAMS / nt)))
+        return TuningConfig(packed.block_n, packed.block_k, split, num_warps=4, num_stages=2,
+                            block_m=1)
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64 if packed.block_k >= 512 else 128
+    programs = -(-m // bm) * nt
+    split = effective_split(kt, max(4 if bm == 16 else 2,
+                                    math.ceil(_MMA_TARGET_PROGRAMS / programs)))
+    return TuningConfig(packed.block_n, packed.block_k, split,
+                        num_warps=8 if bm == 128 else 4, num_stages=2, block_m=bm)
+
+
+def resolve_impl(impl: str, m: int, interpret: bool = False) -> str:
+    """The implementation ``w4a16_matmul`` runs for ``impl`` at ``m`` rows on the default device."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl in ("xla", "reference"):
+        return impl
+    kernel = "gemv" if m <= (AUTO_GEMV_MAX_M if impl == "auto" else GEMV_MAX_ROWS) else "mma"
+    if interpret:
+        return kernel if impl in ("auto", "pallas") else impl
+    cc = cuda_capability()
+    if impl == "auto":
+        if cc is None:
+            return "reference"
+        if cc[0] != 9:
+            return "xla"
+        return kernel if m <= AUTO_MMA_MAX_M else "xla"
+    if cc is None:
+        if impl == "pallas":
+            raise ValueError("impl='pallas' needs an NVIDIA GPU; on "
+                             f"{jax.devices()[0].platform} pass interpret=True to run the Pallas "
+                             "kernels in interpret mode")
+        _warn_once(impl, f"impl={impl!r} cannot run on {jax.devices()[0].platform}; using the "
+                         "pure-JAX reference instead (pass interpret=True to run the kernel)")
+        return "reference"
+    return kernel if impl == "pallas" else impl
+
+
+def w4a16_matmul(x, packed: PackedW4, *, bias=None, impl: str = "auto",
+                 config: TuningConfig | None = None, interpret: bool = False,
+                 poison: bool = False):
+    """``x @ W`` for ``x`` ``[..., K]`` (bf16 / fp16 / fp32) and a ``PackedW4`` W; fp32 accumulation,
+    result ``[..., N]`` in ``x``'s dtype. ``bias`` is an optional ``[N]`` vector.
+
+    ``config`` overrides the launch (its ``block_n``/``block_k`` must match the packing);
+    ``interpret`` runs the Pallas kernels on CPU; ``poison`` (testing) NaN-fills kernel outputs first.
+    """
+    if not isinstance(packed, PackedW4):
+        raise TypeError(f"packed must be a PackedW4 (see prepack), got {type(packed).__name__}")
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize not in (2, 4):
+        raise TypeError(f"x must be bf16, fp16 or fp32, got {x.dtype} (shape {tuple(x.shape)})")
+    if x.ndim < 1 or x.shape[-1] != packed.k or x.size == 0:
+        raise ValueError(f"x has shape {tuple(x.shape)}; expected [..., K={packed.k}], non-empty")
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (packed.n,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({packed.n},)")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, packed.k)
+    m = x2.shape[0]
+    kind = resolve_impl(impl, m, interpret)
+    if kind == "reference":
+        out = reference(x2, packed, bias)
+    elif kind == "xla":
+        out = _xla_matmul(x2, packed, bias)
+    else:
+        out = _kernel_matmul(x2, packed, bias, kind, config, interpret, poison)
+    return out.reshape(*lead, packed.n)
+
+
+def _gather_pad(x2, packed: PackedW4, m_pad: int):
+    if packed.perm is not None:
+        x2 = jnp.take(x2, packed.perm, axis=1)
+    pad_m, pad_k = m_pad - x2.shape[0], packed.k_pad - packed.k
+    return jnp.pad(x2, ((0, pad_m), (0, pad_k))) if pad_m or pad_k else x2
+
+
+def _xla_matmul(x2, packed: PackedW4, bias):
+    # XLA:CPU cannot always run a bf16 × bf16 → f32 dot; there the operands go to f32 first.
+    dtype = jnp.float32 if jax.devices()[0].platform == "cpu" else x2.dtype
+    w = dequantize_packed(packed, dtype)[:, :packed.n]
+    xs = _gather_pad(x2, packed, x2.shape[0]).astype(dtype)
+    out = jnp.dot(xs, w, preferred_element_type=jnp.float32)
+    if bias is not None:
+        out = out + bias.astype(jnp.float32)
+    return out.astype(x2.dtype)
+
+
+def _kernel_matmul(x2, packed: PackedW4, bias, mode, config, interpret, poison):
+    m = x2.shape[0]
+    if mode == "gemv" and m > GEMV_MAX_ROWS:
+        raise ValueError(f"impl='gemv' handles at most {GEMV_MAX_ROWS} rows, x has {m}")
+    cfg = config or default_config(mode, m, packed)
+    if (cfg.block_n, cfg.block_k) != (packed.block_n, packed.block_k):
+        raise ValueError(f"config tiles (block_n={cfg.block_n}, block_k={cfg.block_k}) differ from "
+                         f"the packed layout ({packed.block_n}, {packed.block_k}); prepack with it")
+    if mode == "gemv":
+        m_pad = 1 << (m - 1).bit_length()
+    else:
+        m_pad = -(-m // cfg.block_m) * cfg.block_m
+    xs = _gather_pad(x2, packed, m_pad)
+    bias_p = None
+    if bias is not None:
+        bias_p = jnp.pad(bias.astype(jnp.float32), (0, packed.n_pad - packed.n))
+    out = w4a16_pallas(xs, packed, bias_p, mode=mode, config=cfg, interpret=interpret,
+                       poison=poison)
+    return out[:m, :packed.n]

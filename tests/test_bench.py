@@ -1,0 +1,65 @@
+"""The benchmark harness on CPU with tiny shapes (the kernels in interpret mode)."""
+
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from jquant.bench import array_bytes, copies_for, main, roofline, time_fn
+from jquant.bench import w4a16 as bench
+
+
+def test_time_fn_rotates_inputs_and_reports_per_call_time():
+    seen = []
+
+    def fn(a):
+        seen.append(a.shape)             # traced once per rotation program
+        return a * 2.0
+
+    args = [(jnp.ones((8,)) * i,) for i in range(3)]
+    t = time_fn(fn, args, warmup=1, reps=3, calls_per_batch=7)
+    assert t.calls_per_batch == 9        # whole rotations of 3 copies
+    assert len(t.batches_us) == 3 and t.min_us <= t.median_us and t.min_us > 0
+    assert len(seen) == 3                # one trace calls fn on each copy
+
+
+def test_time_fn_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="at least one"):
+        time_fn(lambda a: a, [])
+    with pytest.raises(ValueError, match="warmup and reps"):
+        time_fn(lambda a: a, [(jnp.ones(2),)], reps=0)
+
+
+def test_copies_and_roofline():
+    assert copies_for(117 * 2**20) == 2
+    assert copies_for(2**20) == 64 and copies_for(2**20, max_copies=8) == 8
+    r = roofline(30.0, nbytes=int(120e6), flops=2 * 8192 * 28672, hbm_bytes_per_s=4e12)
+    assert r.tb_per_s == pytest.approx(4.0)
+    assert r.byte_floor_us == pytest.approx(30.0) and r.pct_of_byte_floor == pytest.approx(100.0)
+    assert r.tflop_per_s == pytest.approx(2 * 8192 * 28672 / 30e-6 / 1e12)
+    with pytest.raises(ValueError, match="positive"):
+        roofline(0.0, 1, 1)
+    assert array_bytes({"a": jnp.ones((4, 4), jnp.bfloat16)}, jnp.ones(3)) == 32 + 12
+
+
+def test_w4a16_run_writes_records(tmp_path):
+    records = bench.run(shapes=((128, 256),), ms=(1, 16), schemes=("int4_g128", "mxfp4"),
+                        impls=("auto",), interpret=True, reps=1, log=lambda s: None)
+    assert [(r["scheme"], r["M"], r["op"]) for r in records] == [
+        ("int4_g128", 1, "w4a16_gemv"), ("int4_g128", 16, "w4a16_mma"), ("mxfp4", 1, "w4a16_gemv")]
+    for r in records:
+        assert r["time_us"] > 0 and set(r["baselines"]) == {"xla_bf16", "xla_dequant_dot"}
+        for key in ("N", "K", "device", "jax_version", "date", "tb_per_s", "tflop_per_s",
+                    "speedup_vs_bf16", "pct_of_byte_floor", "config"):
+            assert key in r
+    js, md = bench.write(records, tmp_path)
+    assert json.loads(js.read_text()) == records
+    assert md.read_text().count("\n| int4_g128 |") == 2
+
+
+def test_cli_main(tmp_path):
+    rc = main(["w4a16", "--out", str(tmp_path), "--shapes", "64x128", "--ms", "1",
+               "--schemes", "int4_g128", "--interpret", "--reps", "1"])
+    assert rc == 0 and (tmp_path / "w4a16.json").exists() and (tmp_path / "w4a16.md").exists()
+    with pytest.raises(SystemExit):
+        main(["w4a16", "--shapes", "64by128"])
