@@ -7,6 +7,7 @@ from jquant.ops import qdot
 from jquant.registry import Prepared, Scheme, get_scheme, register_scheme, schemes
 from jquant import xla_reference as _xla_reference  # noqa: F401  (registers the XLA implementation)
 from jquant import builtin_schemes as _builtin_schemes  # noqa: F401  (registers the named schemes)
+from jquant.pallas_kernels import scheme_impl as _pallas_impl  # noqa: F401  (registers the Hopper kernels)
 from jquant.hf_config import scheme_from_config
 
 __all__ = [

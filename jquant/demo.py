@@ -48,7 +48,7 @@ def run(argv=None) -> int:
     from jquant.ledger import weight_ledger
     from jquant.models import build_tokenizer, generate, load_gguf, smollm2_path
     from jquant.models.llama import LlamaForCausalLM
-    from jquant.nn import intercept_quantized, quantize_params, quantized_apply
+    from jquant.nn import intercept_quantized, prepare_params, quantize_params, quantized_apply
     from jquant.registry import get_scheme, schemes
 
     parser = argparse.ArgumentParser(prog="jquant demo", description=__doc__,
@@ -79,13 +79,14 @@ def run(argv=None) -> int:
         _progress(i, steps, name)
         scheme = get_scheme(name)
         try:
-            qparams, _ = quantize_params(params, [(PROJECTIONS, scheme)])
+            qparams, _ = quantize_params(params, [(PROJECTIONS, scheme)], prepare=False)
         except ValueError as e:
             rows.append((name, float("nan"), 0, float("nan"), float("nan"), float("nan"), 0.0,
                          f"n/a: {str(e).split(': ', 2)[-1][:60]}"))
             continue
+        ledger = weight_ledger(qparams)  # of the QTensors; kernel layouts may pad
+        qparams = prepare_params(qparams)  # the Pallas kernels' layout on Hopper, else unchanged
         ppl, top1, tps = _evaluate(model, qparams, ids, forward)
-        ledger = weight_ledger(qparams)
         quantized[name] = (qparams, ppl)
         rows.append((name, ledger.bits_per_quantized_weight, ledger.total, ppl, ppl - base_ppl,
                      float(np.mean(top1 == base_top1)), tps, ""))

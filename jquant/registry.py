@@ -9,8 +9,9 @@ The lifecycle follows vLLM's, without its class hierarchy:
 3. ``scheme.apply(x, prepared, bias)`` computes ``x @ W.T + bias``; the implementation picks its own path
    by the batch size M.
 
-Implementations register with ``register_impl``; the XLA reference (dequantize + dot, or XLA's native
-FP8 dot) serves every scheme on every device.
+Implementations register with ``register_impl``; the best one a device supports lays the weight out,
+unless its ``prepare`` declines that weight (returns None), and the XLA reference (dequantize + dot,
+or XLA's native FP8 dot) serves every scheme on every device.
 """
 
 from __future__ import annotations
@@ -82,8 +83,11 @@ class Scheme:
     def process_weights_after_loading(self, qweight: QTensor, device: jax.Device | None = None) -> "Prepared":
         """Re-lays ``qweight`` once for the best implementation available on ``device``."""
         _check_weight(self, qweight)
-        impl = select_impl(self, device)
-        return Prepared(data=impl.prepare(self, qweight), impl=impl.name, shape=qweight.shape)
+        for impl in candidate_impls(self, device):
+            data = impl.prepare(self, qweight)
+            if data is not None:  # None: this implementation cannot take this particular weight
+                return Prepared(data=data, impl=impl.name, shape=qweight.shape)
+        raise AssertionError("the XLA implementation takes every weight")
 
     def apply(self, x: jax.Array, weight: "Prepared | QTensor", bias: jax.Array | None = None) -> jax.Array:
         """``x @ W.T + bias`` for ``x [..., K]`` and a prepared (or plain QTensor) weight ``[N, K]``."""
@@ -132,16 +136,16 @@ def register_impl(impl: Impl) -> None:
     _IMPLS[impl.name] = impl
 
 
-def select_impl(scheme: Scheme, device: jax.Device | None = None) -> Impl:
+def candidate_impls(scheme: Scheme, device: jax.Device | None = None) -> list[Impl]:
+    """Implementations that can run ``scheme`` on ``device``, best first (the XLA reference last)."""
     cap = device_lib.compute_capability(device)
     plat = device_lib.platform(device)
-    usable = [i for i in _IMPLS.values() if i.supports(scheme, cap, plat)]
-    best = max(usable, key=lambda i: i.priority)
-    if best.name == "xla" and plat == "gpu" and cap < scheme.min_capability and scheme.name not in _WARNED:
+    usable = sorted((i for i in _IMPLS.values() if i.supports(scheme, cap, plat)), key=lambda i: -i.priority)
+    if usable[0].name == "xla" and plat == "gpu" and cap < scheme.min_capability and scheme.name not in _WARNED:
         _WARNED.add(scheme.name)
         warnings.warn(f"scheme {scheme.name!r} needs compute capability {scheme.min_capability} for its fast "
                       f"path; this device has {cap}: using the XLA reference", stacklevel=3)
-    return best
+    return usable
 
 
 def register_scheme(scheme: Scheme, *, overwrite: bool = False) -> Scheme:

@@ -111,3 +111,15 @@ def test_nnx_model_runs_quantized():
     assert _rel_err(out, deq(x).astype(jnp.float32)) < 0.02
     graphdef, state = nnx.split(model)  # the quantized model still splits and merges
     chex.assert_trees_all_equal(nnx.merge(graphdef, state)(x), model(x))
+
+
+def test_prepare_params_after_inspection():
+    from jquant.nn import prepare_params
+    from jquant.registry import Prepared
+
+    _, params, _ = _linen()
+    raw, _ = quantize_params(params, "int8_ch", prepare=False)
+    assert not isinstance(raw["up_proj"]["kernel"].weight, Prepared)
+    prepared = prepare_params(raw)
+    assert isinstance(prepared["up_proj"]["kernel"].weight, Prepared)
+    chex.assert_trees_all_equal(prepared["up_proj"]["kernel"].qtensor.data, raw["up_proj"]["kernel"].qtensor.data)

@@ -119,3 +119,14 @@ def quantize_params(params: Any, rules: str | Scheme | Sequence, *, skip: Sequen
         raise ValueError(f"quantization rule(s) {list(unused)} matched no parameter path; candidate kernels "
                          f"were {sorted(quantized) + sorted(kept)}")
     return out, QuantizeReport(quantized, tuple(kept), unused)
+
+
+def prepare_params(params: Any) -> Any:
+    """Lays every QParam's QTensor out for this device's kernels (``quantize_params(prepare=True)`` does
+    this itself; use it after inspecting or exporting ``prepare=False`` params)."""
+    def prepare(leaf):
+        if isinstance(leaf, QParam) and isinstance(leaf.weight, QTensor):
+            return QParam(leaf.scheme.process_weights_after_loading(leaf.weight), leaf.scheme)
+        return leaf
+
+    return jax.tree.map(prepare, params, is_leaf=_is_leaf)
