@@ -20,7 +20,7 @@ def _bench(argv) -> int:
 
 def _ledger(argv) -> int:
     """Memory account of SmolLM2-135M under each scheme, with its KV cache and the concurrency a budget allows."""
-    from jquant.demo import PROJECTIONS
+    from jquant.models.hf_checkpoint import PROJECTIONS
     from jquant.ledger import KV_DTYPES, format_table, serving_ledger
     from jquant.models import load_gguf, smollm2_path
     from jquant.nn import quantize_params

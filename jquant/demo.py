@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 
 FOUR_BIT = ("int4", "uint4", "mxfp4", "nvfp4", "nf4", "fp4_bnb")
-PROJECTIONS = r".*layers_\d+/(q|k|v|o|gate|up|down)_proj/kernel"
 
 
 def _progress(i: int, n: int, label: str) -> None:
@@ -47,6 +46,7 @@ def run(argv=None) -> int:
     from jquant.data import eval_batches
     from jquant.ledger import weight_ledger
     from jquant.models import build_tokenizer, generate, load_gguf, smollm2_path
+    from jquant.models.hf_checkpoint import PROJECTIONS
     from jquant.models.llama import LlamaForCausalLM
     from jquant.nn import intercept_quantized, prepare_params, quantize_params, quantized_apply
     from jquant.registry import get_scheme, schemes

@@ -109,3 +109,18 @@ def test_smollm2_gptq_checkpoint_gives_the_same_logits(tmp_path):
     fwd = jax.jit(lambda p: quantized_apply(model, {"params": p}, ids)[0])
     np.testing.assert_array_equal(fwd(loaded), fwd(qparams))
     assert isinstance(loaded["layers_7"]["down_proj"]["kernel"], QParam)
+
+
+def test_online_quantization_of_a_float_checkpoint(tmp_path, tiny):
+    model, params, ids = tiny
+    save_hf_checkpoint(params, tmp_path)
+    loaded = load_hf_checkpoint(tmp_path, params, quantize="int8_ch")
+    assert isinstance(loaded["layers_1"]["gate_proj"]["kernel"], QParam)
+    assert not isinstance(loaded["embed_tokens"]["embedding"], QParam)
+    direct, _ = quantize_params(params, [(PROJ, "int8_ch")])
+    np.testing.assert_array_equal(quantized_apply(model, {"params": loaded}, ids)[0],
+                                  quantized_apply(model, {"params": direct}, ids)[0])
+    qparams, _ = quantize_params(params, [(PROJ, scheme_from_config(CONFIGS["gptq"]))], prepare=False)
+    save_hf_checkpoint(qparams, tmp_path / "q", quantization_config=CONFIGS["gptq"])
+    with pytest.raises(ValueError, match="already quantized"):
+        load_hf_checkpoint(tmp_path / "q", params, quantize="int8_ch")

@@ -23,6 +23,8 @@ from jquant.registry import Scheme
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
+# Flax paths of the seven projections of every layer: what the demo, ledger and online loading quantize.
+PROJECTIONS = r"layers_\d+/(q|k|v|o|gate|up|down)_proj/kernel"
 
 
 def hf_module_name(flax_module: str) -> str:
@@ -101,9 +103,11 @@ def save_hf_checkpoint(params: dict, directory, *, quantization_config: dict | N
 
 
 def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | None = None,
-                       prepare: bool = True) -> dict:
+                       quantize: str | Scheme | None = None, prepare: bool = True) -> dict:
     """Reads an HF Llama checkpoint into the structure of ``like`` (the model's float params, or their
-    ``jax.eval_shape``). Projections stored quantized become QParams of the config's scheme.
+    ``jax.eval_shape``). Projections stored quantized become QParams of the config's scheme;
+    ``quantize`` (a scheme name) quantizes a float checkpoint's projections as they load (online
+    quantization).
 
     Raises ValueError naming the parameter when tensors are missing, left over, or disagree with the config.
     """
@@ -153,6 +157,13 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
     extra = sorted(set(tensors) - used)
     if extra:
         raise ValueError(f"checkpoint tensors {extra[:8]}{'...' if len(extra) > 8 else ''} match no model parameter")
+    if quantize is not None:
+        if scheme is not None:
+            raise ValueError(f"quantize={quantize!r} asks to quantize a checkpoint that is already quantized "
+                             f"({scheme.name})")
+        from jquant.nn.rules import quantize_params
+
+        return quantize_params(_unflat(out), [(PROJECTIONS, quantize)], prepare=prepare)[0]
     return _unflat(out)
 
 
