@@ -86,7 +86,12 @@ def run(argv=None) -> int:
             continue
         ledger = weight_ledger(qparams)  # of the QTensors; kernel layouts may pad
         qparams = prepare_params(qparams)  # the Pallas kernels' layout on Hopper, else unchanged
-        ppl, top1, tps = _evaluate(model, qparams, ids, forward)
+        try:
+            ppl, top1, tps = _evaluate(model, qparams, ids, forward)
+        except Exception as e:  # one scheme failing must not hide the other rows
+            rows.append((name, float("nan"), 0, float("nan"), float("nan"), float("nan"), 0.0,
+                         f"failed: {type(e).__name__}: {str(e)[:60]}"))
+            continue
         quantized[name] = (qparams, ppl)
         rows.append((name, ledger.bits_per_quantized_weight, ledger.total, ppl, ppl - base_ppl,
                      float(np.mean(top1 == base_top1)), tps, ""))

@@ -71,6 +71,10 @@ class Scheme:
         if getattr(w, "ndim", None) != 2:
             raise ValueError(f"scheme {self.name!r}: weight must be 2-D [N, K], got shape "
                              f"{tuple(getattr(w, 'shape', ()))}")
+        group = dict(self.activation_options).get("group_size")
+        if self.activation == "dynamic_per_token_group" and w.shape[1] % group:
+            raise ValueError(f"scheme {self.name!r} quantizes activations in groups of {group} along K, but the "
+                             f"weight {tuple(w.shape)} has K={w.shape[1]}, not a multiple of {group}")
         return quantize(w, self.weight_format, axis=1, **dict(self.weight_options))
 
     def quantize_kernel(self, kernel: jax.Array) -> QTensor:

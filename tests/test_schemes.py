@@ -78,3 +78,8 @@ def test_bad_input(bad, err, match):
     w, x, _ = _data()
     with pytest.raises(err, match=match):
         bad(scheme, scheme.quantize_weight(w), x)
+
+
+def test_block_fp8_refuses_k_that_activation_groups_cannot_tile():
+    with pytest.raises(ValueError, match="K=576"):
+        get_scheme("fp8_e4m3_block128x128").quantize_weight(jnp.ones((256, 576)))
