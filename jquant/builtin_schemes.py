@@ -90,7 +90,7 @@ def bnb_4bit(quant_type: str = "nf4", *, double_quant: bool = False, blocksize: 
 
 
 BUILTIN = (
-    int_weight_only(8, None),
+    int_weight_only(8, None, layout="compressed-tensors"),
     int_weight_only(4, 128, layout="gptq"),
     int_weight_only(4, 128, symmetric=False, layout="awq"),
     int_weight_only(4, 64, layout="gptq"),

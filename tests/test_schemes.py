@@ -83,3 +83,15 @@ def test_bad_input(bad, err, match):
 def test_block_fp8_refuses_k_that_activation_groups_cannot_tile():
     with pytest.raises(ValueError, match="K=576"):
         get_scheme("fp8_e4m3_block128x128").quantize_weight(jnp.ones((256, 576)))
+
+
+@pytest.mark.parametrize("name", jquant.schemes())
+def test_every_scheme_exports_to_its_checkpoint_layout_losslessly(name):
+    from jquant.models.hf_checkpoint import layout_meta
+
+    scheme = get_scheme(name)
+    assert scheme.checkpoint_layout is not None, f"{name} names no vLLM checkpoint layout"
+    qw = scheme.quantize_weight(_data()[0])
+    tensors = jquant.to_checkpoint(qw, scheme.checkpoint_layout, **dict(scheme.layout_options))
+    back = jquant.from_checkpoint(tensors, scheme.checkpoint_layout, **layout_meta(scheme))
+    np.testing.assert_array_equal(back.dequantize(jnp.float32), qw.dequantize(jnp.float32))

@@ -55,7 +55,7 @@ def _flat(params: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _layout_meta(scheme: Scheme) -> dict:
+def layout_meta(scheme: Scheme) -> dict:
     """The ``from_checkpoint`` arguments a scheme's layout needs that its tensors do not carry."""
     fmt, layout = scheme.weight_format, scheme.checkpoint_layout
     m = re.fullmatch(r"(u?)int(\d)", fmt)
@@ -145,7 +145,7 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
             raise ValueError(f"parameter {path!r}: the checkpoint stores {sorted(own)} under {name} but no "
                              "quantization_config says how to read them")
         try:
-            qt = from_checkpoint(own, scheme.checkpoint_layout, **_layout_meta(scheme))
+            qt = from_checkpoint(own, scheme.checkpoint_layout, **layout_meta(scheme))
         except (ValueError, TypeError) as e:
             raise ValueError(f"parameter {path!r}: tensors {sorted(own)} do not match the quantization_config "
                              f"({scheme.name}): {e}") from e
