@@ -82,7 +82,7 @@ def run(argv=None) -> int:
             qparams, _ = quantize_params(params, [(PROJECTIONS, scheme)], prepare=False)
         except ValueError as e:
             rows.append((name, float("nan"), 0, float("nan"), float("nan"), float("nan"), 0.0,
-                         f"n/a: {str(e).split(': ', 2)[-1][:60]}"))
+                         f"n/a: {str(e).split(': ', 2)[-1][:90]}"))
             continue
         ledger = weight_ledger(qparams)  # of the QTensors; kernel layouts may pad
         qparams = prepare_params(qparams)  # the Pallas kernels' layout on Hopper, else unchanged
