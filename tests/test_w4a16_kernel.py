@@ -1,6 +1,8 @@
 """W4A16 kernels in Pallas interpret mode (CPU) against the pure-JAX reference, and the reference
 against an independent numpy dequantization."""
 
+import dataclasses
+import json
 import warnings
 
 import chex
@@ -134,16 +136,18 @@ def packed_cases():
 
 
 @pytest.mark.parametrize("case", range(len(KERNEL_CASES)))
-@pytest.mark.parametrize("impl,m,x_dtype,bias", [("gemv", 1, jnp.bfloat16, False),
-                                                  ("gemv", 3, jnp.float16, True),
-                                                  ("mma", 17, jnp.bfloat16, True)])
-def test_kernel_matches_reference(packed_cases, case, impl, m, x_dtype, bias):
+@pytest.mark.parametrize("impl,m,x_dtype,bias,variant", [
+    ("gemv", 1, jnp.bfloat16, False, "base"), ("gemv", 3, jnp.float16, True, "base"),
+    ("mma", 17, jnp.bfloat16, True, "base"), ("gemv", 1, jnp.bfloat16, True, "grouped"),
+    ("gemv", 2, jnp.float16, False, "grouped_prefetch"), ("mma", 17, jnp.float16, True, "grouped")])
+def test_kernel_matches_reference(packed_cases, case, impl, m, x_dtype, bias, variant):
     packed = packed_cases[case]
     rng = np.random.default_rng(case)
     x = jnp.asarray(rng.standard_normal((m, packed.k)), x_dtype)
     b = jnp.asarray(rng.standard_normal(packed.n), jnp.float32) if bias else None
+    cfg = dispatch.default_config(impl, m, packed, variant)
     # poison: the kernel output starts as NaN, so an unwritten tile would show.
-    out = w4a16_matmul(x, packed, bias=b, impl=impl, interpret=True, poison=True)
+    out = w4a16_matmul(x, packed, bias=b, impl=impl, config=cfg, interpret=True, poison=True)
     ref = reference(x, packed, b)
     assert out.shape == (m, packed.n) and out.dtype == x_dtype
     assert not np.isnan(np.asarray(out, np.float32)).any()
@@ -218,6 +222,43 @@ def test_matmul_rejects_bad_inputs(packed_cases):
         w4a16_matmul(jnp.ones((9, packed.k), jnp.bfloat16), packed, impl="gemv", interpret=True)
     with pytest.raises(ValueError, match="positive int"):
         TuningConfig(split_k=0)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        TuningConfig(variant="fast")
+    with pytest.raises(ValueError, match="not a mma kernel"):
+        w4a16_matmul(jnp.ones((16, packed.k), jnp.bfloat16), packed, impl="mma", interpret=True,
+                     config=TuningConfig(block_n=64, block_k=512, variant="grouped_prefetch"))
+
+
+def test_grouped_variants_split_k_and_fractional_zeros():
+    """The grouped kernels across K-tile boundaries and split-K, with fp32 (fractional) zero
+    points, which they subtract per group instead of folding into the decode."""
+    rng = np.random.default_rng(6)
+    k, n, g = 512, 96, 64
+    q = rng.integers(0, 16, (k, n)).astype(np.uint8)
+    s = (rng.random((k // g, n)) * 0.02 + 0.005).astype(np.float32)
+    z = (rng.random((k // g, n)) * 15).astype(np.float32)
+    packed = prepack(q, s, z, lut="int4", group_size=g, config=TuningConfig(64, 128))
+    for mode, m, variant in (("gemv", 1, "grouped_prefetch"), ("mma", 16, "grouped")):
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        cfg = dataclasses.replace(dispatch.default_config(mode, m, packed, variant),
+                                           split_k=2)
+        out = w4a16_matmul(x, packed, impl=mode, config=cfg, interpret=True, poison=True)
+        tol = 1e-5 if mode == "gemv" else 5e-3      # mma: fp32 x meets a tf32 dot
+        assert _rel_err(out, _numpy_matmul(x, q, s, z, "int4", g)) <= tol
+
+
+def test_auto_dispatch_table(tmp_path):
+    assert dispatch.load_auto_rules() == dispatch.AUTO_RULES
+    assert dispatch.auto_rule(1).mode == "gemv" and dispatch.auto_rule(10_000) is None
+    bad = {"rules": [{"max_m": 32, "mode": "mma", "variant": "base"},
+                     {"max_m": 16, "mode": "mma", "variant": "grouped"}]}
+    (tmp_path / "t.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="max_m must increase"):
+        dispatch.load_auto_rules(tmp_path / "t.json")
+    bad["rules"] = [{"max_m": 1, "mode": "gemv", "variant": "grouped_pairs"}]
+    (tmp_path / "t.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="unknown kernel"):
+        dispatch.load_auto_rules(tmp_path / "t.json")
 
 
 def test_forced_kernels_on_cpu_warn_once_or_raise(packed_cases):
@@ -255,9 +296,13 @@ def test_kernels_lower_to_triton(packed_cases, monkeypatch):
         pytest.skip(f"JAX's Triton lowering hooks moved: {e}")
     from jquant.pallas_kernels.w4a16_triton import w4a16_pallas
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    for case, mode, m in ((1, "gemv", 1), (6, "gemv", 4), (8, "gemv", 2), (7, "mma", 16)):
+    for case, mode, m, variant in (
+            (1, "gemv", 1, "base"), (6, "gemv", 4, "base"), (8, "gemv", 2, "base"),
+            (7, "mma", 16, "base"), (0, "gemv", 1, "grouped"), (1, "gemv", 1, "grouped_prefetch"),
+            (6, "gemv", 1, "grouped_prefetch"), (8, "gemv", 1, "grouped_prefetch"),
+            (1, "mma", 16, "grouped"), (7, "mma", 16, "grouped"), (0, "mma", 64, "grouped")):
         packed = packed_cases[case]
-        cfg = dispatch.default_config(mode, m, packed)
+        cfg = dispatch.default_config(mode, m, packed, variant)
         x = jnp.zeros((m, packed.k_pad), jnp.bfloat16)
         fn = jax.jit(lambda x, p: w4a16_pallas(x, p, mode=mode, config=cfg))
         exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(x, packed)

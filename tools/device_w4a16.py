@@ -1,9 +1,14 @@
 """One run on an H200: W4A16 kernel correctness, a small tile sweep, then the full benchmark.
 
     PYTHONPATH=. python3 tools/device_w4a16.py --out $OUT [--quick] [--skip-sweep] [--skip-bench]
+        [--variants]
 
-Writes into --out: correctness.json, sweep.json, w4a16.json, w4a16.md, log.txt. Every variant runs
-inside its own try/except: a failure is printed and the run goes on. Budget: < 8 minutes.
+Writes into --out: correctness.json, sweep.json, w4a16.json, w4a16.md, log.txt; with --variants
+also variants.json, variants.md and auto_dispatch.json (tools/device_w4a16_variants.py: base against
+each kernel variant, ~3 minutes). Every variant runs inside its own try/except: a failure is printed
+and the run goes on. Budget: < 8 minutes; the variant comparison alone:
+    PYTHONPATH=. python3 tools/device_w4a16.py --out $OUT --variants --skip-correctness \
+        --skip-sweep --skip-bench
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ def log(msg: str) -> None:
 
 
 # ---- (1) correctness -------------------------------------------------------------------------------
-def _variant_weight(rng, lut, group, k, n, asym, scale_dtype):
+def random_w4_weight(rng, lut, group, k, n, zeros, scale_dtype):
+    """Random codes, scales (``scale_dtype``: a float dtype, "e8m0" or "e4m3") and zero points
+    (``zeros``: None, "int" or "float") in the kernels' unified form."""
     q = rng.integers(0, 16, (k, n)).astype(np.uint8)
     groups = 1 if group == -1 else -(-k // group)
     s = (rng.random((groups, n)) * 0.02 + 0.005).astype(np.float32)
@@ -46,7 +53,11 @@ def _variant_weight(rng, lut, group, k, n, asym, scale_dtype):
         s = jnp.asarray(s * 50).astype(jnp.float8_e4m3fn)
     else:
         s = jnp.asarray(s, scale_dtype)
-    z = rng.integers(0, 16, (groups, n)).astype(np.uint8) if asym else None
+    z = None
+    if zeros == "int":
+        z = rng.integers(0, 16, (groups, n)).astype(np.uint8)
+    elif zeros == "float":
+        z = (rng.random((groups, n)) * 15).astype(np.float32)
     return q, s, z
 
 
@@ -71,7 +82,7 @@ def correctness() -> list[dict]:
         for name, lut, group, asym, sdt, act, gs in CORRECTNESS:
             if n == 4096 and name not in ("int4_sym_g128", "int4_actorder_g128"):
                 continue   # the large shape checks tiling at scale; the small one every variant
-            q, s, z = _variant_weight(rng, lut, group, k, n, asym, sdt)
+            q, s, z = random_w4_weight(rng, lut, group, k, n, "int" if asym else None, sdt)
             g_idx = None
             if act:
                 g_idx = rng.permutation(np.arange(k) // group).astype(np.int32)
@@ -169,7 +180,8 @@ def probe() -> None:
     weight = bench.make_weight("int4_g128", 28672, 8192, jax.random.PRNGKey(2))
     real = kt._decode_plane
     for name, decode in (("full decode", real),
-                         ("bitcast only", lambda u, i, lut: jax.lax.bitcast_convert_type(u, jnp.float32))):
+                         ("bitcast only", lambda u, u_hi, i, lut: (
+                             jax.lax.bitcast_convert_type(u, jnp.float32), 1.0))):
         kt._decode_plane = decode
         for cfg in (TuningConfig(128, 128, 16, 4, 2, 1), TuningConfig(64, 512, 16, 8, 2, 1)):
             try:
@@ -244,6 +256,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--sweep-modes", default="gemv,mma", help="kernels the sweep covers")
     parser.add_argument("--probe", action="store_true", help="time the gemv decode's share first")
+    parser.add_argument("--variants", action="store_true", help="base against each kernel variant")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -258,6 +271,10 @@ def main(argv=None) -> int:
     if args.probe:
         log("(0) probe")
         probe()
+    if args.variants:
+        log("(0b) kernel variants")
+        import device_w4a16_variants   # beside this file
+        device_w4a16_variants.run(out, log)
     if not args.skip_correctness:
         log("(1) correctness")
         res = correctness()

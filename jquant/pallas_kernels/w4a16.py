@@ -6,8 +6,9 @@ Implementations (``impl``):
 * ``"pallas"``: whichever of the two fits M.
 * ``"xla"``: dequantize to ``x``'s dtype, then ``jnp.dot`` with fp32 accumulation (XLA/cuBLAS).
 * ``"reference"``: dequantize in fp32, fp32 dot (the exact twin; slow on GPUs).
-* ``"auto"``: on Hopper, gemv for M ≤ ``AUTO_GEMV_MAX_M``, mma up to ``AUTO_MMA_MAX_M``, then
-  xla; xla on other GPUs; reference on CPU. With ``interpret=True`` the kernels run on any device.
+* ``"auto"``: on Hopper, the kernel and variant of the first rule of ``AUTO_RULES`` (data:
+  ``auto_dispatch_h200.json``, rewritten from device measurements) whose ``max_m`` ≥ M, else xla;
+  xla on other GPUs; reference on CPU. With ``interpret=True`` the kernels run on any device.
 
 Forcing ``"gemv"``/``"mma"`` where no GPU can run them warns once and runs the reference;
 ``"pallas"`` there is an error (it asks for a kernel, nothing else).
@@ -15,21 +16,55 @@ Forcing ``"gemv"``/``"mma"`` where no GPU can run them warns once and runs the r
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import pathlib
 import warnings
 
 import jax
 import jax.numpy as jnp
 
+from jquant.pallas_kernels import w4a16_grouped  # noqa: F401  (registers the grouped kernel bodies)
 from jquant.pallas_kernels.w4a16_layout import PackedW4, dequantize_packed
-from jquant.pallas_kernels.w4a16_triton import (GEMV_MAX_ROWS, TuningConfig, effective_split,
-                                                reference, w4a16_pallas)
+from jquant.pallas_kernels.w4a16_triton import (GEMV_MAX_ROWS, VARIANTS, TuningConfig,
+                                                effective_split, reference, w4a16_pallas)
 
 IMPLS = ("auto", "pallas", "gemv", "mma", "xla", "reference")
-# Measured on an H200 (bench/NOTES.md): gemv at M = 1 and mma at M = 16 beat XLA bf16 on the large
-# shapes; at M = 128 the mma kernel is ~2-3x slower than bf16 and close to XLA dequant + dot.
-AUTO_GEMV_MAX_M = 1
-AUTO_MMA_MAX_M = 32
+AUTO_DISPATCH_FILE = pathlib.Path(__file__).with_name("auto_dispatch_h200.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoRule:
+    """``impl="auto"`` runs kernel ``mode``/``variant`` for M ≤ ``max_m`` (first match wins)."""
+
+    max_m: int
+    mode: str
+    variant: str
+
+
+def load_auto_rules(path=AUTO_DISPATCH_FILE) -> tuple[AutoRule, ...]:
+    """The dispatch table, checked: known kernels, ``max_m`` increasing, gemv within its rows."""
+    rules = tuple(AutoRule(int(r["max_m"]), r["mode"], r["variant"])
+                  for r in json.loads(pathlib.Path(path).read_text())["rules"])
+    for prev, rule in zip((None,) + rules, rules):
+        if rule.variant not in VARIANTS.get(rule.mode, ()):
+            raise ValueError(f"{path}: unknown kernel {rule.mode!r}/{rule.variant!r}")
+        if prev is not None and rule.max_m <= prev.max_m:
+            raise ValueError(f"{path}: max_m must increase, got {prev.max_m} then {rule.max_m}")
+        if rule.mode == "gemv" and rule.max_m > GEMV_MAX_ROWS:
+            raise ValueError(f"{path}: gemv handles at most {GEMV_MAX_ROWS} rows")
+    return rules
+
+
+# Measured on an H200 (bench/NOTES.md): gemv at M = 1 and mma at M ≤ 32 beat XLA bf16 on the large
+# shapes; at M = 128 the base mma kernel is ~2-3x slower than bf16 and close to XLA dequant + dot.
+AUTO_RULES = load_auto_rules()
+
+
+def auto_rule(m: int) -> AutoRule | None:
+    """The rule ``impl="auto"`` follows at ``m`` rows on Hopper (None: XLA)."""
+    return next((r for r in AUTO_RULES if m <= r.max_m), None)
 # Programs to aim for: many waves over the H200's 132 SMs, so enough bytes are in flight.
 _GEMV_TARGET_PROGRAMS = 2048
 _MMA_TARGET_PROGRAMS = 264
@@ -55,8 +90,8 @@ def cuda_capability() -> tuple[int, int] | None:
     return int(major), int(minor)
 
 
-def default_config(mode: str, m: int, packed: PackedW4) -> TuningConfig:
-    """A sane launch for ``mode`` at ``m`` rows on the packed layout.
+def default_config(mode: str, m: int, packed: PackedW4, variant: str = "base") -> TuningConfig:
+    """A sane launch for kernel ``mode``/``variant`` at ``m`` rows on the packed layout.
 
     From the H200 sweeps (bench/NOTES.md): gemv wants many programs (split-K 16 or more), 4 warps,
     2 stages; mma wants split-K 2-4, 4 warps, 2 stages, and row blocks of 16-64 (a 128-row x tile
@@ -66,13 +101,13 @@ def default_config(mode: str, m: int, packed: PackedW4) -> TuningConfig:
     if mode == "gemv":
         split = effective_split(kt, max(16, math.ceil(_GEMV_TARGET_PROGRAMS / nt)))
         return TuningConfig(packed.block_n, packed.block_k, split, num_warps=4, num_stages=2,
-                            block_m=1)
+                            block_m=1, variant=variant)
     bm = 16 if m <= 16 else 32 if m <= 32 else 64 if packed.block_k >= 512 else 128
     programs = -(-m // bm) * nt
     split = effective_split(kt, max(4 if bm == 16 else 2,
                                     math.ceil(_MMA_TARGET_PROGRAMS / programs)))
     return TuningConfig(packed.block_n, packed.block_k, split,
-                        num_warps=8 if bm == 128 else 4, num_stages=2, block_m=bm)
+                        num_warps=8 if bm == 128 else 4, num_stages=2, block_m=bm, variant=variant)
 
 
 def resolve_impl(impl: str, m: int, interpret: bool = False) -> str:
@@ -81,7 +116,11 @@ def resolve_impl(impl: str, m: int, interpret: bool = False) -> str:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl in ("xla", "reference"):
         return impl
-    kernel = "gemv" if m <= (AUTO_GEMV_MAX_M if impl == "auto" else GEMV_MAX_ROWS) else "mma"
+    rule = auto_rule(m) if impl == "auto" else None
+    if rule is not None:
+        kernel = rule.mode
+    else:   # "pallas", or "auto" past the table (where interpret mode still runs a kernel)
+        kernel = "gemv" if impl == "pallas" and m <= GEMV_MAX_ROWS else "mma"
     if interpret:
         return kernel if impl in ("auto", "pallas") else impl
     cc = cuda_capability()
@@ -90,7 +129,7 @@ def resolve_impl(impl: str, m: int, interpret: bool = False) -> str:
             return "reference"
         if cc[0] != 9:
             return "xla"
-        return kernel if m <= AUTO_MMA_MAX_M else "xla"
+        return kernel if rule is not None else "xla"
     if cc is None:
         if impl == "pallas":
             raise ValueError("impl='pallas' needs an NVIDIA GPU; on "
@@ -131,7 +170,9 @@ def w4a16_matmul(x, packed: PackedW4, *, bias=None, impl: str = "auto",
     elif kind == "xla":
         out = _xla_matmul(x2, packed, bias)
     else:
-        out = _kernel_matmul(x2, packed, bias, kind, config, interpret, poison)
+        rule = auto_rule(m) if impl == "auto" else None
+        variant = rule.variant if rule is not None and rule.mode == kind else "base"
+        out = _kernel_matmul(x2, packed, bias, kind, config, variant, interpret, poison)
     return out.reshape(*lead, packed.n)
 
 
@@ -153,11 +194,11 @@ def _xla_matmul(x2, packed: PackedW4, bias):
     return out.astype(x2.dtype)
 
 
-def _kernel_matmul(x2, packed: PackedW4, bias, mode, config, interpret, poison):
+def _kernel_matmul(x2, packed: PackedW4, bias, mode, config, variant, interpret, poison):
     m = x2.shape[0]
     if mode == "gemv" and m > GEMV_MAX_ROWS:
         raise ValueError(f"impl='gemv' handles at most {GEMV_MAX_ROWS} rows, x has {m}")
-    cfg = config or default_config(mode, m, packed)
+    cfg = config or default_config(mode, m, packed, variant)
     if (cfg.block_n, cfg.block_k) != (packed.block_n, packed.block_k):
         raise ValueError(f"config tiles (block_n={cfg.block_n}, block_k={cfg.block_k}) differ from "
                          f"the packed layout ({packed.block_n}, {packed.block_k}); prepack with it")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +40,29 @@ from jquant.pallas_kernels.w4a16_layout import NF4_VALUES, PackedW4, dequantize_
 
 MODES = ("gemv", "mma")
 GEMV_MAX_ROWS = 8          # the gemv kernel keeps one [P, BN] accumulator per row of x
+# Kernel bodies per mode (w4a16_grouped.py describes the non-base ones). Every body takes the same
+# refs and keyword arguments, so one pallas_call wrapper serves them all.
+VARIANTS = {"gemv": ("base", "grouped", "grouped_prefetch"),
+            "mma": ("base", "grouped")}
+ALL_VARIANTS = tuple(dict.fromkeys(v for vs in VARIANTS.values() for v in vs))
+_KERNEL_BODIES: dict = {}
+
+
+def register_kernel_body(mode: str, variant: str, body, wants_interpret: bool = False) -> None:
+    """Makes ``body`` the kernel ``w4a16_pallas`` runs for ``(mode, variant)``. A body that
+    ``wants_interpret`` gets ``interpret=`` too (for what interpret mode cannot run, e.g. stride-0
+    loads)."""
+    if variant not in VARIANTS.get(mode, ()):
+        raise ValueError(f"unknown kernel variant {mode!r}/{variant!r}")
+    _KERNEL_BODIES[(mode, variant)] = (body, wants_interpret)
 
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
     """Tile and launch settings. ``block_n``/``block_k`` are baked into the packed layout at
     ``prepack``; the rest are chosen per call. ``split_k`` is lowered to the largest divisor of the
-    number of K tiles (so every program gets the same static trip count, which Triton pipelines)."""
+    number of K tiles (so every program gets the same static trip count, which Triton pipelines).
+    ``variant`` names the kernel body (``VARIANTS[mode]``); ``"base"`` is the one measured first."""
 
     block_n: int = 64
     block_k: int = 512
@@ -53,11 +70,15 @@ class TuningConfig:
     num_warps: int = 4
     num_stages: int = 2
     block_m: int = 16
+    variant: str = "base"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int) or v < 1:
+            if f.name == "variant":
+                if v not in ALL_VARIANTS:
+                    raise ValueError(f"TuningConfig.variant must be one of {ALL_VARIANTS}, got {v!r}")
+            elif not isinstance(v, int) or v < 1:
                 raise ValueError(f"TuningConfig.{f.name} must be a positive int, got {v!r}")
 
 
@@ -109,17 +130,41 @@ def _group_affine(s_ref, z_ref, g, lut: str, zero_point: float):
 
 
 # ---- the kernel ------------------------------------------------------------------------------------
+class KernelRefs(NamedTuple):
+    """The refs every kernel body gets, by name (absent optional inputs are None)."""
+
+    x: Any
+    w: Any
+    s: Any
+    z: Any
+    gs: Any
+    bias: Any
+    o: Any
+
+
+def kernel_refs(refs, has_zero: bool, has_gs: bool, has_bias: bool) -> KernelRefs:
+    x_ref, w_ref, s_ref, *rest = refs
+    z_ref = rest.pop(0) if has_zero else None
+    gs_ref = rest.pop(0) if has_gs else None
+    b_ref = rest.pop(0) if has_bias else None
+    # rest[-1] is the output; a poisoned buffer aliased to it may sit just before it.
+    return KernelRefs(x_ref, w_ref, s_ref, z_ref, gs_ref, b_ref, rest[-1])
+
+
+def epilogue(v, r: KernelRefs, dtype):
+    """fp32 row(s) ``v`` ([BN] or [BM, BN]) times the global scale, plus the bias, as ``dtype``."""
+    if r.gs is not None:
+        v = v * r.gs[0]
+    if r.bias is not None:
+        bias = r.bias[0, :]
+        v = v + (bias if v.ndim == 1 else bias[None, :])
+    return v.astype(dtype)
+
+
 def _w4a16_kernel(*refs, mode, lut, zero_point, has_zero, has_gs, has_bias, rows, group, tiles,
                   plane):
-    refs = list(refs)
-    x_ref, w_ref, s_ref = refs[:3]
-    pos = 3
-    z_ref = refs[pos] if has_zero else None
-    pos += has_zero
-    gs_ref = refs[pos] if has_gs else None
-    pos += has_gs
-    b_ref = refs[pos] if has_bias else None
-    o_ref = refs[-1]          # a poisoned buffer aliased to the output may sit just before it
+    r = kernel_refs(refs, has_zero, has_gs, has_bias)
+    x_ref, w_ref, s_ref, z_ref = r.x, r.w, r.s, r.z
     bk = 8 * plane
     n_rows_per_tile = max(1, bk // group)
     bn = w_ref.shape[-1]
@@ -130,7 +175,7 @@ def _w4a16_kernel(*refs, mode, lut, zero_point, has_zero, has_gs, has_bias, rows
         u = jax.lax.bitcast_convert_type(w_ref[kt], jnp.uint32)            # [P, BN]
         u_hi = u >> np.uint32(16)
         g0 = (kt * bk) // group
-        affine = [_group_affine(s_ref, z_ref, g0 + r, lut, zero_point) for r in range(n_rows_per_tile)]
+        affine = [_group_affine(s_ref, z_ref, g0 + j, lut, zero_point) for j in range(n_rows_per_tile)]
         for i in range(8):
             s, c = affine[(i * plane) // group]
             v, unit = _decode_plane(u, u_hi, i, lut)
@@ -152,21 +197,15 @@ def _w4a16_kernel(*refs, mode, lut, zero_point, has_zero, has_gs, has_bias, rows
         init = jnp.zeros((rows, bn), jnp.float32)
     acc = jax.lax.fori_loop(0, tiles, body, init)
 
-    gs = gs_ref[0] if has_gs else None
-    bias = b_ref[0, :] if has_bias else None
-
-    def finish(v):
-        if gs is not None:
-            v = v * gs
-        if bias is not None:
-            v = v + (bias if v.ndim == 1 else bias[None, :])
-        return v.astype(o_ref.dtype)
-
     if mode == "gemv":
         for m in range(rows):
-            o_ref[m, :] = finish(jnp.sum(acc[m], axis=0))
+            r.o[m, :] = epilogue(jnp.sum(acc[m], axis=0), r, r.o.dtype)
     else:
-        o_ref[...] = finish(acc)
+        r.o[...] = epilogue(acc, r, r.o.dtype)
+
+
+register_kernel_body("gemv", "base", functools.partial(_w4a16_kernel, mode="gemv"))
+register_kernel_body("mma", "base", functools.partial(_w4a16_kernel, mode="mma"))
 
 
 def w4a16_pallas(x, packed: PackedW4, bias=None, *, mode: str, config: TuningConfig,
@@ -180,6 +219,9 @@ def w4a16_pallas(x, packed: PackedW4, bias=None, *, mode: str, config: TuningCon
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if config.variant not in VARIANTS[mode]:
+        raise ValueError(f"variant {config.variant!r} is not a {mode} kernel; choose from "
+                         f"{VARIANTS[mode]}")
     m_pad, k_pad = x.shape
     if k_pad != packed.k_pad:
         raise ValueError(f"x has {k_pad} columns; the packed weight expects K_pad={packed.k_pad}")
@@ -222,13 +264,16 @@ def w4a16_pallas(x, packed: PackedW4, bias=None, *, mode: str, config: TuningCon
         operands.append(jnp.full(out_shape.shape, jnp.nan, out_dtype))
         in_specs.append(out_spec)
 
+    body, wants_interpret = _KERNEL_BODIES[(mode, config.variant)]
     kernel = functools.partial(
-        _w4a16_kernel, mode=mode, lut=packed.lut, zero_point=packed.zero_point,
+        body, lut=packed.lut, zero_point=packed.zero_point,
         has_zero=packed.zero is not None, has_gs=packed.global_scale is not None, has_bias=has_bias,
-        rows=bm, group=packed.group_size, tiles=kt // split, plane=plane)
+        rows=bm, group=packed.group_size, tiles=kt // split, plane=plane,
+        **({"interpret": interpret} if wants_interpret else {}))
     out = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_spec,
-        input_output_aliases=aliases, interpret=interpret, name=f"w4a16_{mode}_{packed.lut}",
+        input_output_aliases=aliases, interpret=interpret,
+        name=f"w4a16_{mode}_{config.variant}_{packed.lut}",
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
     )(*operands)
