@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jquant.pallas_kernels import w4a16_grouped  # noqa: F401  (registers the grouped kernel bodies)
+from jquant.device import compute_capability
 from jquant.pallas_kernels.w4a16_layout import PackedW4, dequantize_packed
 from jquant.pallas_kernels.w4a16_triton import (GEMV_MAX_ROWS, VARIANTS, TuningConfig,
                                                 effective_split, reference, w4a16_pallas)
@@ -78,18 +79,6 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def cuda_capability() -> tuple[int, int] | None:
-    """(major, minor) of the default device when it is an NVIDIA GPU, else None."""
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        return None
-    cc = getattr(dev, "compute_capability", None)
-    if cc is None:
-        return None
-    major, minor = str(cc).split(".")[:2]
-    return int(major), int(minor)
-
-
 def default_config(mode: str, m: int, packed: PackedW4, variant: str = "base") -> TuningConfig:
     """A sane launch for kernel ``mode``/``variant`` at ``m`` rows on the packed layout.
 
@@ -123,14 +112,14 @@ def resolve_impl(impl: str, m: int, interpret: bool = False) -> str:
         kernel = "gemv" if impl == "pallas" and m <= GEMV_MAX_ROWS else "mma"
     if interpret:
         return kernel if impl in ("auto", "pallas") else impl
-    cc = cuda_capability()
+    cc = compute_capability()  # 0 off NVIDIA GPUs
     if impl == "auto":
-        if cc is None:
+        if cc == 0:
             return "reference"
-        if cc[0] != 9:
+        if cc // 10 != 9:
             return "xla"
         return kernel if rule is not None else "xla"
-    if cc is None:
+    if cc == 0:
         if impl == "pallas":
             raise ValueError("impl='pallas' needs an NVIDIA GPU; on "
                              f"{jax.devices()[0].platform} pass interpret=True to run the Pallas "
