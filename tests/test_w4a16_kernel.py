@@ -9,33 +9,17 @@ import chex
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
 
 from jquant.pallas_kernels import (PackedW4, TuningConfig, dequantize_packed, lut_values, prepack,
                                    reference, resolve_impl, w4a16_matmul)
+from jquant.bench.w4a16 import random_w4_weight
 from jquant.pallas_kernels import w4a16 as dispatch
 from jquant.pallas_kernels.w4a16_layout import NF4_VALUES, unpack_codes
 
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-
-
-def _weight(rng, k, n, lut, group, asym=False, scale_kind="bf16"):
-    q = rng.integers(0, 16, (k, n)).astype(np.uint8)
-    groups = 1 if group == -1 else -(-k // group)
-    s = (rng.random((groups, n)) * 0.02 + 0.005).astype(np.float32)
-    if scale_kind == "e8m0":
-        s = s.astype(ml_dtypes.float8_e8m0fnu)
-    elif scale_kind == "e4m3":
-        s = (s * 50).astype(ml_dtypes.float8_e4m3fn)
-    elif scale_kind == "bf16":
-        s = s.astype(ml_dtypes.bfloat16)
-    elif scale_kind == "f16":
-        s = s.astype(np.float16)
-    z = rng.integers(0, 16, (groups, n)).astype(np.uint8) if asym else None
-    return q, s, z
 
 
 def _numpy_matmul(x, q, s, z, lut, group, gs=None, zero_point=None):
@@ -65,7 +49,7 @@ def _rel_err(out, ref):
 def test_reference_matches_numpy(lut, group, asym, scale_kind, gs):
     rng = np.random.default_rng(1)
     k, n = 256, 96
-    q, s, z = _weight(rng, k, n, lut, group, asym, scale_kind)
+    q, s, z = random_w4_weight(rng, k, n, group, zeros="int" if asym else None, scale_dtype=scale_kind)
     packed = prepack(q, s, z, lut=lut, group_size=group, global_scale=gs)
     x = rng.standard_normal((3, k)).astype(np.float32)
     out = reference(jnp.asarray(x), packed)
@@ -75,7 +59,7 @@ def test_reference_matches_numpy(lut, group, asym, scale_kind, gs):
 def test_reference_act_order_matches_numpy_in_original_row_order():
     rng = np.random.default_rng(2)
     k, n, g = 256, 64, 64
-    q, s, _ = _weight(rng, k, n, "int4", g, scale_kind="f16")
+    q, s, _ = random_w4_weight(rng, k, n, g, scale_dtype="f16")
     g_idx = rng.permutation(np.arange(k) // g).astype(np.int32)
     packed = prepack(q, s, lut="int4", group_size=g, g_idx=g_idx)
     x = rng.standard_normal((2, k)).astype(np.float32)
@@ -129,7 +113,7 @@ def packed_cases():
     rng = np.random.default_rng(4)
     out = []
     for lut, group, asym, kind, act, gs, k, n in KERNEL_CASES:
-        q, s, z = _weight(rng, k, n, lut, group, asym, kind)
+        q, s, z = random_w4_weight(rng, k, n, group, zeros="int" if asym else None, scale_dtype=kind)
         g_idx = rng.permutation(np.arange(k) // group).astype(np.int32) if act else None
         out.append(prepack(q, s, z, lut=lut, group_size=group, global_scale=gs, g_idx=g_idx))
     return out
@@ -157,7 +141,7 @@ def test_kernel_matches_reference(packed_cases, case, impl, m, x_dtype, bias, va
 @pytest.mark.parametrize("use_jit", [True, False])
 def test_kernel_under_jit_split_k_and_batch_dims(use_jit):
     rng = np.random.default_rng(5)
-    q, s, z = _weight(rng, 384, 200, "int4", 128, asym=True)
+    q, s, z = random_w4_weight(rng, 384, 200, 128, zeros="int", scale_dtype="bf16")
     tiles = dict(block_n=64, block_k=128)        # N=200 is not a tile multiple; 3 K tiles
     packed = prepack(q, s, z, lut="int4", group_size=128, config=TuningConfig(**tiles))
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 1, packed.k), jnp.bfloat16)

@@ -41,26 +41,6 @@ def log(msg: str) -> None:
 
 
 # ---- (1) correctness -------------------------------------------------------------------------------
-def random_w4_weight(rng, lut, group, k, n, zeros, scale_dtype):
-    """Random codes, scales (``scale_dtype``: a float dtype, "e8m0" or "e4m3") and zero points
-    (``zeros``: None, "int" or "float") in the kernels' unified form."""
-    q = rng.integers(0, 16, (k, n)).astype(np.uint8)
-    groups = 1 if group == -1 else -(-k // group)
-    s = (rng.random((groups, n)) * 0.02 + 0.005).astype(np.float32)
-    if scale_dtype == "e8m0":
-        s = jnp.asarray(s).astype(jnp.float8_e8m0fnu)
-    elif scale_dtype == "e4m3":
-        s = jnp.asarray(s * 50).astype(jnp.float8_e4m3fn)
-    else:
-        s = jnp.asarray(s, scale_dtype)
-    z = None
-    if zeros == "int":
-        z = rng.integers(0, 16, (groups, n)).astype(np.uint8)
-    elif zeros == "float":
-        z = (rng.random((groups, n)) * 15).astype(np.float32)
-    return q, s, z
-
-
 CORRECTNESS = [
     # (name, lut, group, asym, scale dtype, act_order, global scale)
     ("int4_sym_g128", "int4", 128, False, jnp.float16, False, None),
@@ -82,7 +62,7 @@ def correctness() -> list[dict]:
         for name, lut, group, asym, sdt, act, gs in CORRECTNESS:
             if n == 4096 and name not in ("int4_sym_g128", "int4_actorder_g128"):
                 continue   # the large shape checks tiling at scale; the small one every variant
-            q, s, z = random_w4_weight(rng, lut, group, k, n, "int" if asym else None, sdt)
+            q, s, z = bench.random_w4_weight(rng, k, n, group, zeros="int" if asym else None, scale_dtype=sdt)
             g_idx = None
             if act:
                 g_idx = rng.permutation(np.arange(k) // group).astype(np.int32)

@@ -26,8 +26,6 @@ from jquant.bench.timing import copies_for, time_fn
 from jquant.pallas_kernels import TuningConfig, default_config, prepack, reference, w4a16_matmul
 from jquant.pallas_kernels.w4a16_triton import GEMV_MAX_ROWS, VARIANTS
 
-from device_w4a16 import random_w4_weight  # beside this file
-
 GEMV_TILES = ((128, 128), (64, 256), (64, 512))
 # (block_n, block_k, block_m, split_k, num_warps) per M for the mma kernels.
 MMA_LAUNCHES = {16: ((64, 512, 16, 4, 4), (128, 256, 16, 4, 4), (128, 128, 16, 4, 4)),
@@ -45,7 +43,7 @@ def correctness(log) -> list[dict]:
     k, n = 1024, 320
     records = []
     for lut, group, zeros, sdt, gs in CORRECTNESS_CASES:
-        q, s, z = random_w4_weight(rng, lut, group, k, n, zeros, sdt)
+        q, s, z = bench.random_w4_weight(rng, k, n, group, zeros=zeros, scale_dtype=sdt)
         for bn, bk in ((64, 512), (128, 128)):
             packed = prepack(q, s, z, lut=lut, group_size=group, global_scale=gs,
                              config=TuningConfig(bn, bk))
