@@ -40,23 +40,12 @@ def group_block(shape, axis: int, group_size: int | None, name: str = "x") -> tu
     return tuple(g if i == axis else 1 for i in range(ndim))
 
 
-def check_divisible(shape, block, name: str = "x"):
-    for axis, (size, b) in enumerate(zip(shape, block)):
-        if size % b:
-            raise ValueError(f"{name} with shape {tuple(shape)}: axis {axis} (size {size}) is not "
-                             f"divisible by the block size {b}")
-
-
 def to_blocks(x: jax.Array, block: tuple[int, ...]) -> jax.Array:
     """Reshapes ``x`` (each axis divisible by its block) to ``(n0, b0, n1, b1, ...)``."""
     new_shape = []
     for size, b in zip(x.shape, block):
         new_shape += [size // b, b]
     return x.reshape(new_shape)
-
-
-def from_blocks(xb: jax.Array, shape) -> jax.Array:
-    return xb.reshape(shape)
 
 
 def block_axes(ndim: int) -> tuple[int, ...]:

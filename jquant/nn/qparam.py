@@ -36,9 +36,5 @@ class QParam:
         """``x @ kernel + bias`` where kernel is the Flax ``[K, N]`` matrix this QParam replaced."""
         return self.scheme.apply(x, self.weight, bias)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(self.weight))
-
 
 jax.tree_util.register_dataclass(QParam, data_fields=["weight"], meta_fields=["scheme"])
