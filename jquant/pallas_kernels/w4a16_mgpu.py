@@ -1,0 +1,270 @@
+"""W4A16 on Hopper with Mosaic GPU: TMA-pipelined weight tiles, int4 decoded into wgmma registers.
+
+``y = x @ W`` is computed transposed, ``yᵀ = W_nk · xᵀ`` ("swap AB", as Marlin/Machete do for small
+M): the weight, stored ``[N, K]`` as signed int4 (``code − 8``), is wgmma's A operand, decoded
+from shared memory straight into registers (Mosaic GPU's int4 → bf16 conversion: two codes per
+``prmt``/``lop3``/``sub.bf16x2``), scaled per group, never written back; ``xᵀ`` is the B operand
+in shared memory, so M only sets wgmma's N (8 … 256) and even M = 1 uses the tensor cores.
+The TMA engine keeps ``max_concurrent_steps`` weight tiles in flight per CTA without spending
+registers, which the Triton kernels could not do for loads that do not feed a dot.
+
+Grid: (N / block_n, split_k, M / block_m). Each CTA streams its K range and writes an fp32
+``[block_n, block_m]`` partial; XLA sums the split-K partials and transposes (tiny for small M).
+
+Interpret mode (CPU): its wgmma reads A only from shared memory, so there the decoded tile is
+stored to a scratch buffer first; everything else (TMA pipeline, decode, scaling) is the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jquant.pallas_kernels.w4a16_layout import _round_up, _sort_act_order
+
+# wgmma consumes K in chunks of one 128-byte swizzle atom of the 16-bit B operand.
+_K_CHUNK = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    """Launch of the Mosaic GPU W4A16 kernel.
+
+    block_n: weight rows per CTA (wgmma M; 64 per warpgroup instruction).
+    block_k: K per pipeline step (a multiple of 64 dividing the per-split K range).
+    block_m: activation rows per CTA (wgmma N: a multiple of 8, at most 256).
+    split_k: K ranges run by separate CTAs, summed by XLA afterwards.
+    max_concurrent_steps: TMA pipeline depth.
+    """
+
+    block_n: int = 128
+    block_k: int = 256
+    block_m: int = 8
+    split_k: int = 1
+    max_concurrent_steps: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedW4NK:
+    """A 4-bit weight laid out for the Mosaic GPU kernel.
+
+    ``data`` int4 ``[N_pad, K_pad]``: ``code − zero_point`` for int4 codes (exact in int4 for
+    uint4b8 and for asymmetric codes, whose zero points are shifted the same way); ``scale``
+    ``[K_pad / G, N_pad]`` (bf16, fp16 or fp32: converted to x's dtype in the kernel); ``zero``
+    optional ``[K_pad / G, N_pad]``: ``zero − 8`` (int4 asymmetric), subtracted before scaling.
+    ``perm``: act-order gather of x's columns. ``group_size`` in stored rows.
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    zero: jax.Array | None = None
+    perm: jax.Array | None = None
+    k: int = 0
+    n: int = 0
+    group_size: int = 0
+
+    @property
+    def n_pad(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def k_pad(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+                   for leaf in jax.tree_util.tree_leaves(self)
+                   if jnp.dtype(leaf.dtype) != jnp.dtype(jnp.int4)) + self.data.size // 2
+
+
+jax.tree_util.register_dataclass(PackedW4NK, data_fields=["data", "scale", "zero", "perm"],
+                                 meta_fields=["k", "n", "group_size"])
+
+
+def _swizzle_tiles(block_k: int, bits: int):
+    swizzle = plgpu.find_swizzle(block_k * bits, "w4a16")
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _check(packed: PackedW4NK, m_pad: int, x_dtype, cfg: MgpuConfig) -> int:
+    n_pad, k_pad = packed.data.shape
+    g = packed.group_size
+    k_split = k_pad // cfg.split_k
+    problems = []
+    if n_pad % cfg.block_n or cfg.block_n % 64:
+        problems.append(f"block_n={cfg.block_n} must be a multiple of 64 dividing N_pad={n_pad}")
+    if cfg.block_m % 8 or not 8 <= cfg.block_m <= 256 or m_pad % cfg.block_m:
+        problems.append(f"block_m={cfg.block_m} must be a multiple of 8 in [8, 256] dividing "
+                        f"M_pad={m_pad}")
+    if k_pad % cfg.split_k or k_split % cfg.block_k or cfg.block_k % _K_CHUNK:
+        problems.append(f"block_k={cfg.block_k} (a multiple of {_K_CHUNK}) and split_k="
+                        f"{cfg.split_k} must tile K_pad={k_pad}")
+    if g % _K_CHUNK or (g < cfg.block_k and cfg.block_k % g) or (g > cfg.block_k and g % cfg.block_k):
+        problems.append(f"group_size={g} must be a multiple of {_K_CHUNK} that divides or is a "
+                        f"multiple of block_k={cfg.block_k}")
+    if jnp.dtype(x_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        problems.append(f"x must be bf16 or fp16, got {jnp.dtype(x_dtype)}")
+    if problems:
+        raise ValueError("w4a16 mgpu kernel: " + "; ".join(problems))
+    return k_split
+
+
+def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
+               interpret: bool = False) -> jax.Array:
+    """fp32 ``[split_k, N_pad, M_pad]`` partials of ``(xs @ W)ᵀ`` for padded ``xs`` ``[M_pad, K_pad]``."""
+    cfg = config
+    m_pad = xs.shape[0]
+    k_split = _check(packed, m_pad, xs.dtype, cfg)
+    bn, bk, bm = cfg.block_n, cfg.block_k, cfg.block_m
+    g = packed.group_size
+    dtype = xs.dtype
+    steps = k_split // bk
+    # Scale rows per pipeline step (several groups per step, or one group over several steps).
+    s_rows = max(bk // g, 1)
+    has_zero = packed.zero is not None
+    w_transforms = _swizzle_tiles(bk, 4)
+    x_transforms = _swizzle_tiles(bk, 16)
+
+    def kernel(x_gmem, w_gmem, s_gmem, *rest):
+        if has_zero:
+            z_gmem, out_gmem, o_smem, *a_scratch = rest
+        else:
+            z_gmem = None
+            out_gmem, o_smem, *a_scratch = rest
+        ni, si, mi = (jax.lax.axis_index(name) for name in ("n", "s", "m"))
+        k0 = si * k_split
+
+        def step(idx, w_smem, x_smem, s_smem, *z_smem, acc_ref):
+            del idx
+            w = w_smem[...]
+            for c in range(bk // _K_CHUNK):
+                row = (c * _K_CHUNK) // g if g < bk else 0
+                scale = plgpu.load(s_smem.at[row], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                scale = scale.astype(dtype)
+                ks = slice(c * _K_CHUNK, (c + 1) * _K_CHUNK)
+                wc = w[:, ks].astype(dtype)
+                if has_zero:
+                    zero = plgpu.load(z_smem[0].at[row], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                    wc = wc - jax.lax.broadcast_in_dim(zero.astype(dtype), (bn, _K_CHUNK), (0,))
+                wc = wc * jax.lax.broadcast_in_dim(scale, (bn, _K_CHUNK), (0,))
+                if a_scratch:
+                    a_scratch[0][...] = wc
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, a_scratch[0], x_smem.at[:, ks].T)
+                else:
+                    plgpu.wgmma(acc_ref, wc, x_smem.at[:, ks].T)
+                plgpu.wgmma_wait(0)
+            return acc_ref
+
+        def s_index(t):
+            return ((k0 // bk + t) * bk // g // s_rows, ni)
+
+        in_specs = [
+            plgpu.BlockSpec((bn, bk), lambda t: (ni, k0 // bk + t), transforms=w_transforms),
+            plgpu.BlockSpec((bm, bk), lambda t: (mi, k0 // bk + t), transforms=x_transforms),
+            plgpu.BlockSpec((s_rows, bn), s_index),
+        ]
+        operands = [w_gmem, x_gmem, s_gmem]
+        if has_zero:
+            in_specs.append(plgpu.BlockSpec((s_rows, bn), s_index))
+            operands.append(z_gmem)
+
+        def run(acc_ref):
+            plgpu.emit_pipeline(
+                functools.partial(_step_with_acc, step, acc_ref),
+                grid=(steps,), in_specs=in_specs,
+                max_concurrent_steps=min(cfg.max_concurrent_steps, steps),
+            )(*operands)
+            return acc_ref[...]
+
+        acc = pl.run_scoped(run, plgpu.ACC((bn, bm), jnp.float32))
+        o_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[si, pl.ds(ni * bn, bn), pl.ds(mi * bm, bm)])
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [plgpu.SMEM((bn, bm), jnp.float32)]
+    if interpret:
+        scratch.append(plgpu.SMEM((bn, _K_CHUNK), dtype))
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad), jnp.float32),
+        grid=(packed.n_pad // bn, cfg.split_k, m_pad // bm),
+        grid_names=("n", "s", "m"),
+        scratch_types=scratch,
+    )
+    args = [xs, packed.data, packed.scale] + ([packed.zero] if has_zero else [])
+    if interpret:
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            return call(*args)
+    return call(*args)
+
+
+def _step_with_acc(step, acc_ref, idx, *refs):
+    step(idx, *refs, acc_ref=acc_ref)
+
+
+def prepack_nk(q, scale, zero=None, *, group_size, g_idx=None, pad_k: int = 256,
+               pad_n: int = 128) -> PackedW4NK:
+    """Lays int4 codes ``q`` ``[K, N]`` (0..15, value ``code − 8`` unless ``zero`` is given) out for
+    the Mosaic GPU kernel: ``[N_pad, K_pad]`` signed int4, scales and zeros ``[K_pad / G, N_pad]``.
+    Padded codes and scales are 0, so padded weights are exactly 0."""
+    q = jnp.asarray(q)
+    k, n = q.shape
+    g = k if group_size in (None, -1) or group_size >= k else int(group_size)
+    perm = None
+    if g_idx is not None:
+        perm, q = _sort_act_order(g_idx, q, g, -(-k // g))
+    k_pad = _round_up(k, math.lcm(pad_k, g) if g < k else pad_k)
+    group = g if g < k else k_pad
+    n_pad = _round_up(n, pad_n)
+    codes = q.astype(jnp.int32) - 8
+    data = jnp.pad(codes.T, ((0, n_pad - n), (0, k_pad - k))).astype(jnp.int4)
+
+    def per_group(values, dtype):
+        rows = k_pad // group
+        return jnp.pad(jnp.asarray(values).astype(dtype),
+                       ((0, rows - values.shape[0]), (0, n_pad - n)))
+
+    scale = jnp.asarray(scale)
+    s_dtype = scale.dtype if scale.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+    zz = None
+    if zero is not None:
+        zz = per_group(jnp.asarray(zero, jnp.float32) - 8, jnp.bfloat16)
+    return PackedW4NK(data=data, scale=per_group(scale, s_dtype), zero=zz, perm=perm, k=k, n=n,
+                      group_size=group)
+
+
+def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
+    """A launch for ``m`` rows: one M tile up to 128 rows, split-K until ~2 CTAs per SM."""
+    block_m = min(_round_up(m, 8), 128)
+    block_n = 128 if packed.n_pad % 128 == 0 else 64
+    block_k = 256 if packed.group_size % 256 == 0 or 256 % packed.group_size == 0 else 128
+    tiles = packed.n_pad // block_n * -(-m // block_m)
+    split = 1
+    while tiles * split < 264 and packed.k_pad % (2 * split * block_k) == 0:
+        split *= 2
+    return MgpuConfig(block_n=block_n, block_k=block_k, block_m=block_m, split_k=split)
+
+
+def w4a16_mgpu_matmul(x2: jax.Array, packed: PackedW4NK, bias=None, *,
+                      config: MgpuConfig | None = None, interpret: bool = False) -> jax.Array:
+    """``x2 @ W`` (``[M, K]`` bf16/fp16 → ``[M, N]`` in x's dtype) with the Mosaic GPU kernel."""
+    m = x2.shape[0]
+    cfg = config or default_mgpu_config(m, packed)
+    m_pad = _round_up(m, cfg.block_m)
+    if packed.perm is not None:
+        x2 = jnp.take(x2, packed.perm, axis=1)
+    xs = jnp.pad(x2, ((0, m_pad - m), (0, packed.k_pad - packed.k)))
+    parts = w4a16_mgpu(xs, packed, config=cfg, interpret=interpret)
+    out = jnp.sum(parts, axis=0)[:packed.n, :m].T
+    if bias is not None:
+        out = out + bias.astype(jnp.float32)
+    return out.astype(x2.dtype)

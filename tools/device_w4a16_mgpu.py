@@ -1,0 +1,153 @@
+"""One H200 run for the Mosaic GPU W4A16 kernel: correctness on the device, then a launch sweep
+against XLA bf16 (and the Triton kernels at M = 1) measured in the same process.
+
+PYTHONPATH=. python3 tools/device_w4a16_mgpu.py --out $OUT [--quick]
+Writes mgpu_correctness.json, mgpu_sweep.json and mgpu_best.json (the fastest launch per cell).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import pathlib
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jquant.bench import w4a16 as bench
+from jquant.bench.timing import copies_for, time_fn
+from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
+                                              w4a16_mgpu_matmul)
+
+START = time.time()
+
+
+def log(msg):
+    print(f"[{time.time() - START:7.1f}s] {msg}", flush=True)
+
+
+def correctness() -> list[dict]:
+    rng = np.random.default_rng(11)
+    cases = [  # k, n, group, zeros, scale dtype, m, x dtype, act-order
+        (1024, 320, 128, None, "bf16", 1, jnp.bfloat16, False),
+        (1024, 320, 128, "int", "f16", 7, jnp.float16, False),
+        (2048, 512, 64, None, "f32", 16, jnp.bfloat16, False),
+        (1000, 300, -1, None, "bf16", 33, jnp.bfloat16, False),
+        (2048, 384, 128, None, "f16", 100, jnp.bfloat16, True),
+        (4096, 4096, 128, None, "bf16", 128, jnp.bfloat16, False),
+        (4096, 4096, 128, "int", "f16", 200, jnp.float16, False),
+    ]
+    out = []
+    for k, n, g, zeros, sdt, m, xdt, act in cases:
+        q, s, z = bench.random_w4_weight(rng, k, n, g, zeros=zeros, scale_dtype=sdt)
+        g_idx = rng.permutation(np.arange(k) // g).astype(np.int32) if act else None
+        packed = prepack_nk(q, s, z, group_size=g, g_idx=g_idx)
+        gg = k if g == -1 else g
+        groups = (np.arange(k) // gg) if g_idx is None else g_idx
+        zf = 8.0 if z is None else np.asarray(z, np.float32)[groups]
+        w = (q.astype(np.float32) - zf) * np.asarray(s, np.float32)[groups]
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        ref = x.astype(np.asarray(jnp.zeros((), xdt)).dtype).astype(np.float32) @ w
+        rec = dict(k=k, n=n, group=g, zeros=zeros, scale=sdt, m=m, x=jnp.dtype(xdt).name, act=act)
+        try:
+            cfg = default_mgpu_config(m if m <= 128 else 128, packed)
+            got = jax.jit(lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg))(jnp.asarray(x, xdt), packed)
+            got = np.asarray(got, np.float32)
+            err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+            rec.update(cfg=dataclasses.asdict(cfg), rel_err=err, ok=bool(err <= 1e-2 and np.isfinite(got).all()))
+        except Exception as e:
+            traceback.print_exc()
+            rec.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
+        log(f"  {'ok  ' if rec['ok'] else 'FAIL'} {rec}")
+        out.append(rec)
+    return out
+
+
+def smem_bytes(cfg: MgpuConfig) -> int:
+    per_step = cfg.block_n * cfg.block_k // 2 + cfg.block_m * cfg.block_k * 2 + 4 * cfg.block_n * 4
+    return cfg.max_concurrent_steps * per_step + cfg.block_n * cfg.block_m * 4
+
+
+def launches(m: int, packed, quick: bool):
+    base = default_mgpu_config(m, packed)
+    yield base
+    bns = (64, 128) if m > 64 else (64, 128, 256)
+    bks = (256, 512) if m <= 64 else (128, 256)
+    stages = (3, 6) if not quick else (4,)
+    splits = (1, 2, 4, 8)
+    for bn, bk, st, sp in itertools.product(bns, bks, stages, splits):
+        cfg = MgpuConfig(block_n=bn, block_k=bk, block_m=base.block_m, split_k=sp,
+                         max_concurrent_steps=st)
+        if cfg == base or smem_bytes(cfg) > 200_000 or bn * base.block_m > 128 * 128:
+            continue
+        if packed.k_pad % (sp * bk) or packed.n_pad % bn:
+            continue
+        yield cfg
+
+
+def sweep(quick: bool) -> list[dict]:
+    rows = []
+    key = jax.random.PRNGKey(0)
+    plan = [((28672, 8192), (1, 16, 64, 128)), ((8192, 8192), (1, 16, 64, 128)),
+            ((8192, 28672), (1, 128)), ((4096, 4096), (1, 128))]
+    for (n, k), ms in plan:
+        weight = bench.make_weight("int4_g128", n, k, key)
+        packed = prepack_nk(weight["q"], weight["scale"], group_size=128)
+        packs = [packed] + [jax.tree_util.tree_map(lambda a: a.copy(), packed)
+                            for _ in range(copies_for(packed.nbytes, max_copies=8) - 1)]
+        w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
+                  for c in range(copies_for(k * n * 2, max_copies=4))]
+        for m in ms:
+            xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
+            bf16 = time_fn(jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)]).median_us
+            rows.append(dict(N=n, K=k, M=m, kernel="xla_bf16", time_us=bf16))
+            best = None
+            cell_start = time.time()
+            full = not quick and (n, k) in ((28672, 8192), (8192, 8192))
+            for cfg in launches(m, packed, not full or m > 1):
+                if time.time() - cell_start > (60 if full and m == 1 else 25):
+                    break
+                try:
+                    fn = jax.jit(lambda x, p, c=cfg: w4a16_mgpu_matmul(x, p, config=c))
+                    us = time_fn(fn, [(xs[c % 4], p) for c, p in enumerate(packs)]).median_us
+                except Exception as e:
+                    log(f"  FAILED {n}x{k} M={m} {cfg}: {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                rows.append(dict(N=n, K=k, M=m, kernel="mgpu", time_us=us, config=dataclasses.asdict(cfg)))
+                if best is None or us < best[0]:
+                    best = (us, cfg)
+            if best:
+                log(f"{n}x{k} M={m:<4d} bf16 {bf16:7.1f} us  mgpu best {best[0]:7.1f} us "
+                    f"(x{bf16 / best[0]:.2f})  {best[1]}")
+            del xs
+        del packs, w_bf16
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--skip-sweep", action="store_true")
+    args = parser.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log(f"devices {jax.devices()} jax {jax.__version__}")
+    res = correctness()
+    (out / "mgpu_correctness.json").write_text(json.dumps(res, indent=1))
+    log(f"correctness {sum(r['ok'] for r in res)}/{len(res)}")
+    if not args.skip_sweep:
+        rows = sweep(args.quick)
+        (out / "mgpu_sweep.json").write_text(json.dumps(rows, indent=1))
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
