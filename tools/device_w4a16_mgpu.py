@@ -111,7 +111,7 @@ def sweep(quick: bool) -> list[dict]:
             cell_start = time.time()
             full = not quick and (n, k) in ((28672, 8192), (8192, 8192))
             for cfg in launches(m, packed, not full or m > 1):
-                if time.time() - cell_start > (60 if full and m == 1 else 25):
+                if time.time() - cell_start > (40 if full and m == 1 else 15):
                     break
                 try:
                     fn = jax.jit(lambda x, p, c=cfg: w4a16_mgpu_matmul(x, p, config=c))
