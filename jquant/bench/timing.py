@@ -107,6 +107,8 @@ def roofline(time_us: float, nbytes: int, flops: int,
 
 
 def array_bytes(*trees: Any) -> int:
-    """Bytes of every array leaf in ``trees``."""
-    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+    """Bytes of every array leaf in ``trees`` (4-bit dtypes count half a byte per element)."""
+    return sum(-(-int(np.prod(a.shape)) * jnp.iinfo(a.dtype).bits // 8)
+               if jnp.issubdtype(a.dtype, jnp.integer) and jnp.iinfo(a.dtype).bits < 8
+               else int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
                for t in trees for a in jax.tree_util.tree_leaves(t) if hasattr(a, "dtype"))

@@ -19,7 +19,8 @@ import numpy as np
 
 from jquant.bench.timing import (H200_HBM_BYTES_PER_S, array_bytes, copies_for, roofline,
                                  time_fn)
-from jquant.pallas_kernels import (PackedW4, TuningConfig, default_config, prepack, resolve_impl,
+from jquant.pallas_kernels import (PackedW4, PackedW4NK, TuningConfig, default_config,
+                                   default_mgpu_config, prepack, prepack_nk, resolve_impl,
                                    w4a16_matmul)
 
 SHAPES = ((28672, 8192), (8192, 28672), (8192, 8192), (4096, 4096), (1536, 576))
@@ -130,16 +131,19 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                     t = time_fn(dequant_fn, [(x, rows, int4["scale"]) for x in xs], reps=reps)
                     baselines["xla_dequant_dot"] = t.median_us
                 for impl in impls:
-                    mode = resolve_impl(impl, m, interpret)
+                    nk = weight["lut"] == "int4" and impl not in ("gemv", "mma")
+                    mode = resolve_impl(impl, m, interpret, layout="nk" if nk else "tile")
                     cfg = None
                     if mode in ("gemv", "mma"):
                         cfg = configs.get((mode, n, k, m))
-                    packed = _packed(packed_cache, scheme, weight, cfg, n, k)
+                    packed = _packed(packed_cache, scheme, weight, cfg, nk)
                     if cfg is not None:   # small groups may have shrunk block_k at prepack
                         cfg = dataclasses.replace(cfg, block_n=packed[0].block_n,
                                                   block_k=packed[0].block_k)
                     elif mode in ("gemv", "mma"):
                         cfg = default_config(mode, m, packed[0])
+                    elif mode == "mgpu":
+                        cfg = configs.get((mode, n, k, m)) or default_mgpu_config(m, packed[0])
                     fn = jax.jit(lambda x, p, _impl=impl, _cfg=cfg: w4a16_matmul(
                         x, p, impl=_impl, config=_cfg, interpret=interpret))
                     args = [(xs[c % 4], p) for c, p in enumerate(packed)]
@@ -167,14 +171,18 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
     return records
 
 
-def _packed(cache: dict, scheme: str, weight: dict, cfg: TuningConfig | None, n: int, k: int
-            ) -> list[PackedW4]:
+def _packed(cache: dict, scheme: str, weight: dict, cfg: TuningConfig | None, nk: bool
+            ) -> list[PackedW4 | PackedW4NK]:
+    """Copies of the weight in the layout the timed impl reads (NK for the Mosaic GPU kernel)."""
     tiles = (cfg.block_n, cfg.block_k) if cfg else (TuningConfig.block_n, TuningConfig.block_k)
-    key = (scheme, tiles)
+    key = (scheme, "nk" if nk else tiles)
     if key not in cache:
-        one = prepack(weight["q"], weight["scale"], lut=weight["lut"],
-                      group_size=weight["group_size"], global_scale=weight["global_scale"],
-                      config=TuningConfig(*tiles))
+        if nk:
+            one = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"])
+        else:
+            one = prepack(weight["q"], weight["scale"], lut=weight["lut"],
+                          group_size=weight["group_size"], global_scale=weight["global_scale"],
+                          config=TuningConfig(*tiles))
         copies = copies_for(one.nbytes)
         # Copies are distinct buffers holding the same values: the L2 never has the next one.
         cache[key] = [one] + [jax.tree_util.tree_map(lambda a: a.copy(), one)

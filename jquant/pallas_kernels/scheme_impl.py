@@ -2,8 +2,9 @@
 
 ``process_weights_after_loading`` turns the scheme's QTensor (``[N, K]``, groups along K) into the
 kernels' unified form (codes ``[K, N]`` 0..15, per-group multipliers, optional zero points, a code
-book) and prepacks it tile-major once; ``apply`` then runs ``w4a16_matmul``, which picks the GEMV,
-the tensor-core kernel or XLA by M.
+book) and prepacks it once: int4 with groups of 64·j (or per-channel) for the Mosaic GPU kernel
+(``prepack_nk``), anything else tile-major for the Triton kernels; ``apply`` then runs
+``w4a16_matmul``, which picks the kernel or XLA by M.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from jquant.formats import nvfp4
 from jquant.formats.packing import unpack_bits
 from jquant.pallas_kernels.w4a16 import w4a16_matmul
 from jquant.pallas_kernels.w4a16_layout import PackedW4, prepack
+from jquant.pallas_kernels.w4a16_mgpu import PackedW4NK, nk_compatible, prepack_nk
 from jquant.qtensor import QTensor
 from jquant.registry import Impl, Scheme, register_impl
 
@@ -53,12 +55,21 @@ def _supports(scheme: Scheme, capability: int, platform: str) -> bool:
     return platform == "gpu" and capability >= HOPPER and scheme.weight_only and scheme.weight_format in _LUT
 
 
-def _prepare(scheme: Scheme, qweight: QTensor) -> PackedW4 | None:
+def prepack_for_kernels(args: dict) -> PackedW4 | PackedW4NK:
+    """The layout of the fastest H200 kernel for a unified 4-bit weight (``unified_w4``'s dict)."""
+    k = args["q"].shape[0]
+    if args["lut"] == "int4" and nk_compatible(args["group_size"], k):
+        return prepack_nk(args["q"], args["scale"], args.get("zero"),
+                          group_size=args["group_size"], g_idx=args.get("g_idx"))
+    return prepack(**args)
+
+
+def _prepare(scheme: Scheme, qweight: QTensor) -> PackedW4 | PackedW4NK | None:
     args = unified_w4(qweight)
-    return None if args is None else prepack(**args)
+    return None if args is None else prepack_for_kernels(args)
 
 
-def _run(scheme: Scheme, x: jax.Array, packed: PackedW4, bias: jax.Array | None) -> jax.Array:
+def _run(scheme: Scheme, x: jax.Array, packed: PackedW4 | PackedW4NK, bias: jax.Array | None) -> jax.Array:
     return w4a16_matmul(x, packed, bias=bias)
 
 

@@ -1,9 +1,14 @@
 """``w4a16_matmul``: ``x @ W`` for a prepacked 4-bit weight, dispatched by M and device.
 
+Two weight layouts: ``PackedW4NK`` (``prepack_nk``; int4 with groups of 64·j or per-channel) runs
+the Mosaic GPU kernel (``"mgpu"``, every M up to ``MGPU_MAX_M``), the fastest on the H200;
+``PackedW4`` (``prepack``: any 4-bit code book) runs the Triton-backend kernels.
+
 Implementations (``impl``):
+* ``"mgpu"``: the Mosaic GPU kernel (Hopper, ``PackedW4NK`` only).
 * ``"gemv"``: the small-M Pallas kernel (no tensor cores), ``M ≤ GEMV_MAX_ROWS``.
 * ``"mma"``: the tensor-core Pallas kernel.
-* ``"pallas"``: whichever of the two fits M.
+* ``"pallas"``: whichever kernel fits the layout and M.
 * ``"xla"``: dequantize to ``x``'s dtype, then ``jnp.dot`` with fp32 accumulation (XLA/cuBLAS).
 * ``"reference"``: dequantize in fp32, fp32 dot (the exact twin; slow on GPUs).
 * ``"auto"``: on Hopper, the kernel and variant of the first rule of ``AUTO_RULES`` (data:
@@ -28,10 +33,14 @@ import jax.numpy as jnp
 from jquant.pallas_kernels import w4a16_grouped  # noqa: F401  (registers the grouped kernel bodies)
 from jquant.device import compute_capability
 from jquant.pallas_kernels.w4a16_layout import PackedW4, dequantize_packed
+from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, PackedW4NK, reference_nk,
+                                              w4a16_mgpu_matmul)
 from jquant.pallas_kernels.w4a16_triton import (GEMV_MAX_ROWS, VARIANTS, TuningConfig,
                                                 effective_split, reference, w4a16_pallas)
 
-IMPLS = ("auto", "pallas", "gemv", "mma", "xla", "reference")
+IMPLS = ("auto", "pallas", "mgpu", "gemv", "mma", "xla", "reference")
+# Above this M, "auto" runs XLA for PackedW4NK (the kernel decodes W once per block of 128 rows).
+MGPU_MAX_M = 256
 AUTO_DISPATCH_FILE = pathlib.Path(__file__).with_name("auto_dispatch_h200.json")
 
 
@@ -99,12 +108,18 @@ def default_config(mode: str, m: int, packed: PackedW4, variant: str = "base") -
                         num_warps=8 if bm == 128 else 4, num_stages=2, block_m=bm, variant=variant)
 
 
-def resolve_impl(impl: str, m: int, interpret: bool = False) -> str:
-    """The implementation ``w4a16_matmul`` runs for ``impl`` at ``m`` rows on the default device."""
+def resolve_impl(impl: str, m: int, interpret: bool = False, layout: str = "tile") -> str:
+    """The implementation ``w4a16_matmul`` runs for ``impl`` at ``m`` rows on the default device,
+    for a ``PackedW4`` (``layout="tile"``) or a ``PackedW4NK`` (``layout="nk"``)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl in ("xla", "reference"):
         return impl
+    if layout == "nk":
+        return _resolve_nk(impl, m, interpret)
+    if impl == "mgpu":
+        raise ValueError("impl='mgpu' needs a weight packed with prepack_nk (int4); this one is a "
+                         "PackedW4 for the Triton kernels")
     rule = auto_rule(m) if impl == "auto" else None
     if rule is not None:
         kernel = rule.mode
@@ -130,8 +145,29 @@ def resolve_impl(impl: str, m: int, interpret: bool = False) -> str:
     return kernel if impl == "pallas" else impl
 
 
-def w4a16_matmul(x, packed: PackedW4, *, bias=None, impl: str = "auto",
-                 config: TuningConfig | None = None, interpret: bool = False,
+def _resolve_nk(impl: str, m: int, interpret: bool) -> str:
+    if impl in ("gemv", "mma"):
+        raise ValueError(f"impl={impl!r} needs the tile-major layout of prepack; this weight is a "
+                         "PackedW4NK (prepack_nk) for the Mosaic GPU kernel: use 'mgpu' or 'auto'")
+    if interpret:
+        return "mgpu"
+    cc = compute_capability()
+    if impl == "auto":
+        if cc == 0:
+            return "reference"
+        return "mgpu" if cc // 10 == 9 and m <= MGPU_MAX_M else "xla"
+    if cc // 10 != 9:   # wgmma is Hopper-only
+        where = jax.devices()[0].platform if cc == 0 else f"compute capability {cc}"
+        if impl == "pallas":
+            raise ValueError(f"impl='pallas' on a PackedW4NK needs a Hopper GPU (sm_90), not {where}; "
+                             "pass interpret=True to run the kernel in interpret mode")
+        _warn_once(f"mgpu{cc}", f"impl='mgpu' cannot run on {where}; using the XLA path instead")
+        return "reference" if cc == 0 else "xla"
+    return "mgpu"
+
+
+def w4a16_matmul(x, packed: PackedW4 | PackedW4NK, *, bias=None, impl: str = "auto",
+                 config: TuningConfig | MgpuConfig | None = None, interpret: bool = False,
                  poison: bool = False):
     """``x @ W`` for ``x`` ``[..., K]`` (bf16 / fp16 / fp32) and a ``PackedW4`` W; fp32 accumulation,
     result ``[..., N]`` in ``x``'s dtype. ``bias`` is an optional ``[N]`` vector.
@@ -139,8 +175,9 @@ def w4a16_matmul(x, packed: PackedW4, *, bias=None, impl: str = "auto",
     ``config`` overrides the launch (its ``block_n``/``block_k`` must match the packing);
     ``interpret`` runs the Pallas kernels on CPU; ``poison`` (testing) NaN-fills kernel outputs first.
     """
-    if not isinstance(packed, PackedW4):
-        raise TypeError(f"packed must be a PackedW4 (see prepack), got {type(packed).__name__}")
+    if not isinstance(packed, (PackedW4, PackedW4NK)):
+        raise TypeError("packed must be a PackedW4 (prepack) or PackedW4NK (prepack_nk), got "
+                        f"{type(packed).__name__}")
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize not in (2, 4):
         raise TypeError(f"x must be bf16, fp16 or fp32, got {x.dtype} (shape {tuple(x.shape)})")
@@ -153,6 +190,9 @@ def w4a16_matmul(x, packed: PackedW4, *, bias=None, impl: str = "auto",
     lead = x.shape[:-1]
     x2 = x.reshape(-1, packed.k)
     m = x2.shape[0]
+    if isinstance(packed, PackedW4NK):
+        # (interpret mode already fills never-written kernel outputs with NaN: no poison needed)
+        return _nk_matmul(x2, packed, bias, impl, config, interpret).reshape(*lead, packed.n)
     kind = resolve_impl(impl, m, interpret)
     if kind == "reference":
         out = reference(x2, packed, bias)
@@ -202,3 +242,22 @@ def _kernel_matmul(x2, packed: PackedW4, bias, mode, config, variant, interpret,
     out = w4a16_pallas(xs, packed, bias_p, mode=mode, config=cfg, interpret=interpret,
                        poison=poison)
     return out[:m, :packed.n]
+
+
+def _nk_matmul(x2, packed: PackedW4NK, bias, impl, config, interpret):
+    kind = resolve_impl(impl, x2.shape[0], interpret, layout="nk")
+    if kind == "mgpu" and x2.dtype == jnp.float32:
+        if impl == "auto":   # the kernel's wgmma takes 16-bit x; fp32 x keeps full precision in XLA
+            kind = "reference" if compute_capability() == 0 else "xla"
+        else:
+            raise TypeError(f"impl={impl!r} runs the Mosaic GPU kernel, which takes bf16 or fp16 x; "
+                            f"got float32 x of shape {tuple(x2.shape)} (cast it, or use impl='auto')")
+    if kind == "reference":
+        return reference_nk(x2, packed, bias)
+    if kind == "xla":
+        dtype = jnp.float32 if jax.devices()[0].platform == "cpu" else x2.dtype
+        return reference_nk(x2, packed, bias, dtype)
+    if config is not None and not isinstance(config, MgpuConfig):
+        raise TypeError(f"config for the Mosaic GPU kernel must be an MgpuConfig, got "
+                        f"{type(config).__name__}")
+    return w4a16_mgpu_matmul(x2, packed, bias, config=config, interpret=interpret)

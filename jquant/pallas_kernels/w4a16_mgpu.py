@@ -79,9 +79,9 @@ class PackedW4NK:
 
     @property
     def nbytes(self) -> int:
-        return sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
-                   for leaf in jax.tree_util.tree_leaves(self)
-                   if jnp.dtype(leaf.dtype) != jnp.dtype(jnp.int4)) + self.data.size // 2
+        return self.data.size // 2 + sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+                                         for leaf in (self.scale, self.zero, self.perm)
+                                         if leaf is not None)
 
 
 jax.tree_util.register_dataclass(PackedW4NK, data_fields=["data", "scale", "zero", "perm"],
@@ -111,6 +111,8 @@ def _check(packed: PackedW4NK, m_pad: int, x_dtype, cfg: MgpuConfig) -> int:
                         f"multiple of block_k={cfg.block_k}")
     if jnp.dtype(x_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         problems.append(f"x must be bf16 or fp16, got {jnp.dtype(x_dtype)}")
+    if cfg.max_concurrent_steps < 2:
+        problems.append(f"max_concurrent_steps={cfg.max_concurrent_steps} must be ≥ 2")
     if problems:
         raise ValueError("w4a16 mgpu kernel: " + "; ".join(problems))
     return k_split
@@ -143,24 +145,29 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
 
         def step(idx, w_smem, x_smem, s_smem, *z_smem, acc_ref):
             del idx
+            chunks = bk // _K_CHUNK
+            if chunks == 1:
+                # The decoded registers of the previous step's wgmma get reused now.
+                plgpu.wgmma_wait(0)
             w = w_smem[...]
-            for c in range(bk // _K_CHUNK):
+            for c in range(chunks):
                 row = (c * _K_CHUNK) // g if g < bk else 0
-                scale = plgpu.load(s_smem.at[row], (), layout=plgpu.Layout.WGMMA.reduce(1))
-                scale = scale.astype(dtype)
                 ks = slice(c * _K_CHUNK, (c + 1) * _K_CHUNK)
                 wc = w[:, ks].astype(dtype)
                 if has_zero:
                     zero = plgpu.load(z_smem[0].at[row], (), layout=plgpu.Layout.WGMMA.reduce(1))
                     wc = wc - jax.lax.broadcast_in_dim(zero.astype(dtype), (bn, _K_CHUNK), (0,))
-                wc = wc * jax.lax.broadcast_in_dim(scale, (bn, _K_CHUNK), (0,))
+                scale = plgpu.load(s_smem.at[row], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                wc = wc * jax.lax.broadcast_in_dim(scale.astype(dtype), (bn, _K_CHUNK), (0,))
                 if a_scratch:
                     a_scratch[0][...] = wc
                     plgpu.commit_smem()
                     plgpu.wgmma(acc_ref, a_scratch[0], x_smem.at[:, ks].T)
+                    plgpu.wgmma_wait(0)
                 else:
                     plgpu.wgmma(acc_ref, wc, x_smem.at[:, ks].T)
-                plgpu.wgmma_wait(0)
+                    # One wgmma stays in flight while the next chunk is decoded.
+                    plgpu.wgmma_wait(1)
             return acc_ref
 
         def s_index(t):
@@ -168,7 +175,9 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
 
         in_specs = [
             plgpu.BlockSpec((bn, bk), lambda t: (ni, k0 // bk + t), transforms=w_transforms),
-            plgpu.BlockSpec((bm, bk), lambda t: (mi, k0 // bk + t), transforms=x_transforms),
+            # x is read by the wgmma still in flight when the step returns: free its slot late.
+            plgpu.BlockSpec((bm, bk), lambda t: (mi, k0 // bk + t), transforms=x_transforms,
+                            delay_release=1),
             plgpu.BlockSpec((s_rows, bn), s_index),
         ]
         operands = [w_gmem, x_gmem, s_gmem]
@@ -180,8 +189,9 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
             plgpu.emit_pipeline(
                 functools.partial(_step_with_acc, step, acc_ref),
                 grid=(steps,), in_specs=in_specs,
-                max_concurrent_steps=min(cfg.max_concurrent_steps, steps),
+                max_concurrent_steps=max(2, min(cfg.max_concurrent_steps, steps)),
             )(*operands)
+            plgpu.wgmma_wait(0)
             return acc_ref[...]
 
         acc = pl.run_scoped(run, plgpu.ACC((bn, bm), jnp.float32))
@@ -202,7 +212,7 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
     )
     args = [xs, packed.data, packed.scale] + ([packed.zero] if has_zero else [])
     if interpret:
-        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(uninitialized_memory="nan")):
             return call(*args)
     return call(*args)
 
@@ -260,11 +270,40 @@ def w4a16_mgpu_matmul(x2: jax.Array, packed: PackedW4NK, bias=None, *,
     m = x2.shape[0]
     cfg = config or default_mgpu_config(m, packed)
     m_pad = _round_up(m, cfg.block_m)
-    if packed.perm is not None:
-        x2 = jnp.take(x2, packed.perm, axis=1)
-    xs = jnp.pad(x2, ((0, m_pad - m), (0, packed.k_pad - packed.k)))
+    xs = gather_pad_nk(x2, packed, m_pad)
     parts = w4a16_mgpu(xs, packed, config=cfg, interpret=interpret)
     out = jnp.sum(parts, axis=0)[:packed.n, :m].T
+    if bias is not None:
+        out = out + bias.astype(jnp.float32)
+    return out.astype(x2.dtype)
+
+
+def nk_compatible(group_size: int, k: int) -> bool:
+    """Whether a grouping fits the kernel: per-channel, or groups that are multiples of 64."""
+    return group_size in (None, -1) or group_size >= k or group_size % _K_CHUNK == 0
+
+
+def dequantize_nk(packed: PackedW4NK, dtype=jnp.float32) -> jax.Array:
+    """The float weight ``[K_pad, N_pad]`` in stored row order, in fp32 math (padding is 0)."""
+    values = packed.data.astype(jnp.float32).T
+    rows = lambda t: jnp.repeat(t.astype(jnp.float32), packed.group_size, axis=0)
+    if packed.zero is not None:
+        values = values - rows(packed.zero)
+    return (values * rows(packed.scale)).astype(dtype)
+
+
+def gather_pad_nk(x2: jax.Array, packed: PackedW4NK, m_pad: int) -> jax.Array:
+    """x's columns in stored (act-order) order, zero-padded to ``[m_pad, K_pad]``."""
+    if packed.perm is not None:
+        x2 = jnp.take(x2, packed.perm, axis=1)
+    return jnp.pad(x2, ((0, m_pad - x2.shape[0]), (0, packed.k_pad - packed.k)))
+
+
+def reference_nk(x2: jax.Array, packed: PackedW4NK, bias=None, dtype=jnp.float32) -> jax.Array:
+    """The kernel's pure-JAX twin: dequantize in fp32 (then ``dtype``), dot with fp32 accumulation."""
+    xs = gather_pad_nk(x2, packed, x2.shape[0]).astype(dtype)
+    out = jnp.dot(xs, dequantize_nk(packed, dtype)[:, :packed.n],
+                  preferred_element_type=jnp.float32)
     if bias is not None:
         out = out + bias.astype(jnp.float32)
     return out.astype(x2.dtype)
