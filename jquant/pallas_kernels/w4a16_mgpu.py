@@ -221,7 +221,7 @@ def _step_with_acc(step, acc_ref, idx, *refs):
     step(idx, *refs, acc_ref=acc_ref)
 
 
-def prepack_nk(q, scale, zero=None, *, group_size, g_idx=None, pad_k: int = 256,
+def prepack_nk(q, scale, zero=None, *, group_size, g_idx=None, pad_k: int = _K_CHUNK,
                pad_n: int = 128) -> PackedW4NK:
     """Lays int4 codes ``q`` ``[K, N]`` (0..15, value ``code − 8`` unless ``zero`` is given) out for
     the Mosaic GPU kernel: ``[N_pad, K_pad]`` signed int4, scales and zeros ``[K_pad / G, N_pad]``.
@@ -253,15 +253,30 @@ def prepack_nk(q, scale, zero=None, *, group_size, g_idx=None, pad_k: int = 256,
 
 
 def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
-    """A launch for ``m`` rows: one M tile up to 128 rows, split-K until ~2 CTAs per SM."""
+    """The launch for ``m`` rows, from the H200 sweep (bench/NOTES.md, "Mosaic GPU kernel"):
+    decode (M ≤ 16) wants narrow 64-row tiles and split-K 4-8 (thousands of small CTAs keep the
+    TMA engines busy); larger M wants 128-row tiles of 128 K (so 3 stages of a 128-row x tile fit
+    in shared memory) and split-K 2 only while there are fewer CTAs than ~2 per SM."""
     block_m = min(_round_up(m, 8), 128)
-    block_n = 128 if packed.n_pad % 128 == 0 else 64
-    block_k = 256 if packed.group_size % 256 == 0 or 256 % packed.group_size == 0 else 128
-    tiles = packed.n_pad // block_n * -(-m // block_m)
-    split = 1
-    while tiles * split < 264 and packed.k_pad % (2 * split * block_k) == 0:
-        split *= 2
-    return MgpuConfig(block_n=block_n, block_k=block_k, block_m=block_m, split_k=split)
+    if block_m <= 16:
+        bn, bk, stages, split = 64, 256, 3, (8 if block_m == 8 else 4)
+    elif block_m <= 64:
+        bn, bk, stages, split = 64, 128, 3, 2
+    else:
+        bn, bk, stages, split = 128, 128, 3, 2
+    if packed.n_pad % bn:
+        bn = 64
+    g = packed.group_size
+    while bk > _K_CHUNK and (g % bk if g >= bk else bk % g):   # a step meets whole groups
+        bk //= 2
+    if split > 1 and packed.n_pad // bn * -(-m // block_m) >= 264 and block_m > 16:
+        split = 1
+    while split > 1 and (packed.k_pad % (split * bk) or packed.k_pad // (split * bk) < 2):
+        split //= 2
+    while packed.k_pad % bk:   # K_pad is a multiple of 64
+        bk //= 2
+    return MgpuConfig(block_n=bn, block_k=bk, block_m=block_m, split_k=split,
+                      max_concurrent_steps=stages)
 
 
 def w4a16_mgpu_matmul(x2: jax.Array, packed: PackedW4NK, bias=None, *,
