@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import jquant
-from jquant.pallas_kernels import dequantize_packed, w4a16_matmul
+from jquant.pallas_kernels import PackedW4NK, dequantize_nk, dequantize_packed, w4a16_matmul
 from jquant.pallas_kernels.scheme_impl import _prepare, _supports, unified_w4
 from jquant.registry import candidate_impls
 
@@ -18,7 +18,8 @@ def _weight(n=96, k=256):
 
 def _unpacked(packed):
     """The kernel layout's weight as [K, N] in the original row order (padding and act-order undone)."""
-    w = dequantize_packed(packed, jnp.float32)[: packed.k, : packed.n]
+    dequant = dequantize_nk if isinstance(packed, PackedW4NK) else dequantize_packed
+    w = dequant(packed, jnp.float32)[: packed.k, : packed.n]
     return w if packed.perm is None else jnp.zeros_like(w).at[packed.perm].set(w)
 
 
@@ -30,16 +31,18 @@ def test_kernel_layout_dequantizes_to_the_qtensor(name):
     scheme = jquant.get_scheme(name)
     qt = scheme.quantize_weight(_weight())
     packed = _prepare(scheme, qt)
+    # int4 with groups of 64·j goes to the Mosaic GPU kernel's layout, the rest to the Triton one.
+    assert isinstance(packed, PackedW4NK) == (name in ("int4_g128", "int4_g128_asym"))
     chex.assert_trees_all_close(_unpacked(packed), qt.dequantize(jnp.float32).T, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["int4_g128_asym", "nvfp4", "nf4_dq"])
+@pytest.mark.parametrize("name", ["int4_g128_asym", "int4_g32", "nvfp4", "nf4_dq"])
 def test_kernel_matches_the_xla_reference(name):
     scheme = jquant.get_scheme(name)
     qt = scheme.quantize_weight(_weight())
     x = jax.random.normal(jax.random.key(1), (3, 256), jnp.bfloat16)
     want = scheme.apply(x, qt).astype(jnp.float32)
-    got = w4a16_matmul(x, _prepare(scheme, qt), impl="gemv", interpret=True).astype(jnp.float32)
+    got = w4a16_matmul(x, _prepare(scheme, qt), impl="pallas", interpret=True).astype(jnp.float32)
     # The XLA path dequantizes to bf16 before its dot, the kernel multiplies in fp32: compare norms.
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2
 

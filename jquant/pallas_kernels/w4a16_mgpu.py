@@ -49,6 +49,12 @@ class MgpuConfig:
     split_k: int = 1
     max_concurrent_steps: int = 4
 
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"MgpuConfig.{f.name} must be a positive int, got {v!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class PackedW4NK:
@@ -93,7 +99,7 @@ def _swizzle_tiles(block_k: int, bits: int):
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def _check(packed: PackedW4NK, m_pad: int, x_dtype, cfg: MgpuConfig) -> int:
+def _check(packed: PackedW4NK, m_pad: int, cfg: MgpuConfig) -> int:
     n_pad, k_pad = packed.data.shape
     g = packed.group_size
     k_split = k_pad // cfg.split_k
@@ -109,8 +115,6 @@ def _check(packed: PackedW4NK, m_pad: int, x_dtype, cfg: MgpuConfig) -> int:
     if g % _K_CHUNK or (g < cfg.block_k and cfg.block_k % g) or (g > cfg.block_k and g % cfg.block_k):
         problems.append(f"group_size={g} must be a multiple of {_K_CHUNK} that divides or is a "
                         f"multiple of block_k={cfg.block_k}")
-    if jnp.dtype(x_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        problems.append(f"x must be bf16 or fp16, got {jnp.dtype(x_dtype)}")
     if cfg.max_concurrent_steps < 2:
         problems.append(f"max_concurrent_steps={cfg.max_concurrent_steps} must be ≥ 2")
     if problems:
@@ -122,8 +126,13 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
                interpret: bool = False) -> jax.Array:
     """fp32 ``[split_k, N_pad, M_pad]`` partials of ``(xs @ W)ᵀ`` for padded ``xs`` ``[M_pad, K_pad]``."""
     cfg = config
+    if xs.dtype not in (jnp.bfloat16, jnp.float16):
+        raise TypeError(f"xs must be bf16 or fp16 (wgmma's 16-bit operand), got {xs.dtype} "
+                        f"(shape {tuple(xs.shape)})")
+    if xs.ndim != 2 or xs.shape[1] != packed.k_pad:
+        raise ValueError(f"xs has shape {tuple(xs.shape)}; expected [M_pad, K_pad={packed.k_pad}]")
     m_pad = xs.shape[0]
-    k_split = _check(packed, m_pad, xs.dtype, cfg)
+    k_split = _check(packed, m_pad, cfg)
     bn, bk, bm = cfg.block_n, cfg.block_k, cfg.block_m
     g = packed.group_size
     dtype = xs.dtype
@@ -155,9 +164,9 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
                 ks = slice(c * _K_CHUNK, (c + 1) * _K_CHUNK)
                 wc = w[:, ks].astype(dtype)
                 if has_zero:
-                    zero = plgpu.load(z_smem[0].at[row], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                    zero = plgpu.load(z_smem[0].at[row], layout=plgpu.Layout.WGMMA.reduce(1))
                     wc = wc - jax.lax.broadcast_in_dim(zero.astype(dtype), (bn, _K_CHUNK), (0,))
-                scale = plgpu.load(s_smem.at[row], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                scale = plgpu.load(s_smem.at[row], layout=plgpu.Layout.WGMMA.reduce(1))
                 wc = wc * jax.lax.broadcast_in_dim(scale.astype(dtype), (bn, _K_CHUNK), (0,))
                 if a_scratch:
                     a_scratch[0][...] = wc
@@ -225,7 +234,8 @@ def prepack_nk(q, scale, zero=None, *, group_size, g_idx=None, pad_k: int = _K_C
                pad_n: int = 128) -> PackedW4NK:
     """Lays int4 codes ``q`` ``[K, N]`` (0..15, value ``code − 8`` unless ``zero`` is given) out for
     the Mosaic GPU kernel: ``[N_pad, K_pad]`` signed int4, scales and zeros ``[K_pad / G, N_pad]``.
-    Padded codes and scales are 0, so padded weights are exactly 0."""
+    Padded columns have scale 0, so they are exactly 0; padded rows (code 0 − zero) meet the zero
+    columns ``gather_pad_nk`` appends to x."""
     q = jnp.asarray(q)
     k, n = q.shape
     g = k if group_size in (None, -1) or group_size >= k else int(group_size)

@@ -1,0 +1,227 @@
+"""The Mosaic GPU W4A16 kernel: interpret mode (CPU) against its pure-JAX twin and an independent numpy
+dequantization, its lowering for sm_90 (no GPU needed), the NK layout, dispatch and bad input."""
+
+import dataclasses
+
+import chex
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+
+from jquant.bench.w4a16 import random_w4_weight
+from jquant.pallas_kernels import (MGPU_MAX_M, MgpuConfig, PackedW4NK, default_mgpu_config,
+                                   dequantize_nk, prepack, prepack_nk, reference_nk, resolve_impl,
+                                   w4a16_matmul)
+from jquant.pallas_kernels import w4a16 as dispatch
+from jquant.pallas_kernels.w4a16_mgpu import w4a16_mgpu
+
+
+def _numpy_weight(q, s, z, group, g_idx=None):
+    """``(q − z)·s`` in float64, rows in the checkpoint's order (z = 8 for uint4b8)."""
+    k = q.shape[0]
+    rows = np.asarray(g_idx) if g_idx is not None else np.arange(k) // (k if group == -1 else group)
+    zero = 8.0 if z is None else np.asarray(z, np.float64)[rows]
+    return (q.astype(np.float64) - zero) * np.asarray(s, np.float64)[rows]
+
+
+def _rel_err(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+def _weight(rng, k, n, group, zeros=None, scale="bf16", act=False):
+    q, s, z = random_w4_weight(rng, k, n, group, zeros=zeros, scale_dtype=scale)
+    g_idx = rng.permutation(np.arange(k) // group).astype(np.int32) if act else None
+    return q, s, z, g_idx
+
+
+# ---- layout and reference ------------------------------------------------------------------------
+@given(k=st.integers(1, 300), n=st.integers(1, 150), group=st.sampled_from([64, 128, -1]),
+       zeros=st.sampled_from([None, "int"]), seed=st.integers(0, 2**16))
+def test_nk_layout_dequantizes_exactly_any_shape(k, n, group, zeros, seed):
+    rng = np.random.default_rng(seed)
+    q, s, z, _ = _weight(rng, k, n, group, zeros, scale="f32")
+    packed = prepack_nk(q, s, z, group_size=group)
+    assert packed.k_pad % 64 == 0 and packed.n_pad % 128 == 0 and packed.data.dtype == jnp.int4
+    w = np.asarray(dequantize_nk(packed))
+    np.testing.assert_allclose(w[:k, :n], _numpy_weight(q, s, z, group), rtol=1e-6, atol=1e-7)
+    assert not w[:, n:].any()                              # padded columns: scale 0
+    assert zeros is not None or not w[k:].any()            # padded rows: code 8 − 8 (they meet 0s)
+
+
+def test_reference_matches_numpy_with_act_order_and_fp16_scales():
+    rng = np.random.default_rng(1)
+    q, s, z, g_idx = _weight(rng, 256, 72, 64, zeros="int", scale="f16", act=True)
+    packed = prepack_nk(q, s, z, group_size=64, g_idx=g_idx)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    want = x @ _numpy_weight(q, s, z, 64, g_idx)
+    assert _rel_err(reference_nk(jnp.asarray(x), packed), want) < 1e-6
+
+
+# ---- the kernel in interpret mode ----------------------------------------------------------------
+CASES = [  # k, n, group, zeros, scale, act-order, m, x dtype, bias, launch (None: default)
+    (512, 256, 128, None, "bf16", False, 1, jnp.bfloat16, False, None),
+    (576, 200, 64, "int", "f16", False, 5, jnp.float16, True, None),      # N, K off the tiles
+    (1000, 130, -1, None, "f32", False, 20,  jnp.bfloat16, False,          # per-channel, 3 M tiles
+     MgpuConfig(block_n=64, block_k=64, block_m=8, split_k=1, max_concurrent_steps=3)),
+    (512, 128, 128, None, "bf16", True, 16, jnp.bfloat16, True,           # act-order, split-K 2
+     MgpuConfig(block_n=128, block_k=128, block_m=16, split_k=2, max_concurrent_steps=2)),
+    (1024, 64, 256, "int", "bf16", False, 3, jnp.float16, False,          # groups span 2 steps
+     MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=2, max_concurrent_steps=2)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_kernel_matches_numpy_and_reference(case):
+    k, n, group, zeros, scale, act, m, x_dtype, bias, cfg = CASES[case]
+    rng = np.random.default_rng(10 + case)
+    q, s, z, g_idx = _weight(rng, k, n, group, zeros, scale, act)
+    packed = prepack_nk(q, s, z, group_size=group, g_idx=g_idx)
+    x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
+    b = jnp.asarray(rng.standard_normal(n), jnp.float32) if bias else None
+    # Interpret mode starts every output buffer as NaN, so a tile the kernel never wrote shows.
+    out = w4a16_matmul(x, packed, bias=b, impl="mgpu", config=cfg, interpret=True)
+    assert out.shape == (m, n) and out.dtype == x_dtype
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    want = np.asarray(x, np.float64) @ _numpy_weight(q, s, z, group, g_idx)
+    if bias:
+        want = want + np.asarray(b, np.float64)
+    assert _rel_err(out, want) <= 1e-2
+    assert _rel_err(out, reference_nk(x, packed, b)) <= 1e-2
+
+
+def test_kernel_writes_every_partial():
+    """The raw split-K partials (before XLA sums them) are all finite: no CTA skipped a tile."""
+    rng = np.random.default_rng(3)
+    q, s, _, _ = _weight(rng, 512, 256, 128)
+    packed = prepack_nk(q, s, group_size=128)
+    cfg = MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=2, max_concurrent_steps=2)
+    xs = jnp.asarray(rng.standard_normal((16, 512)), jnp.bfloat16)
+    parts = w4a16_mgpu(xs, packed, config=cfg, interpret=True)
+    assert parts.shape == (2, 256, 16) and np.isfinite(np.asarray(parts)).all()
+    want = np.asarray(xs, np.float64) @ _numpy_weight(q, s, None, 128)
+    assert _rel_err(np.asarray(parts).sum(0).T, want) <= 1e-2
+
+
+class TestUnderJit(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_batch_dims(self):
+        rng = np.random.default_rng(4)
+        q, s, z, _ = _weight(rng, 256, 128, 128, zeros="int")
+        packed = prepack_nk(q, s, z, group_size=128)
+        x = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.bfloat16)
+        fn = self.variant(lambda x, p: w4a16_matmul(x, p, impl="mgpu", interpret=True))
+        out = fn(x, packed)
+        assert out.shape == (2, 3, 128)
+        chex.assert_trees_all_close(out.astype(jnp.float32),
+                                    reference_nk(x.reshape(6, 256), packed).reshape(2, 3, 128)
+                                    .astype(jnp.float32), rtol=2e-2, atol=2e-2)
+
+
+# ---- lowering for the GPU (what interpret mode cannot check) --------------------------------------
+@pytest.mark.parametrize("m,cfg", [
+    (1, None), (16, None), (100, None),
+    (8, MgpuConfig(block_n=128, block_k=64, block_m=8, split_k=1, max_concurrent_steps=4))])
+def test_kernel_lowers_for_sm90(m, cfg):
+    """Exporting for CUDA runs Mosaic GPU's own lowering (layout inference, the register-operand
+    wgmma that interpret mode replaces by a shared-memory one, TMA descriptors) on this CPU."""
+    rng = np.random.default_rng(5)
+    q, s, z, _ = _weight(rng, 1024, 256, 128, zeros="int" if m == 16 else None)
+    packed = prepack_nk(q, s, z, group_size=128)
+    cfg = cfg or default_mgpu_config(m, packed)
+    xs = jnp.zeros((-(-m // cfg.block_m) * cfg.block_m, packed.k_pad), jnp.bfloat16)
+    exported = jax.export.export(jax.jit(lambda x, p: w4a16_mgpu(x, p, config=cfg)),
+                                 platforms=["cuda"])(xs, packed)
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
+# ---- defaults, dispatch, bad input ---------------------------------------------------------------
+@pytest.mark.parametrize("n,k,group", [(28672, 8192, 128), (8192, 28672, 128), (1536, 576, 64),
+                                       (4096, 4096, -1), (512, 1000, 256)])
+@pytest.mark.parametrize("m", [1, 4, 16, 33, 64, 128, 1024])
+def test_default_configs_are_valid_launches(n, k, group, m):
+    groups = 1 if group == -1 else -(-k // group)
+    packed = prepack_nk(np.zeros((k, n), np.uint8), np.ones((groups, n), np.float32),
+                        group_size=group)
+    cfg = default_mgpu_config(m, packed)
+    xs = jax.ShapeDtypeStruct((-(-m // cfg.block_m) * cfg.block_m, packed.k_pad), jnp.bfloat16)
+    out = jax.eval_shape(lambda x, p: w4a16_mgpu(x, p, config=cfg), xs, packed)  # runs the checks
+    assert out.shape == (cfg.split_k, packed.n_pad, xs.shape[0])
+
+
+def test_dispatch_by_device_and_m(monkeypatch):
+    assert resolve_impl("auto", 1, layout="nk") == "reference"           # this CPU
+    assert resolve_impl("auto", 1, interpret=True, layout="nk") == "mgpu"
+    monkeypatch.setattr(dispatch, "compute_capability", lambda: 90)
+    assert resolve_impl("auto", 1, layout="nk") == "mgpu"
+    assert resolve_impl("auto", MGPU_MAX_M, layout="nk") == "mgpu"
+    assert resolve_impl("auto", MGPU_MAX_M + 1, layout="nk") == "xla"
+    monkeypatch.setattr(dispatch, "compute_capability", lambda: 100)     # no wgmma on Blackwell
+    assert resolve_impl("auto", 1, layout="nk") == "xla"
+    dispatch._warned.discard("mgpu100")
+    with pytest.warns(RuntimeWarning, match="cannot run on compute capability 100"):
+        assert resolve_impl("mgpu", 1, layout="nk") == "xla"
+    with pytest.raises(ValueError, match="needs a Hopper GPU"):
+        resolve_impl("pallas", 1, layout="nk")
+
+
+def test_layout_and_impl_mismatches_are_errors():
+    rng = np.random.default_rng(6)
+    q, s, _, _ = _weight(rng, 256, 64, 128)
+    nk = prepack_nk(q, s, group_size=128)
+    tile = prepack(q, s, lut="int4", group_size=128)
+    x = jnp.ones((1, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="needs the tile-major layout"):
+        w4a16_matmul(x, nk, impl="gemv", interpret=True)
+    with pytest.raises(ValueError, match="needs a weight packed with prepack_nk"):
+        w4a16_matmul(x, tile, impl="mgpu", interpret=True)
+    with pytest.raises(TypeError, match="takes bf16 or fp16 x; got float32 x of shape"):
+        w4a16_matmul(x.astype(jnp.float32), nk, impl="mgpu", interpret=True)
+    out = w4a16_matmul(x.astype(jnp.float32), nk)                        # auto keeps fp32 exact
+    assert out.dtype == jnp.float32
+    with pytest.raises(TypeError, match="must be an MgpuConfig"):
+        w4a16_matmul(x, nk, impl="mgpu", interpret=True, config=dispatch.TuningConfig())
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (MgpuConfig(block_n=96), "block_n=96 must be a multiple of 64"),
+    (MgpuConfig(block_m=12), "block_m=12 must be a multiple of 8"),
+    (MgpuConfig(block_k=96), "block_k=96"),
+    (MgpuConfig(block_k=256, split_k=4), "split_k=4 must tile K_pad=512"),
+    (MgpuConfig(block_k=512, max_concurrent_steps=1), "max_concurrent_steps=1 must be ≥ 2"),
+])
+def test_bad_launches_name_the_parameter(cfg, match):
+    rng = np.random.default_rng(7)
+    q, s, _, _ = _weight(rng, 512, 128, 128)
+    packed = prepack_nk(q, s, group_size=128)
+    with pytest.raises(ValueError, match=match):
+        w4a16_mgpu(jnp.ones((8, 512), jnp.bfloat16), packed, config=cfg, interpret=True)
+
+
+def test_group_that_does_not_fit_the_step_is_refused():
+    rng = np.random.default_rng(8)
+    q, s, _, _ = _weight(rng, 384, 128, 192)
+    packed = prepack_nk(q, s, group_size=192)
+    cfg = MgpuConfig(block_k=128, block_m=8)
+    with pytest.raises(ValueError, match="group_size=192 must be a multiple of 64 that divides"):
+        w4a16_mgpu(jnp.ones((8, packed.k_pad), jnp.bfloat16), packed, config=cfg, interpret=True)
+    with pytest.raises(TypeError, match="xs must be bf16 or fp16"):
+        w4a16_mgpu(jnp.ones((8, packed.k_pad), jnp.float32), packed,
+                   config=dataclasses.replace(cfg, block_k=64), interpret=True)
+
+
+def test_config_fields_are_positive_ints():
+    with pytest.raises(ValueError, match="MgpuConfig.split_k must be a positive int"):
+        MgpuConfig(split_k=0)
+
+
+def test_packed_nk_is_a_pytree():
+    rng = np.random.default_rng(9)
+    q, s, z, g_idx = _weight(rng, 256, 64, 64, zeros="int", act=True)
+    packed = prepack_nk(q, s, z, group_size=64, g_idx=g_idx)
+    leaves, treedef = jax.tree_util.tree_flatten(packed)
+    assert len(leaves) == 4 and isinstance(jax.tree_util.tree_unflatten(treedef, leaves), PackedW4NK)
+    assert packed.nbytes == packed.data.size // 2 + sum(a.nbytes for a in leaves[1:])
