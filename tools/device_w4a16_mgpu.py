@@ -55,17 +55,20 @@ def correctness() -> list[dict]:
         x = rng.standard_normal((m, k)).astype(np.float32)
         ref = x.astype(np.asarray(jnp.zeros((), xdt)).dtype).astype(np.float32) @ w
         rec = dict(k=k, n=n, group=g, zeros=zeros, scale=sdt, m=m, x=jnp.dtype(xdt).name, act=act)
-        try:
-            cfg = default_mgpu_config(m if m <= 128 else 128, packed)
-            got = jax.jit(lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg))(jnp.asarray(x, xdt), packed)
-            got = np.asarray(got, np.float32)
-            err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-            rec.update(cfg=dataclasses.asdict(cfg), rel_err=err, ok=bool(err <= 1e-2 and np.isfinite(got).all()))
-        except Exception as e:
-            traceback.print_exc()
-            rec.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
-        log(f"  {'ok  ' if rec['ok'] else 'FAIL'} {rec}")
-        out.append(rec)
+        for wide in (False, True):
+            rec = dict(rec, wide_loads=wide)
+            try:
+                cfg = dataclasses.replace(default_mgpu_config(min(m, 128), packed), wide_loads=wide)
+                got = jax.jit(lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg))(jnp.asarray(x, xdt), packed)
+                got = np.asarray(got, np.float32)
+                err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+                rec.update(cfg=dataclasses.asdict(cfg), rel_err=err,
+                           ok=bool(err <= 1e-2 and np.isfinite(got).all()))
+            except Exception as e:
+                traceback.print_exc()
+                rec.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
+            log(f"  {'ok  ' if rec['ok'] else 'FAIL'} {rec}")
+            out.append(rec)
     return out
 
 
@@ -139,11 +142,51 @@ def sweep(quick: bool) -> list[dict]:
     return rows
 
 
+def ab() -> list[dict]:
+    """The default launch against wide int4 loads and the sweep's other winners, same process."""
+    rows = []
+    key = jax.random.PRNGKey(0)
+    for n, k in ((28672, 8192), (8192, 8192)):
+        weight = bench.make_weight("int4_g128", n, k, key)
+        packed = prepack_nk(weight["q"], weight["scale"], group_size=128)
+        packs = [packed] + [jax.tree_util.tree_map(lambda a: a.copy(), packed)
+                            for _ in range(copies_for(packed.nbytes, max_copies=8) - 1)]
+        w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
+                  for c in range(copies_for(k * n * 2, max_copies=4))]
+        for m in (1, 16, 32, 64, 128):
+            xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
+            bf16 = time_fn(jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)]).median_us
+            base = default_mgpu_config(m, packed)
+            alts = [base, dataclasses.replace(base, wide_loads=True)]
+            if m in (32, 64):
+                alts += [dataclasses.replace(base, block_n=128), dataclasses.replace(
+                    base, block_n=128, wide_loads=True)]
+            if m == 1:
+                alts += [dataclasses.replace(base, max_concurrent_steps=2, wide_loads=True),
+                         dataclasses.replace(base, max_concurrent_steps=4, wide_loads=True)]
+            line = f"{n}x{k} M={m:<4d} bf16 {bf16:7.1f} |"
+            for cfg in alts:
+                try:
+                    fn = jax.jit(lambda x, p, c=cfg: w4a16_mgpu_matmul(x, p, config=c))
+                    us = time_fn(fn, [(xs[c % 4], p) for c, p in enumerate(packs)]).median_us
+                except Exception as e:
+                    log(f"  FAILED {cfg}: {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                rows.append(dict(N=n, K=k, M=m, time_us=us, xla_bf16_us=bf16,
+                                 config=dataclasses.asdict(cfg)))
+                line += (f" bn{cfg.block_n} bk{cfg.block_k} st{cfg.max_concurrent_steps} "
+                         f"sp{cfg.split_k}{' wide' if cfg.wide_loads else ''}: {us:6.1f} |")
+            log(line)
+        del packs, w_bf16
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument("--ab", action="store_true", help="default launch vs wide loads and alternatives")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,6 +194,8 @@ def main(argv=None) -> int:
     res = correctness()
     (out / "mgpu_correctness.json").write_text(json.dumps(res, indent=1))
     log(f"correctness {sum(r['ok'] for r in res)}/{len(res)}")
+    if args.ab:
+        (out / "mgpu_ab.json").write_text(json.dumps(ab(), indent=1))
     if not args.skip_sweep:
         rows = sweep(args.quick)
         (out / "mgpu_sweep.json").write_text(json.dumps(rows, indent=1))

@@ -41,6 +41,8 @@ class MgpuConfig:
     block_m: activation rows per CTA (wgmma N: a multiple of 8, at most 256).
     split_k: K ranges run by separate CTAs, summed by XLA afterwards.
     max_concurrent_steps: TMA pipeline depth.
+    wide_loads: read the int4 tile 8 codes per 32-bit load (Mosaic GPU's UPCAST_4X layout) and
+      shuffle into wgmma's layout, instead of 2 codes per 8-bit load.
     """
 
     block_n: int = 128
@@ -48,10 +50,13 @@ class MgpuConfig:
     block_m: int = 8
     split_k: int = 1
     max_concurrent_steps: int = 4
+    wide_loads: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "wide_loads":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"MgpuConfig.{f.name} must be a positive int, got {v!r}")
 
@@ -158,7 +163,12 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
             if chunks == 1:
                 # The decoded registers of the previous step's wgmma get reused now.
                 plgpu.wgmma_wait(0)
-            w = w_smem[...]
+            if cfg.wide_loads:
+                # 8 codes per 32-bit shared-memory load, then register shuffles into wgmma's layout.
+                w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
+            else:
+                w = w_smem[...]
             for c in range(chunks):
                 row = (c * _K_CHUNK) // g if g < bk else 0
                 ks = slice(c * _K_CHUNK, (c + 1) * _K_CHUNK)
