@@ -1,4 +1,5 @@
-"""Tensor-parallel quantized forward on 8 simulated CPU devices equals the single-device one."""
+"""Tensor-parallel quantized forward on 8 simulated CPU devices equals the single-device one (up to
+summation order, and for W8A8 up to the activation roundings that order can flip)."""
 
 import chex
 import jax
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+import jquant
 from jquant.models.llama import LlamaConfig, LlamaForCausalLM
 from jquant.nn import QParam, quantize_params, quantized_apply
 from jquant.sharding import shard_tensor_parallel
@@ -43,7 +45,17 @@ def test_sharded_forward_matches_single_device(model_and_params, scheme):
     assert data.sharding.spec[0] == "tp" and data.addressable_shards[0].data.shape[0] == data.shape[0] // 8
     down = sharded_params["layers_0"]["down_proj"]["kernel"].qtensor
     assert down.data.sharding.spec[1] == "tp"
-    chex.assert_trees_all_close(fwd(sharded_params, ids), single, rtol=1e-5, atol=1e-5)
+    sharded = fwd(sharded_params, ids)
+    if jquant.get_scheme(scheme).weight_only:
+        chex.assert_trees_all_close(sharded, single, rtol=1e-5, atol=1e-5)
+    else:
+        # W8A8 quantizes activations per token at run time: the sharded sums' different order can
+        # move one activation across an fp8 rounding boundary, which changes that token's logits
+        # by about one fp8 step (seen: 1 of 24 tokens, max 0.014). Everything else must agree.
+        diff = np.abs(np.asarray(sharded) - np.asarray(single))
+        tokens_off = (diff.max(axis=-1) > 1e-5 + 1e-5 * np.abs(np.asarray(single)).max(axis=-1))
+        assert tokens_off.sum() <= 2 and diff.max() < 0.05, (tokens_off.sum(), diff.max())
+        np.testing.assert_array_equal(np.argmax(sharded, -1), np.argmax(single, -1))
 
 
 def test_split_group_is_refused_with_the_path(model_and_params):

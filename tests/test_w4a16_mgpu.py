@@ -159,6 +159,9 @@ def test_dispatch_by_device_and_m(monkeypatch):
     assert resolve_impl("auto", 1, layout="nk") == "mgpu"
     assert resolve_impl("auto", MGPU_MAX_M, layout="nk") == "mgpu"
     assert resolve_impl("auto", MGPU_MAX_M + 1, layout="nk") == "xla"
+    small = dict(layout="nk", weight_elems=4096 * 4096)                  # launch-bound past M=128
+    assert resolve_impl("auto", 128, **small) == "mgpu"
+    assert resolve_impl("auto", 129, **small) == "xla"
     monkeypatch.setattr(dispatch, "compute_capability", lambda: 100)     # no wgmma on Blackwell
     assert resolve_impl("auto", 1, layout="nk") == "xla"
     dispatch._warned.discard("mgpu100")

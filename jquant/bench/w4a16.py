@@ -104,6 +104,10 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
     entries use ``default_config``. ``impls`` lists the ``w4a16_matmul`` impls to time per cell.
     """
     configs = configs or {}
+    if interpret:   # interpret mode measures nothing real: one copy, one warm-up, just the plumbing
+        max_copies, warmup = 1, 1
+    else:
+        warmup = 3
     records = []
     key = jax.random.PRNGKey(0)
     meta = dict(device=_device_name(), jax_version=jax.__version__,
@@ -126,17 +130,20 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                       for c in range(4)]
                 baselines = {}
                 if scheme == "int4_g128" or m == 1:
-                    t = time_fn(jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)], reps=reps)
+                    t = time_fn(jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)], reps=reps,
+                                warmup=warmup)
                     baselines["xla_bf16"] = t.median_us
-                    t = time_fn(dequant_fn, [(x, rows, int4["scale"]) for x in xs], reps=reps)
+                    t = time_fn(dequant_fn, [(x, rows, int4["scale"]) for x in xs], reps=reps,
+                                warmup=warmup)
                     baselines["xla_dequant_dot"] = t.median_us
                 for impl in impls:
                     nk = weight["lut"] == "int4" and impl not in ("gemv", "mma")
-                    mode = resolve_impl(impl, m, interpret, layout="nk" if nk else "tile")
+                    mode = resolve_impl(impl, m, interpret, layout="nk" if nk else "tile",
+                                        weight_elems=n * k)
                     cfg = None
                     if mode in ("gemv", "mma"):
                         cfg = configs.get((mode, n, k, m))
-                    packed = _packed(packed_cache, scheme, weight, cfg, nk)
+                    packed = _packed(packed_cache, scheme, weight, cfg, nk, max_copies)
                     if cfg is not None:   # small groups may have shrunk block_k at prepack
                         cfg = dataclasses.replace(cfg, block_n=packed[0].block_n,
                                                   block_k=packed[0].block_k)
@@ -148,7 +155,7 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                         x, p, impl=_impl, config=_cfg, interpret=interpret))
                     args = [(xs[c % 4], p) for c, p in enumerate(packed)]
                     try:
-                        t = time_fn(fn, args, reps=reps)
+                        t = time_fn(fn, args, reps=reps, warmup=warmup)
                     except Exception as e:  # one failing cell must not end the run
                         log(f"  FAILED {scheme} {n}x{k} M={m} impl={impl}: {type(e).__name__}: {e}")
                         continue
@@ -171,8 +178,8 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
     return records
 
 
-def _packed(cache: dict, scheme: str, weight: dict, cfg: TuningConfig | None, nk: bool
-            ) -> list[PackedW4 | PackedW4NK]:
+def _packed(cache: dict, scheme: str, weight: dict, cfg: TuningConfig | None, nk: bool,
+            max_copies: int) -> list[PackedW4 | PackedW4NK]:
     """Copies of the weight in the layout the timed impl reads (NK for the Mosaic GPU kernel)."""
     tiles = (cfg.block_n, cfg.block_k) if cfg else (TuningConfig.block_n, TuningConfig.block_k)
     key = (scheme, "nk" if nk else tiles)
@@ -183,7 +190,7 @@ def _packed(cache: dict, scheme: str, weight: dict, cfg: TuningConfig | None, nk
             one = prepack(weight["q"], weight["scale"], lut=weight["lut"],
                           group_size=weight["group_size"], global_scale=weight["global_scale"],
                           config=TuningConfig(*tiles))
-        copies = copies_for(one.nbytes)
+        copies = copies_for(one.nbytes, max_copies=max_copies)
         # Copies are distinct buffers holding the same values: the L2 never has the next one.
         cache[key] = [one] + [jax.tree_util.tree_map(lambda a: a.copy(), one)
                               for _ in range(copies - 1)]

@@ -39,9 +39,12 @@ from jquant.pallas_kernels.w4a16_triton import (GEMV_MAX_ROWS, VARIANTS, TuningC
                                                 effective_split, reference, w4a16_pallas)
 
 IMPLS = ("auto", "pallas", "mgpu", "gemv", "mma", "xla", "reference")
-# Above this M, "auto" runs XLA for PackedW4NK: the kernel decodes W once per 128 rows of x, and at
-# M = 1024 it was still faster than XLA dequant + dot on the H200 (1156 vs 1314 µs, 28672×8192).
+# Above these M, "auto" runs XLA for PackedW4NK: the kernel decodes W once per 128 rows of x. On the
+# H200 it beat XLA dequant + dot up to M = 1024 for weights of 8192×8192 and up (917 vs 1371 µs at
+# 28672×8192) but not for 4096×4096 (131 vs 104 µs) or SmolLM2's 1536×576 past M = 128.
 MGPU_MAX_M = 1024
+MGPU_MAX_M_SMALL_WEIGHT = 128
+MGPU_LARGE_WEIGHT = 8192 * 8192
 AUTO_DISPATCH_FILE = pathlib.Path(__file__).with_name("auto_dispatch_h200.json")
 
 
@@ -109,15 +112,17 @@ def default_config(mode: str, m: int, packed: PackedW4, variant: str = "base") -
                         num_warps=8 if bm == 128 else 4, num_stages=2, block_m=bm, variant=variant)
 
 
-def resolve_impl(impl: str, m: int, interpret: bool = False, layout: str = "tile") -> str:
+def resolve_impl(impl: str, m: int, interpret: bool = False, layout: str = "tile",
+                 weight_elems: int = MGPU_LARGE_WEIGHT) -> str:
     """The implementation ``w4a16_matmul`` runs for ``impl`` at ``m`` rows on the default device,
-    for a ``PackedW4`` (``layout="tile"``) or a ``PackedW4NK`` (``layout="nk"``)."""
+    for a ``PackedW4`` (``layout="tile"``) or a ``PackedW4NK`` (``layout="nk"``, of ``weight_elems``
+    = N·K weights)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl in ("xla", "reference"):
         return impl
     if layout == "nk":
-        return _resolve_nk(impl, m, interpret)
+        return _resolve_nk(impl, m, interpret, weight_elems)
     if impl == "mgpu":
         raise ValueError("impl='mgpu' needs a weight packed with prepack_nk (int4); this one is a "
                          "PackedW4 for the Triton kernels")
@@ -146,7 +151,7 @@ def resolve_impl(impl: str, m: int, interpret: bool = False, layout: str = "tile
     return kernel if impl == "pallas" else impl
 
 
-def _resolve_nk(impl: str, m: int, interpret: bool) -> str:
+def _resolve_nk(impl: str, m: int, interpret: bool, weight_elems: int) -> str:
     if impl in ("gemv", "mma"):
         raise ValueError(f"impl={impl!r} needs the tile-major layout of prepack; this weight is a "
                          "PackedW4NK (prepack_nk) for the Mosaic GPU kernel: use 'mgpu' or 'auto'")
@@ -156,7 +161,8 @@ def _resolve_nk(impl: str, m: int, interpret: bool) -> str:
     if impl == "auto":
         if cc == 0:
             return "reference"
-        return "mgpu" if cc // 10 == 9 and m <= MGPU_MAX_M else "xla"
+        max_m = MGPU_MAX_M if weight_elems >= MGPU_LARGE_WEIGHT else MGPU_MAX_M_SMALL_WEIGHT
+        return "mgpu" if cc // 10 == 9 and m <= max_m else "xla"
     if cc // 10 != 9:   # wgmma is Hopper-only
         where = jax.devices()[0].platform if cc == 0 else f"compute capability {cc}"
         if impl == "pallas":
@@ -246,7 +252,7 @@ def _kernel_matmul(x2, packed: PackedW4, bias, mode, config, variant, interpret,
 
 
 def _nk_matmul(x2, packed: PackedW4NK, bias, impl, config, interpret):
-    kind = resolve_impl(impl, x2.shape[0], interpret, layout="nk")
+    kind = resolve_impl(impl, x2.shape[0], interpret, layout="nk", weight_elems=packed.n * packed.k)
     if kind == "mgpu" and x2.dtype == jnp.float32:
         if impl == "auto":   # the kernel's wgmma takes 16-bit x; fp32 x keeps full precision in XLA
             kind = "reference" if compute_capability() == 0 else "xla"

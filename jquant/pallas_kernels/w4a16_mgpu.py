@@ -280,8 +280,8 @@ def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
     block_m = min(_round_up(m, 8), 128)
     if block_m <= 16:
         bn, bk, stages, split = 64, 256, 3, (8 if block_m == 8 else 4)
-    elif block_m <= 64:
-        bn, bk, stages, split = 64, 128, 3, 2
+    elif block_m <= 64:   # 128-row tiles once they still give ~1 CTA per SM (A/B run, NOTES.md)
+        bn, bk, stages, split = (128 if packed.n_pad // 128 >= 132 else 64), 128, 3, 2
     else:
         bn, bk, stages, split = 128, 128, 3, 2
     if packed.n_pad % bn:
