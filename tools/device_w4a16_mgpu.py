@@ -42,16 +42,23 @@ def correctness() -> list[dict]:
         (2048, 384, 128, None, "f16", 100, jnp.bfloat16, True),
         (4096, 4096, 128, None, "bf16", 128, jnp.bfloat16, False),
         (4096, 4096, 128, "int", "f16", 200, jnp.float16, False),
+        (2048, 512, 32, "e2m1", "e8m0", 1, jnp.bfloat16, False),       # MXFP4
+        (2048, 512, 16, "e2m1", "e4m3", 16, jnp.bfloat16, False),      # NVFP4 (+ global scale)
     ]
+    e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
     out = []
     for k, n, g, zeros, sdt, m, xdt, act in cases:
-        q, s, z = bench.random_w4_weight(rng, k, n, g, zeros=zeros, scale_dtype=sdt)
+        fp4 = zeros == "e2m1"
+        q, s, z = bench.random_w4_weight(rng, k, n, g, zeros=None if fp4 else zeros, scale_dtype=sdt)
         g_idx = rng.permutation(np.arange(k) // g).astype(np.int32) if act else None
-        packed = prepack_nk(q, s, z, group_size=g, g_idx=g_idx)
+        gs = 0.05 if sdt == "e4m3" else None
+        packed = prepack_nk(q, s, z, group_size=g, g_idx=g_idx, lut="e2m1" if fp4 else "int4",
+                            global_scale=gs)
         gg = k if g == -1 else g
         groups = (np.arange(k) // gg) if g_idx is None else g_idx
         zf = 8.0 if z is None else np.asarray(z, np.float32)[groups]
-        w = (q.astype(np.float32) - zf) * np.asarray(s, np.float32)[groups]
+        values = e2m1[q] if fp4 else q.astype(np.float32) - zf
+        w = values * np.asarray(s, np.float32)[groups] * (gs or 1.0)
         x = rng.standard_normal((m, k)).astype(np.float32)
         ref = x.astype(np.asarray(jnp.zeros((), xdt)).dtype).astype(np.float32) @ w
         rec = dict(k=k, n=n, group=g, zeros=zeros, scale=sdt, m=m, x=jnp.dtype(xdt).name, act=act)

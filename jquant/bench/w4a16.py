@@ -19,6 +19,7 @@ import numpy as np
 
 from jquant.bench.timing import (H200_HBM_BYTES_PER_S, array_bytes, copies_for, roofline,
                                  time_fn)
+from jquant.pallas_kernels.w4a16_mgpu import nk_compatible
 from jquant.pallas_kernels import (PackedW4, PackedW4NK, TuningConfig, default_config,
                                    default_mgpu_config, prepack, prepack_nk, resolve_impl,
                                    w4a16_matmul)
@@ -137,7 +138,8 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                                 warmup=warmup)
                     baselines["xla_dequant_dot"] = t.median_us
                 for impl in impls:
-                    nk = weight["lut"] == "int4" and impl not in ("gemv", "mma")
+                    nk = (nk_compatible(weight["group_size"], k, weight["lut"])
+                          and impl not in ("gemv", "mma"))
                     mode = resolve_impl(impl, m, interpret, layout="nk" if nk else "tile",
                                         weight_elems=n * k)
                     cfg = None
@@ -185,7 +187,8 @@ def _packed(cache: dict, scheme: str, weight: dict, cfg: TuningConfig | None, nk
     key = (scheme, "nk" if nk else tiles)
     if key not in cache:
         if nk:
-            one = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"])
+            one = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"],
+                             lut=weight["lut"], global_scale=weight["global_scale"])
         else:
             one = prepack(weight["q"], weight["scale"], lut=weight["lut"],
                           group_size=weight["group_size"], global_scale=weight["global_scale"],

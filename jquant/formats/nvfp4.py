@@ -152,6 +152,14 @@ def block_scales(qt: QTensor) -> jax.Array:
     return qt.global_scale * scale
 
 
+def global_multiplier(qt: QTensor) -> jax.Array:
+    """float32 factor of every block scale: ``1 / global`` (compressed-tensors) or ``scale_2``
+    (ModelOpt); kernels apply it once instead of folding it into each block scale."""
+    if qt.option("convention") == "compressed-tensors":
+        return 1.0 / qt.global_scale.astype(jnp.float32)
+    return qt.global_scale.astype(jnp.float32)
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def dequantize_nvfp4(qt: QTensor, dtype) -> jax.Array:
     """``q · block multiplier`` in float32, then cast to ``dtype`` (both libraries' order)."""

@@ -42,8 +42,11 @@ def unified_w4(qt: QTensor) -> dict | None:
             return None
         codes = unpack_bits(qt.data, 4, axis=1)
         group = qt.block[1]
-        scale = nvfp4.block_scales(qt) if qt.fmt == "nvfp4" else qt.scale
+        scale = qt.scale
     args = dict(q=codes.T, scale=scale.T, lut=_LUT[qt.fmt], group_size=-1 if group == k else group)
+    if qt.fmt == "nvfp4" and qt.global_scale is not None:
+        # e4m3 block scales stay exact; the per-tensor factor is applied once, in fp32.
+        args["global_scale"] = nvfp4.global_multiplier(qt)
     if qt.zero is not None:
         args["zero"] = qt.zero.T.astype(jnp.float32)
     if qt.group_index is not None:
@@ -58,9 +61,8 @@ def _supports(scheme: Scheme, capability: int, platform: str) -> bool:
 def prepack_for_kernels(args: dict) -> PackedW4 | PackedW4NK:
     """The layout of the fastest H200 kernel for a unified 4-bit weight (``unified_w4``'s dict)."""
     k = args["q"].shape[0]
-    if args["lut"] == "int4" and nk_compatible(args["group_size"], k):
-        return prepack_nk(args["q"], args["scale"], args.get("zero"),
-                          group_size=args["group_size"], g_idx=args.get("g_idx"))
+    if nk_compatible(args["group_size"], k, args["lut"]):
+        return prepack_nk(**args)
     return prepack(**args)
 
 

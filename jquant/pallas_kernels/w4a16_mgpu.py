@@ -8,6 +8,11 @@ in shared memory, so M only sets wgmma's N (8 … 256) and even M = 1 uses the t
 The TMA engine keeps ``max_concurrent_steps`` weight tiles in flight per CTA without spending
 registers, which the Triton kernels could not do for loads that do not feed a dot.
 
+FP4 (E2M1, MXFP4 / NVFP4) rides the same int4 path: code ``(s, u)`` is stored as the signed int4
+``±u`` and decoded exactly in bf16 as ``2v − clip(v, ±4)/2 − clip(v, ±6)`` (0, ½, 1, 1½, 2, 3, 4, 6;
+Mosaic GPU's own FP4 conversion is Blackwell-only). Groups of 16 / 32 pick their scale per column
+inside each 64-wide chunk.
+
 Grid: (N / block_n, split_k, M / block_m). Each CTA streams its K range and writes an fp32
 ``[block_n, block_m]`` partial; XLA sums the split-K partials and transposes (tiny for small M).
 
@@ -26,10 +31,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jquant.pallas_kernels.w4a16_layout import _round_up, _sort_act_order
+from jquant.pallas_kernels.w4a16_layout import _round_up, _sort_act_order, canonical_lut
 
 # wgmma consumes K in chunks of one 128-byte swizzle atom of the 16-bit B operand.
 _K_CHUNK = 64
+# Groups finer than a chunk: the chunk's scale is chosen per column.
+_SUB_CHUNK_GROUPS = (16, 32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,17 +72,21 @@ class MgpuConfig:
 class PackedW4NK:
     """A 4-bit weight laid out for the Mosaic GPU kernel.
 
-    ``data`` int4 ``[N_pad, K_pad]``: ``code − zero_point`` for int4 codes (exact in int4 for
-    uint4b8 and for asymmetric codes, whose zero points are shifted the same way); ``scale``
+    ``data`` int4 ``[N_pad, K_pad]``: ``code − 8`` for int4 codes (exact in int4 for uint4b8 and
+    for asymmetric codes, whose zero points are shifted the same way), ``±u`` for an E2M1 code of
+    sign s and magnitude bits u (``lut="e2m1"``); ``scale``
     ``[K_pad / G, N_pad]`` (bf16, fp16 or fp32: converted to x's dtype in the kernel); ``zero``
     optional ``[K_pad / G, N_pad]``: ``zero − 8`` (int4 asymmetric), subtracted before scaling.
-    ``perm``: act-order gather of x's columns. ``group_size`` in stored rows.
+    ``perm``: act-order gather of x's columns; ``global_scale``: optional fp32 ``[1]`` multiplier
+    (NVFP4). ``group_size`` in stored rows.
     """
 
     data: jax.Array
     scale: jax.Array
     zero: jax.Array | None = None
     perm: jax.Array | None = None
+    global_scale: jax.Array | None = None
+    lut: str = "int4"
     k: int = 0
     n: int = 0
     group_size: int = 0
@@ -91,12 +102,14 @@ class PackedW4NK:
     @property
     def nbytes(self) -> int:
         return self.data.size // 2 + sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
-                                         for leaf in (self.scale, self.zero, self.perm)
+                                         for leaf in (self.scale, self.zero, self.perm,
+                                                      self.global_scale)
                                          if leaf is not None)
 
 
-jax.tree_util.register_dataclass(PackedW4NK, data_fields=["data", "scale", "zero", "perm"],
-                                 meta_fields=["k", "n", "group_size"])
+jax.tree_util.register_dataclass(
+    PackedW4NK, data_fields=["data", "scale", "zero", "perm", "global_scale"],
+    meta_fields=["lut", "k", "n", "group_size"])
 
 
 def _swizzle_tiles(block_k: int, bits: int):
@@ -117,9 +130,10 @@ def _check(packed: PackedW4NK, m_pad: int, cfg: MgpuConfig) -> int:
     if k_pad % cfg.split_k or k_split % cfg.block_k or cfg.block_k % _K_CHUNK:
         problems.append(f"block_k={cfg.block_k} (a multiple of {_K_CHUNK}) and split_k="
                         f"{cfg.split_k} must tile K_pad={k_pad}")
-    if g % _K_CHUNK or (g < cfg.block_k and cfg.block_k % g) or (g > cfg.block_k and g % cfg.block_k):
-        problems.append(f"group_size={g} must be a multiple of {_K_CHUNK} that divides or is a "
-                        f"multiple of block_k={cfg.block_k}")
+    if (g % _K_CHUNK and g not in _SUB_CHUNK_GROUPS) or (g < cfg.block_k and cfg.block_k % g) or (
+            g > cfg.block_k and g % cfg.block_k):
+        problems.append(f"group_size={g} must be 16, 32 or a multiple of {_K_CHUNK} that divides or "
+                        f"is a multiple of block_k={cfg.block_k}")
     if cfg.max_concurrent_steps < 2:
         problems.append(f"max_concurrent_steps={cfg.max_concurrent_steps} must be ≥ 2")
     if problems:
@@ -145,6 +159,7 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
     # Scale rows per pipeline step (several groups per step, or one group over several steps).
     s_rows = max(bk // g, 1)
     has_zero = packed.zero is not None
+    fp4 = packed.lut == "e2m1"
     w_transforms = _swizzle_tiles(bk, 4)
     x_transforms = _swizzle_tiles(bk, 16)
 
@@ -173,11 +188,12 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
                 row = (c * _K_CHUNK) // g if g < bk else 0
                 ks = slice(c * _K_CHUNK, (c + 1) * _K_CHUNK)
                 wc = w[:, ks].astype(dtype)
+                if fp4:   # ±u → E2M1 value, exact in bf16 / fp16
+                    wc = 2 * wc - 0.5 * jnp.clip(wc, -4, 4) - jnp.clip(wc, -6, 6)
                 if has_zero:
                     zero = plgpu.load(z_smem[0].at[row], layout=plgpu.Layout.WGMMA.reduce(1))
                     wc = wc - jax.lax.broadcast_in_dim(zero.astype(dtype), (bn, _K_CHUNK), (0,))
-                scale = plgpu.load(s_smem.at[row], layout=plgpu.Layout.WGMMA.reduce(1))
-                wc = wc * jax.lax.broadcast_in_dim(scale.astype(dtype), (bn, _K_CHUNK), (0,))
+                wc = wc * chunk_scale(s_smem, row)
                 if a_scratch:
                     a_scratch[0][...] = wc
                     plgpu.commit_smem()
@@ -188,6 +204,20 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
                     # One wgmma stays in flight while the next chunk is decoded.
                     plgpu.wgmma_wait(1)
             return acc_ref
+
+        def chunk_scale(s_smem, row):
+            """The chunk's scales as a [bn, 64] array: one row of scales, or (groups of 16 / 32)
+            a row per group, picked by column."""
+            def row_of(r):
+                v = plgpu.load(s_smem.at[r], layout=plgpu.Layout.WGMMA.reduce(1)).astype(dtype)
+                return jax.lax.broadcast_in_dim(v, (bn, _K_CHUNK), (0,))
+            if g >= _K_CHUNK:
+                return row_of(row)
+            col = plgpu.broadcasted_iota(jnp.int32, (bn, _K_CHUNK), 1, layout=plgpu.Layout.WGMMA)
+            out = row_of(row)
+            for j in range(1, _K_CHUNK // g):
+                out = jnp.where(col >= j * g, row_of(row + j), out)
+            return out
 
         def s_index(t):
             return ((k0 // bk + t) * bk // g // s_rows, ni)
@@ -240,22 +270,41 @@ def _step_with_acc(step, acc_ref, idx, *refs):
     step(idx, *refs, acc_ref=acc_ref)
 
 
-def prepack_nk(q, scale, zero=None, *, group_size, g_idx=None, pad_k: int = _K_CHUNK,
-               pad_n: int = 128) -> PackedW4NK:
-    """Lays int4 codes ``q`` ``[K, N]`` (0..15, value ``code − 8`` unless ``zero`` is given) out for
-    the Mosaic GPU kernel: ``[N_pad, K_pad]`` signed int4, scales and zeros ``[K_pad / G, N_pad]``.
-    Padded columns have scale 0, so they are exactly 0; padded rows (code 0 − zero) meet the zero
-    columns ``gather_pad_nk`` appends to x."""
+def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None, g_idx=None,
+               pad_k: int = _K_CHUNK, pad_n: int = 128) -> PackedW4NK:
+    """Lays 4-bit codes ``q`` ``[K, N]`` (0..15) out for the Mosaic GPU kernel: ``[N_pad, K_pad]``
+    signed int4, scales and zeros ``[K_pad / G, N_pad]``. ``lut``: ``"int4"`` (value ``code − 8``,
+    or ``code − zero``) or ``"e2m1"`` (FP4; no zeros, optional ``global_scale``). Padded columns
+    have scale 0, so they are exactly 0; padded rows meet the zero columns ``gather_pad_nk``
+    appends to x."""
+    lut = canonical_lut(lut)
     q = jnp.asarray(q)
+    if q.ndim != 2 or 0 in q.shape or not jnp.issubdtype(q.dtype, jnp.integer):
+        raise ValueError(f"q must be a non-empty [K, N] array of integer codes, got shape "
+                         f"{tuple(q.shape)} and dtype {q.dtype}")
     k, n = q.shape
     g = k if group_size in (None, -1) or group_size >= k else int(group_size)
+    if not nk_compatible(group_size, k, lut):
+        raise ValueError(f"prepack_nk takes lut 'int4' or 'e2m1' with group_size 16, 32, a multiple "
+                         f"of 64 or -1 (per channel); got lut={lut!r}, group_size={group_size}: "
+                         "use prepack (the Triton kernels' layout) for it")
+    if zero is not None and lut != "int4":
+        raise ValueError(f"zero points apply to lut='int4' only, got lut={lut!r}")
+    n_groups = -(-k // g)
+    if jnp.shape(scale) != (n_groups, n):
+        raise ValueError(f"scale has shape {tuple(jnp.shape(scale))}; expected ({n_groups}, {n}) "
+                         f"for q of shape ({k}, {n}) and group_size {group_size}")
     perm = None
     if g_idx is not None:
         perm, q = _sort_act_order(g_idx, q, g, -(-k // g))
     k_pad = _round_up(k, math.lcm(pad_k, g) if g < k else pad_k)
     group = g if g < k else k_pad
     n_pad = _round_up(n, pad_n)
-    codes = q.astype(jnp.int32) - 8
+    codes = q.astype(jnp.int32)
+    if lut == "e2m1":
+        codes = jnp.where(codes & 8, -(codes & 7), codes & 7)
+    else:
+        codes = codes - 8
     data = jnp.pad(codes.T, ((0, n_pad - n), (0, k_pad - k))).astype(jnp.int4)
 
     def per_group(values, dtype):
@@ -264,12 +313,15 @@ def prepack_nk(q, scale, zero=None, *, group_size, g_idx=None, pad_k: int = _K_C
                        ((0, rows - values.shape[0]), (0, n_pad - n)))
 
     scale = jnp.asarray(scale)
-    s_dtype = scale.dtype if scale.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+    # e4m3 / e8m0 scales are exact in bf16 (8 exponent bits); fp16 / bf16 stay; the rest fp32.
+    s_dtype = (jnp.bfloat16 if scale.dtype in (jnp.float8_e4m3fn, jnp.float8_e8m0fnu)
+               else scale.dtype if scale.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32)
     zz = None
     if zero is not None:
         zz = per_group(jnp.asarray(zero, jnp.float32) - 8, jnp.bfloat16)
-    return PackedW4NK(data=data, scale=per_group(scale, s_dtype), zero=zz, perm=perm, k=k, n=n,
-                      group_size=group)
+    gs = None if global_scale is None else jnp.asarray(global_scale, jnp.float32).reshape(1)
+    return PackedW4NK(data=data, scale=per_group(scale, s_dtype), zero=zz, perm=perm,
+                      global_scale=gs, lut=lut, k=k, n=n, group_size=group)
 
 
 def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
@@ -308,23 +360,34 @@ def w4a16_mgpu_matmul(x2: jax.Array, packed: PackedW4NK, bias=None, *,
     xs = gather_pad_nk(x2, packed, m_pad)
     parts = w4a16_mgpu(xs, packed, config=cfg, interpret=interpret)
     out = jnp.sum(parts, axis=0)[:packed.n, :m].T
+    if packed.global_scale is not None:
+        out = out * packed.global_scale[0]
     if bias is not None:
         out = out + bias.astype(jnp.float32)
     return out.astype(x2.dtype)
 
 
-def nk_compatible(group_size: int, k: int) -> bool:
-    """Whether a grouping fits the kernel: per-channel, or groups that are multiples of 64."""
-    return group_size in (None, -1) or group_size >= k or group_size % _K_CHUNK == 0
+def nk_compatible(group_size: int, k: int, lut: str = "int4") -> bool:
+    """Whether a weight fits the kernel: int4 or E2M1 codes, per-channel or groups of 16, 32 or
+    multiples of 64 (NF4 needs a table: the Triton kernels run it)."""
+    if canonical_lut(lut) not in ("int4", "e2m1"):
+        return False
+    return (group_size in (None, -1) or group_size >= k or group_size % _K_CHUNK == 0
+            or group_size in _SUB_CHUNK_GROUPS)
 
 
 def dequantize_nk(packed: PackedW4NK, dtype=jnp.float32) -> jax.Array:
     """The float weight ``[K_pad, N_pad]`` in stored row order, in fp32 math (padding is 0)."""
     values = packed.data.astype(jnp.float32).T
+    if packed.lut == "e2m1":
+        values = 2 * values - 0.5 * jnp.clip(values, -4, 4) - jnp.clip(values, -6, 6)
     rows = lambda t: jnp.repeat(t.astype(jnp.float32), packed.group_size, axis=0)
     if packed.zero is not None:
         values = values - rows(packed.zero)
-    return (values * rows(packed.scale)).astype(dtype)
+    w = values * rows(packed.scale)
+    if packed.global_scale is not None:
+        w = w * packed.global_scale[0]
+    return w.astype(dtype)
 
 
 def gather_pad_nk(x2: jax.Array, packed: PackedW4NK, m_pad: int) -> jax.Array:
