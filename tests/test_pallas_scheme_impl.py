@@ -31,8 +31,9 @@ def test_kernel_layout_dequantizes_to_the_qtensor(name):
     scheme = jquant.get_scheme(name)
     qt = scheme.quantize_weight(_weight())
     packed = _prepare(scheme, qt)
-    # int4 with groups of 64·j goes to the Mosaic GPU kernel's layout, the rest to the Triton one.
-    assert isinstance(packed, PackedW4NK) == (name in ("int4_g128", "int4_g128_asym"))
+    # int4 and E2M1 go to the Mosaic GPU kernel's layout, NF4 (a lookup table) to the Triton one.
+    assert isinstance(packed, PackedW4NK) == (name in ("int4_g128", "int4_g128_asym", "int4_g32",
+                                                       "mxfp4", "nvfp4"))
     chex.assert_trees_all_close(_unpacked(packed), qt.dequantize(jnp.float32).T, rtol=1e-6, atol=1e-6)
 
 

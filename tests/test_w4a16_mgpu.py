@@ -19,12 +19,19 @@ from jquant.pallas_kernels import w4a16 as dispatch
 from jquant.pallas_kernels.w4a16_mgpu import w4a16_mgpu
 
 
-def _numpy_weight(q, s, z, group, g_idx=None):
-    """``(q − z)·s`` in float64, rows in the checkpoint's order (z = 8 for uint4b8)."""
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def _numpy_weight(q, s, z, group, g_idx=None, lut="int4", gs=None):
+    """``(q − z)·s`` (int4; z = 8 for uint4b8) or ``E2M1[q]·s·gs`` in float64, rows in the
+    checkpoint's order."""
     k = q.shape[0]
     rows = np.asarray(g_idx) if g_idx is not None else np.arange(k) // (k if group == -1 else group)
-    zero = 8.0 if z is None else np.asarray(z, np.float64)[rows]
-    return (q.astype(np.float64) - zero) * np.asarray(s, np.float64)[rows]
+    if lut == "e2m1":
+        values = E2M1[q]
+    else:
+        values = q.astype(np.float64) - (8.0 if z is None else np.asarray(z, np.float64)[rows])
+    return values * np.asarray(s, np.float64)[rows] * (1.0 if gs is None else gs)
 
 
 def _rel_err(out, ref):
@@ -39,15 +46,18 @@ def _weight(rng, k, n, group, zeros=None, scale="bf16", act=False):
 
 
 # ---- layout and reference ------------------------------------------------------------------------
-@given(k=st.integers(1, 300), n=st.integers(1, 150), group=st.sampled_from([64, 128, -1]),
-       zeros=st.sampled_from([None, "int"]), seed=st.integers(0, 2**16))
-def test_nk_layout_dequantizes_exactly_any_shape(k, n, group, zeros, seed):
+@given(k=st.integers(1, 300), n=st.integers(1, 150), group=st.sampled_from([16, 32, 64, 128, -1]),
+       kind=st.sampled_from(["int4", "int4_zeros", "e2m1"]), seed=st.integers(0, 2**16))
+def test_nk_layout_dequantizes_exactly_any_shape(k, n, group, kind, seed):
     rng = np.random.default_rng(seed)
+    zeros = "int" if kind == "int4_zeros" else None
+    lut = "e2m1" if kind == "e2m1" else "int4"
     q, s, z, _ = _weight(rng, k, n, group, zeros, scale="f32")
-    packed = prepack_nk(q, s, z, group_size=group)
+    packed = prepack_nk(q, s, z, group_size=group, lut=lut)
     assert packed.k_pad % 64 == 0 and packed.n_pad % 128 == 0 and packed.data.dtype == jnp.int4
     w = np.asarray(dequantize_nk(packed))
-    np.testing.assert_allclose(w[:k, :n], _numpy_weight(q, s, z, group), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(w[:k, :n], _numpy_weight(q, s, z, group, lut=lut), rtol=1e-6,
+                               atol=1e-7)
     assert not w[:, n:].any()                              # padded columns: scale 0
     assert zeros is not None or not w[k:].any()            # padded rows: code 8 − 8 (they meet 0s)
 
@@ -62,7 +72,7 @@ def test_reference_matches_numpy_with_act_order_and_fp16_scales():
 
 
 # ---- the kernel in interpret mode ----------------------------------------------------------------
-CASES = [  # k, n, group, zeros, scale, act-order, m, x dtype, bias, launch (None: default)
+CASES = [  # k, n, group, zeros ("e2m1": FP4), scale, act-order, m, x dtype, bias, launch
     (512, 256, 128, None, "bf16", False, 1, jnp.bfloat16, False, None),
     (576, 200, 64, "int", "f16", False, 5, jnp.float16, True, None),      # N, K off the tiles
     (1000, 130, -1, None, "f32", False, 20,  jnp.bfloat16, False,          # per-channel, 3 M tiles
@@ -71,6 +81,9 @@ CASES = [  # k, n, group, zeros, scale, act-order, m, x dtype, bias, launch (Non
      MgpuConfig(block_n=128, block_k=128, block_m=16, split_k=2, max_concurrent_steps=2)),
     (1024, 64, 256, "int", "bf16", False, 3, jnp.float16, False,          # groups span 2 steps
      MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=2, max_concurrent_steps=2)),
+    (512, 192, 32, "e2m1", "e8m0", False, 2, jnp.bfloat16, False, None),   # MXFP4
+    (320, 130, 16, "e2m1", "e4m3", False, 9, jnp.float16, True,            # NVFP4, global scale
+     MgpuConfig(block_n=64, block_k=64, block_m=16, split_k=1, max_concurrent_steps=2)),
 ]
 
 
@@ -78,15 +91,17 @@ CASES = [  # k, n, group, zeros, scale, act-order, m, x dtype, bias, launch (Non
 def test_kernel_matches_numpy_and_reference(case):
     k, n, group, zeros, scale, act, m, x_dtype, bias, cfg = CASES[case]
     rng = np.random.default_rng(10 + case)
-    q, s, z, g_idx = _weight(rng, k, n, group, zeros, scale, act)
-    packed = prepack_nk(q, s, z, group_size=group, g_idx=g_idx)
+    lut = "e2m1" if zeros == "e2m1" else "int4"
+    q, s, z, g_idx = _weight(rng, k, n, group, None if lut == "e2m1" else zeros, scale, act)
+    gs = 0.03 if scale == "e4m3" else None
+    packed = prepack_nk(q, s, z, group_size=group, g_idx=g_idx, lut=lut, global_scale=gs)
     x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
     b = jnp.asarray(rng.standard_normal(n), jnp.float32) if bias else None
     # Interpret mode starts every output buffer as NaN, so a tile the kernel never wrote shows.
     out = w4a16_matmul(x, packed, bias=b, impl="mgpu", config=cfg, interpret=True)
     assert out.shape == (m, n) and out.dtype == x_dtype
     assert np.isfinite(np.asarray(out, np.float32)).all()
-    want = np.asarray(x, np.float64) @ _numpy_weight(q, s, z, group, g_idx)
+    want = np.asarray(x, np.float64) @ _numpy_weight(q, s, z, group, g_idx, lut, gs)
     if bias:
         want = want + np.asarray(b, np.float64)
     assert _rel_err(out, want) <= 1e-2
@@ -122,15 +137,17 @@ class TestUnderJit(chex.TestCase):
 
 
 # ---- lowering for the GPU (what interpret mode cannot check) --------------------------------------
-@pytest.mark.parametrize("m,cfg", [
-    (1, None), (16, None), (100, None),
-    (8, MgpuConfig(block_n=128, block_k=64, block_m=8, split_k=1, max_concurrent_steps=4))])
-def test_kernel_lowers_for_sm90(m, cfg):
+@pytest.mark.parametrize("m,cfg,lut,group", [
+    (1, None, "int4", 128), (16, None, "int4", 128), (100, None, "int4", 128),
+    (8, MgpuConfig(block_n=128, block_k=64, block_m=8, split_k=1, max_concurrent_steps=4,
+                   wide_loads=True), "int4", 128),
+    (1, None, "e2m1", 32), (16, None, "e2m1", 16)])
+def test_kernel_lowers_for_sm90(m, cfg, lut, group):
     """Exporting for CUDA runs Mosaic GPU's own lowering (layout inference, the register-operand
     wgmma that interpret mode replaces by a shared-memory one, TMA descriptors) on this CPU."""
     rng = np.random.default_rng(5)
-    q, s, z, _ = _weight(rng, 1024, 256, 128, zeros="int" if m == 16 else None)
-    packed = prepack_nk(q, s, z, group_size=128)
+    q, s, z, _ = _weight(rng, 1024, 256, group, zeros="int" if m == 16 and lut == "int4" else None)
+    packed = prepack_nk(q, s, z, group_size=group, lut=lut)
     cfg = cfg or default_mgpu_config(m, packed)
     xs = jnp.zeros((-(-m // cfg.block_m) * cfg.block_m, packed.k_pad), jnp.bfloat16)
     exported = jax.export.export(jax.jit(lambda x, p: w4a16_mgpu(x, p, config=cfg)),
@@ -209,11 +226,26 @@ def test_group_that_does_not_fit_the_step_is_refused():
     q, s, _, _ = _weight(rng, 384, 128, 192)
     packed = prepack_nk(q, s, group_size=192)
     cfg = MgpuConfig(block_k=128, block_m=8)
-    with pytest.raises(ValueError, match="group_size=192 must be a multiple of 64 that divides"):
+    with pytest.raises(ValueError, match="group_size=192 must be 16, 32 or a multiple of 64 that divides"):
         w4a16_mgpu(jnp.ones((8, packed.k_pad), jnp.bfloat16), packed, config=cfg, interpret=True)
     with pytest.raises(TypeError, match="xs must be bf16 or fp16"):
         w4a16_mgpu(jnp.ones((8, packed.k_pad), jnp.float32), packed,
                    config=dataclasses.replace(cfg, block_k=64), interpret=True)
+
+
+def test_prepack_nk_rejects_what_the_kernel_cannot_run():
+    q = np.zeros((256, 64), np.uint8)
+    s = np.ones((2, 64), np.float32)
+    with pytest.raises(ValueError, match="use prepack"):
+        prepack_nk(q, s, lut="nf4", group_size=128)
+    with pytest.raises(ValueError, match="group_size 16, 32, a multiple of 64"):
+        prepack_nk(q, np.ones((6, 64), np.float32), group_size=48)
+    with pytest.raises(ValueError, match="zero points apply to lut='int4' only"):
+        prepack_nk(q, s, np.zeros((2, 64), np.uint8), lut="e2m1", group_size=128)
+    with pytest.raises(ValueError, match=r"scale has shape \(3, 64\); expected \(2, 64\)"):
+        prepack_nk(q, np.ones((3, 64), np.float32), group_size=128)
+    with pytest.raises(ValueError, match="integer codes"):
+        prepack_nk(q.astype(np.float32), s, group_size=128)
 
 
 def test_config_fields_are_positive_ints():

@@ -202,12 +202,19 @@ def _encode(x, fmt, block, axis, scale_mode, element_rounding):
 
 @functools.partial(jax.jit, static_argnums=1)
 def dequantize_mx(qt: QTensor, dtype) -> jax.Array:
-    """``element · 2^(b-127)`` in float32 (exact), then cast to ``dtype``; scale byte 0xFF gives NaN."""
+    """``element · 2^(b-127)`` in float32 (exact), then cast to ``dtype``; scale byte 0xFF gives NaN.
+
+    The power of two is applied as two normal factors: byte 0 (2^-127) is a float32 subnormal,
+    which XLA flushes to zero, while PyTorch (torchao) keeps it."""
     if qt.pack_axis is None:
         values = qt.data.astype(jnp.float32)
     else:
         values = e2m1_values(unpack_bits(qt.data, 4, axis=qt.pack_axis))
-    return (values * qt.expand(qt.scale.astype(jnp.float32))).astype(dtype)
+    biased = qt.expand(jax.lax.bitcast_convert_type(qt.scale, jnp.uint8).astype(jnp.int32))
+    exponent = jnp.clip(biased - _E8M0_BIAS, -127, 127)
+    half = exponent // 2
+    out = values * _pow2(half) * _pow2(exponent - half)
+    return jnp.where(biased == 255, jnp.nan, out).astype(dtype)
 
 
 def _quantize_registered(fmt):
