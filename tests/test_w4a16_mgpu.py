@@ -76,7 +76,8 @@ CASES = [  # k, n, group, zeros ("e2m1": FP4), scale, act-order, m, x dtype, bia
     (512, 256, 128, None, "bf16", False, 1, jnp.bfloat16, False, None),
     (576, 200, 64, "int", "f16", False, 5, jnp.float16, True, None),      # N, K off the tiles
     (1000, 130, -1, None, "f32", False, 20,  jnp.bfloat16, False,          # per-channel, 3 M tiles
-     MgpuConfig(block_n=64, block_k=64, block_m=8, split_k=1, max_concurrent_steps=3)),
+     MgpuConfig(block_n=64, block_k=64, block_m=8, split_k=1, max_concurrent_steps=3,
+                wide_loads=True)),
     (512, 128, 128, None, "bf16", True, 16, jnp.bfloat16, True,           # act-order, split-K 2
      MgpuConfig(block_n=128, block_k=128, block_m=16, split_k=2, max_concurrent_steps=2)),
     (1024, 64, 256, "int", "bf16", False, 3, jnp.float16, False,          # groups span 2 steps
