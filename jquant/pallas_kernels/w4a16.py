@@ -1,8 +1,8 @@
 """``w4a16_matmul``: ``x @ W`` for a prepacked 4-bit weight, dispatched by M and device.
 
-Two weight layouts: ``PackedW4NK`` (``prepack_nk``; int4 with groups of 64·j or per-channel) runs
-the Mosaic GPU kernel (``"mgpu"``, every M up to ``MGPU_MAX_M``), the fastest on the H200;
-``PackedW4`` (``prepack``: any 4-bit code book) runs the Triton-backend kernels.
+Two weight layouts: ``PackedW4NK`` (``prepack_nk``; int4 or E2M1 codes, groups of 16, 32, 64·j or
+per-channel) runs the Mosaic GPU kernel (``"mgpu"``, every M up to ``MGPU_MAX_M``), the fastest on
+the H200; ``PackedW4`` (``prepack``: any 4-bit code book, NF4 included) runs the Triton kernels.
 
 Implementations (``impl``):
 * ``"mgpu"``: the Mosaic GPU kernel (Hopper, ``PackedW4NK`` only).
@@ -124,7 +124,7 @@ def resolve_impl(impl: str, m: int, interpret: bool = False, layout: str = "tile
     if layout == "nk":
         return _resolve_nk(impl, m, interpret, weight_elems)
     if impl == "mgpu":
-        raise ValueError("impl='mgpu' needs a weight packed with prepack_nk (int4); this one is a "
+        raise ValueError("impl='mgpu' needs a weight packed with prepack_nk (int4 / E2M1); this one is a "
                          "PackedW4 for the Triton kernels")
     rule = auto_rule(m) if impl == "auto" else None
     if rule is not None:
