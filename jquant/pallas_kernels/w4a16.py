@@ -11,9 +11,11 @@ Implementations (``impl``):
 * ``"pallas"``: whichever kernel fits the layout and M.
 * ``"xla"``: dequantize to ``x``'s dtype, then ``jnp.dot`` with fp32 accumulation (XLA/cuBLAS).
 * ``"reference"``: dequantize in fp32, fp32 dot (the exact twin; slow on GPUs).
-* ``"auto"``: on Hopper, the kernel and variant of the first rule of ``AUTO_RULES`` (data:
-  ``auto_dispatch_h200.json``, rewritten from device measurements) whose ``max_m`` ≥ M, else xla;
-  xla on other GPUs; reference on CPU. With ``interpret=True`` the kernels run on any device.
+* ``"auto"``: on Hopper, ``mgpu`` for a ``PackedW4NK`` up to ``MGPU_MAX_M`` rows
+  (``MGPU_MAX_M_SMALL_WEIGHT`` for weights under 8192×8192); for a ``PackedW4`` the kernel and
+  variant of the first rule of ``AUTO_RULES`` (data: ``auto_dispatch_h200.json``, rewritten from
+  device measurements) whose ``max_m`` ≥ M; else xla. xla on other GPUs; reference on CPU. With
+  ``interpret=True`` the kernels run on any device.
 
 Forcing ``"gemv"``/``"mma"`` where no GPU can run them warns once and runs the reference;
 ``"pallas"`` there is an error (it asks for a kernel, nothing else).
