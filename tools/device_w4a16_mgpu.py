@@ -104,18 +104,24 @@ def launches(m: int, packed, full: bool):
         yield cfg
 
 
+def _int4_operands(n: int, k: int, key):
+    """A random int4 g128 weight, L2-defeating copies of its NK packing, and bf16 weights for XLA."""
+    weight = bench.make_weight("int4_g128", n, k, key)
+    packed = prepack_nk(weight["q"], weight["scale"], group_size=128)
+    packs = [packed] + [jax.tree_util.tree_map(lambda a: a.copy(), packed)
+                        for _ in range(copies_for(packed.nbytes, max_copies=8) - 1)]
+    w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
+              for c in range(copies_for(k * n * 2, max_copies=4))]
+    return weight, packs, w_bf16
+
+
 def sweep(quick: bool) -> list[dict]:
     rows = []
     key = jax.random.PRNGKey(0)
     plan = [((28672, 8192), (1, 16, 64, 128, 256, 1024)), ((8192, 8192), (1, 16, 64, 128)),
             ((8192, 28672), (1, 128)), ((4096, 4096), (1, 128))]
     for (n, k), ms in plan:
-        weight = bench.make_weight("int4_g128", n, k, key)
-        packed = prepack_nk(weight["q"], weight["scale"], group_size=128)
-        packs = [packed] + [jax.tree_util.tree_map(lambda a: a.copy(), packed)
-                            for _ in range(copies_for(packed.nbytes, max_copies=8) - 1)]
-        w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
-                  for c in range(copies_for(k * n * 2, max_copies=4))]
+        weight, packs, w_bf16 = _int4_operands(n, k, key)
         codes = weight["q"]
         rows_packed = (codes[0::2] | (codes[1::2] << 4)).astype(jnp.uint8)
         dequant = bench._xla_dequant_dot_fn(k, 128)
@@ -154,12 +160,7 @@ def ab() -> list[dict]:
     rows = []
     key = jax.random.PRNGKey(0)
     for n, k in ((28672, 8192), (8192, 8192)):
-        weight = bench.make_weight("int4_g128", n, k, key)
-        packed = prepack_nk(weight["q"], weight["scale"], group_size=128)
-        packs = [packed] + [jax.tree_util.tree_map(lambda a: a.copy(), packed)
-                            for _ in range(copies_for(packed.nbytes, max_copies=8) - 1)]
-        w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
-                  for c in range(copies_for(k * n * 2, max_copies=4))]
+        weight, packs, w_bf16 = _int4_operands(n, k, key)
         for m in (1, 16, 32, 64, 128):
             xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
             bf16 = time_fn(jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)]).median_us
