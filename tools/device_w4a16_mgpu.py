@@ -115,6 +115,16 @@ def _int4_operands(n: int, k: int, key):
     return weight, packs, w_bf16
 
 
+def _time_launch(cfg: MgpuConfig, xs, packs, cell: str) -> float | None:
+    """Median µs of the kernel under ``cfg`` over rotated weight copies; None (logged) if it fails."""
+    try:
+        fn = jax.jit(lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg))
+        return time_fn(fn, [(xs[c % 4], p) for c, p in enumerate(packs)]).median_us
+    except Exception as e:
+        log(f"  FAILED {cell} {cfg}: {type(e).__name__}: {str(e)[:300]}")
+        return None
+
+
 def sweep(quick: bool) -> list[dict]:
     rows = []
     key = jax.random.PRNGKey(0)
@@ -138,11 +148,8 @@ def sweep(quick: bool) -> list[dict]:
             for cfg in launches(m, packed, full):
                 if time.time() - cell_start > cap:
                     break
-                try:
-                    fn = jax.jit(lambda x, p, c=cfg: w4a16_mgpu_matmul(x, p, config=c))
-                    us = time_fn(fn, [(xs[c % 4], p) for c, p in enumerate(packs)]).median_us
-                except Exception as e:
-                    log(f"  FAILED {n}x{k} M={m} {cfg}: {type(e).__name__}: {str(e)[:300]}")
+                us = _time_launch(cfg, xs, packs, f"{n}x{k} M={m}")
+                if us is None:
                     continue
                 rows.append(dict(N=n, K=k, M=m, kernel="mgpu", time_us=us, config=dataclasses.asdict(cfg)))
                 if best is None or us < best[0]:
@@ -174,11 +181,8 @@ def ab() -> list[dict]:
                          dataclasses.replace(base, max_concurrent_steps=4, wide_loads=True)]
             line = f"{n}x{k} M={m:<4d} bf16 {bf16:7.1f} |"
             for cfg in alts:
-                try:
-                    fn = jax.jit(lambda x, p, c=cfg: w4a16_mgpu_matmul(x, p, config=c))
-                    us = time_fn(fn, [(xs[c % 4], p) for c, p in enumerate(packs)]).median_us
-                except Exception as e:
-                    log(f"  FAILED {cfg}: {type(e).__name__}: {str(e)[:300]}")
+                us = _time_launch(cfg, xs, packs, f"{n}x{k} M={m}")
+                if us is None:
                     continue
                 rows.append(dict(N=n, K=k, M=m, time_us=us, xla_bf16_us=bf16,
                                  config=dataclasses.asdict(cfg)))
