@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from jquant.pallas_kernels import w4a16_grouped  # noqa: F401  (registers the grouped kernel bodies)
 from jquant.device import compute_capability
-from jquant.pallas_kernels.w4a16_layout import PackedW4, dequantize_packed
+from jquant.pallas_kernels.w4a16_layout import PackedW4, dequantize_packed, gather_pad
 from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, PackedW4NK, reference_nk,
                                               w4a16_mgpu_matmul)
 from jquant.pallas_kernels.w4a16_triton import (GEMV_MAX_ROWS, VARIANTS, TuningConfig,
@@ -214,18 +214,12 @@ def w4a16_matmul(x, packed: PackedW4 | PackedW4NK, *, bias=None, impl: str = "au
     return out.reshape(*lead, packed.n)
 
 
-def _gather_pad(x2, packed: PackedW4, m_pad: int):
-    if packed.perm is not None:
-        x2 = jnp.take(x2, packed.perm, axis=1)
-    pad_m, pad_k = m_pad - x2.shape[0], packed.k_pad - packed.k
-    return jnp.pad(x2, ((0, pad_m), (0, pad_k))) if pad_m or pad_k else x2
-
 
 def _xla_matmul(x2, packed: PackedW4, bias):
     # XLA:CPU cannot always run a bf16 × bf16 → f32 dot; there the operands go to f32 first.
     dtype = jnp.float32 if jax.devices()[0].platform == "cpu" else x2.dtype
     w = dequantize_packed(packed, dtype)[:, :packed.n]
-    xs = _gather_pad(x2, packed, x2.shape[0]).astype(dtype)
+    xs = gather_pad(x2, packed, x2.shape[0]).astype(dtype)
     out = jnp.dot(xs, w, preferred_element_type=jnp.float32)
     if bias is not None:
         out = out + bias.astype(jnp.float32)
@@ -244,7 +238,7 @@ def _kernel_matmul(x2, packed: PackedW4, bias, mode, config, variant, interpret,
         m_pad = 1 << (m - 1).bit_length()
     else:
         m_pad = -(-m // cfg.block_m) * cfg.block_m
-    xs = _gather_pad(x2, packed, m_pad)
+    xs = gather_pad(x2, packed, m_pad)
     bias_p = None
     if bias is not None:
         bias_p = jnp.pad(bias.astype(jnp.float32), (0, packed.n_pad - packed.n))

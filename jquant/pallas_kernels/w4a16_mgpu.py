@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jquant.pallas_kernels.w4a16_layout import _round_up, _sort_act_order, canonical_lut
+from jquant.pallas_kernels.w4a16_layout import (_round_up, _sort_act_order, canonical_lut,
+                                                gather_pad)
 
 # wgmma consumes K in chunks of one 128-byte swizzle atom of the 16-bit B operand.
 _K_CHUNK = 64
@@ -275,7 +276,7 @@ def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None
     """Lays 4-bit codes ``q`` ``[K, N]`` (0..15) out for the Mosaic GPU kernel: ``[N_pad, K_pad]``
     signed int4, scales and zeros ``[K_pad / G, N_pad]``. ``lut``: ``"int4"`` (value ``code − 8``,
     or ``code − zero``) or ``"e2m1"`` (FP4; no zeros, optional ``global_scale``). Padded columns
-    have scale 0, so they are exactly 0; padded rows meet the zero columns ``gather_pad_nk``
+    have scale 0, so they are exactly 0; padded rows meet the zero columns ``gather_pad``
     appends to x."""
     lut = canonical_lut(lut)
     q = jnp.asarray(q)
@@ -357,7 +358,7 @@ def w4a16_mgpu_matmul(x2: jax.Array, packed: PackedW4NK, bias=None, *,
     m = x2.shape[0]
     cfg = config or default_mgpu_config(m, packed)
     m_pad = _round_up(m, cfg.block_m)
-    xs = gather_pad_nk(x2, packed, m_pad)
+    xs = gather_pad(x2, packed, m_pad)
     parts = w4a16_mgpu(xs, packed, config=cfg, interpret=interpret)
     out = jnp.sum(parts, axis=0)[:packed.n, :m].T
     if packed.global_scale is not None:
@@ -390,16 +391,9 @@ def dequantize_nk(packed: PackedW4NK, dtype=jnp.float32) -> jax.Array:
     return w.astype(dtype)
 
 
-def gather_pad_nk(x2: jax.Array, packed: PackedW4NK, m_pad: int) -> jax.Array:
-    """x's columns in stored (act-order) order, zero-padded to ``[m_pad, K_pad]``."""
-    if packed.perm is not None:
-        x2 = jnp.take(x2, packed.perm, axis=1)
-    return jnp.pad(x2, ((0, m_pad - x2.shape[0]), (0, packed.k_pad - packed.k)))
-
-
 def reference_nk(x2: jax.Array, packed: PackedW4NK, bias=None, dtype=jnp.float32) -> jax.Array:
     """The kernel's pure-JAX twin: dequantize in fp32 (then ``dtype``), dot with fp32 accumulation."""
-    xs = gather_pad_nk(x2, packed, x2.shape[0]).astype(dtype)
+    xs = gather_pad(x2, packed, x2.shape[0]).astype(dtype)
     out = jnp.dot(xs, dequantize_nk(packed, dtype)[:, :packed.n],
                   preferred_element_type=jnp.float32)
     if bias is not None:
