@@ -113,6 +113,13 @@ jax.tree_util.register_dataclass(
     meta_fields=["lut", "k", "n", "group_size"])
 
 
+def e2m1_from_signed(v):
+    """The E2M1 value of a code stored as the signed integer ``±u`` (u = its magnitude bits, so
+    0..7 → 0, ½, 1, 1½, 2, 3, 4, 6): exact in any float type with ≥ 3 mantissa bits, and made of
+    ops that both XLA and the Mosaic GPU kernel run on register arrays."""
+    return 2 * v - 0.5 * jnp.clip(v, -4, 4) - jnp.clip(v, -6, 6)
+
+
 def _swizzle_tiles(block_k: int, bits: int):
     swizzle = plgpu.find_swizzle(block_k * bits, "w4a16")
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
@@ -189,8 +196,8 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
                 row = (c * _K_CHUNK) // g if g < bk else 0
                 ks = slice(c * _K_CHUNK, (c + 1) * _K_CHUNK)
                 wc = w[:, ks].astype(dtype)
-                if fp4:   # ±u → E2M1 value, exact in bf16 / fp16
-                    wc = 2 * wc - 0.5 * jnp.clip(wc, -4, 4) - jnp.clip(wc, -6, 6)
+                if fp4:
+                    wc = e2m1_from_signed(wc)
                 if has_zero:
                     zero = plgpu.load(z_smem[0].at[row], layout=plgpu.Layout.WGMMA.reduce(1))
                     wc = wc - jax.lax.broadcast_in_dim(zero.astype(dtype), (bn, _K_CHUNK), (0,))
@@ -381,7 +388,7 @@ def dequantize_nk(packed: PackedW4NK, dtype=jnp.float32) -> jax.Array:
     """The float weight ``[K_pad, N_pad]`` in stored row order, in fp32 math (padding is 0)."""
     values = packed.data.astype(jnp.float32).T
     if packed.lut == "e2m1":
-        values = 2 * values - 0.5 * jnp.clip(values, -4, 4) - jnp.clip(values, -6, 6)
+        values = e2m1_from_signed(values)
     rows = lambda t: jnp.repeat(t.astype(jnp.float32), packed.group_size, axis=0)
     if packed.zero is not None:
         values = values - rows(packed.zero)
