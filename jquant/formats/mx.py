@@ -109,6 +109,13 @@ def _pow2(exponent: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type((exponent + _E8M0_BIAS) << _F32_MANTISSA_BITS, jnp.float32)
 
 
+def _times_pow2(x: jax.Array, exponent: jax.Array) -> jax.Array:
+    """``x · 2^exponent`` for exponents in [-127, 127], as two normal factors: 2^-127 alone is a
+    float32 subnormal, which XLA flushes to zero (PyTorch keeps it)."""
+    half = exponent // 2
+    return x * _pow2(half) * _pow2(exponent - half)
+
+
 def _exponent_field(bits: jax.Array) -> jax.Array:
     return (bits >> _F32_MANTISSA_BITS) & 0xFF
 
@@ -144,10 +151,8 @@ def _scale_elements(blocks: jax.Array, biased: jax.Array, mode: str) -> jax.Arra
     """Blocks (from ``to_blocks``) brought to the element range, before rounding."""
     biased = per_block(biased, blocks.ndim // 2)
     if mode == "rceil":
-        # x · 2^(127-b), split in two normal factors so 2^-127 (b = 254, an Inf block) is not flushed.
-        exponent = jnp.clip(_E8M0_BIAS - biased, -127, 126)
-        half = exponent // 2
-        scaled = blocks * _pow2(half) * _pow2(exponent - half)
+        # x · 2^(127-b); 2^-127 (b = 254, an Inf block) must not be flushed.
+        scaled = _times_pow2(blocks, jnp.clip(_E8M0_BIAS - biased, -127, 126))
         scaled = jnp.where(biased == 0, blocks, scaled)  # torchao multiplies by 1 when b == 0
         return jnp.where(biased == 255, jnp.nan, scaled)  # a NaN block stays NaN
     scale = jax.lax.bitcast_convert_type(biased << _F32_MANTISSA_BITS, jnp.float32)  # b=255 → inf
@@ -202,18 +207,14 @@ def _encode(x, fmt, block, axis, scale_mode, element_rounding):
 
 @functools.partial(jax.jit, static_argnums=1)
 def dequantize_mx(qt: QTensor, dtype) -> jax.Array:
-    """``element · 2^(b-127)`` in float32 (exact), then cast to ``dtype``; scale byte 0xFF gives NaN.
-
-    The power of two is applied as two normal factors: byte 0 (2^-127) is a float32 subnormal,
-    which XLA flushes to zero, while PyTorch (torchao) keeps it."""
+    """``element · 2^(b-127)`` in float32 (exact; byte 0 is 2^-127, as in torchao), then cast to
+    ``dtype``; scale byte 0xFF gives NaN."""
     if qt.pack_axis is None:
         values = qt.data.astype(jnp.float32)
     else:
         values = e2m1_values(unpack_bits(qt.data, 4, axis=qt.pack_axis))
     biased = qt.expand(jax.lax.bitcast_convert_type(qt.scale, jnp.uint8).astype(jnp.int32))
-    exponent = jnp.clip(biased - _E8M0_BIAS, -127, 127)
-    half = exponent // 2
-    out = values * _pow2(half) * _pow2(exponent - half)
+    out = _times_pow2(values, jnp.clip(biased - _E8M0_BIAS, -127, 127))
     return jnp.where(biased == 255, jnp.nan, out).astype(dtype)
 
 
