@@ -2,8 +2,8 @@
 
 ``process_weights_after_loading`` turns the scheme's QTensor (``[N, K]``, groups along K) into the
 kernels' unified form (codes ``[K, N]`` 0..15, per-group multipliers, optional zero points, a code
-book) and prepacks it once: int4 with groups of 64·j (or per-channel) for the Mosaic GPU kernel
-(``prepack_nk``), anything else tile-major for the Triton kernels; ``apply`` then runs
+book) and prepacks it once: int4 and E2M1 (groups of 16, 32, 64·j or per-channel) for the Mosaic
+GPU kernel (``prepack_nk``), anything else (NF4) tile-major for the Triton kernels; ``apply`` then runs
 ``w4a16_matmul``, which picks the kernel or XLA by M.
 """
 

@@ -178,10 +178,11 @@ def _resolve_nk(impl: str, m: int, interpret: bool, weight_elems: int) -> str:
 def w4a16_matmul(x, packed: PackedW4 | PackedW4NK, *, bias=None, impl: str = "auto",
                  config: TuningConfig | MgpuConfig | None = None, interpret: bool = False,
                  poison: bool = False):
-    """``x @ W`` for ``x`` ``[..., K]`` (bf16 / fp16 / fp32) and a ``PackedW4`` W; fp32 accumulation,
-    result ``[..., N]`` in ``x``'s dtype. ``bias`` is an optional ``[N]`` vector.
+    """``x @ W`` for ``x`` ``[..., K]`` (bf16 / fp16 / fp32) and a ``PackedW4`` or ``PackedW4NK`` W;
+    fp32 accumulation, result ``[..., N]`` in ``x``'s dtype. ``bias`` is an optional ``[N]`` vector.
 
-    ``config`` overrides the launch (its ``block_n``/``block_k`` must match the packing);
+    ``config`` overrides the launch: a ``TuningConfig`` for a ``PackedW4`` (its ``block_n``/
+    ``block_k`` must match the packing), an ``MgpuConfig`` for a ``PackedW4NK``;
     ``interpret`` runs the Pallas kernels on CPU; ``poison`` (testing) NaN-fills kernel outputs first.
     """
     if not isinstance(packed, (PackedW4, PackedW4NK)):
