@@ -5,7 +5,7 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from jquant.bench import array_bytes, copies_for, main, roofline, time_fn
+from jquant.bench import array_bytes, copies_for, main, roofline, time_fn, time_interleaved
 from jquant.bench import w4a16 as bench
 
 
@@ -28,6 +28,23 @@ def test_time_fn_rejects_bad_arguments():
         time_fn(lambda a: a, [])
     with pytest.raises(ValueError, match="warmup and reps"):
         time_fn(lambda a: a, [(jnp.ones(2),)], reps=0)
+
+
+def test_time_interleaved_runs_every_candidate_every_round():
+
+    def make(tag):
+        def fn(a):
+            return a + jnp.float32(tag)
+        return fn
+
+    cands = {"a": (make(1), [(jnp.ones(4),)]), "b": (make(2), [(jnp.ones(4),), (jnp.zeros(4),)])}
+    t = time_interleaved(cands, warmup=1, reps=4, calls_per_batch=3)
+    assert set(t) == {"a", "b"}
+    assert len(t["a"].batches_us) == 4 and len(t["b"].batches_us) == 4
+    assert t["a"].calls_per_batch == 3 and t["b"].calls_per_batch == 4   # whole rotations
+    assert all(v.min_us <= v.median_us for v in t.values())
+    with pytest.raises(ValueError, match="'b'"):
+        time_interleaved({"a": (make(1), [(jnp.ones(2),)]), "b": (make(1), [])})
 
 
 def test_copies_and_roofline():

@@ -85,6 +85,12 @@ CASES = [  # k, n, group, zeros ("e2m1": FP4), scale, act-order, m, x dtype, bia
     (512, 192, 32, "e2m1", "e8m0", False, 2, jnp.bfloat16, False, None),   # MXFP4
     (320, 130, 16, "e2m1", "e4m3", False, 9, jnp.float16, True,            # NVFP4, global scale
      MgpuConfig(block_n=64, block_k=64, block_m=16, split_k=1, max_concurrent_steps=2)),
+    (512, 256, 128, "int", "bf16", False, 20, jnp.bfloat16, True,         # warp-specialized
+     MgpuConfig(block_n=128, block_k=128, block_m=8, split_k=2, max_concurrent_steps=2,
+                compute_wgs=2)),
+    (512, 200, 32, "e2m1", "e8m0", False, 3, jnp.bfloat16, False,         # WS, MXFP4, 256 rows
+     MgpuConfig(block_n=256, block_k=128, block_m=8, split_k=1, max_concurrent_steps=3,
+                compute_wgs=2)),
 ]
 
 
@@ -142,7 +148,9 @@ class TestUnderJit(chex.TestCase):
     (1, None, "int4", 128), (16, None, "int4", 128), (100, None, "int4", 128),
     (8, MgpuConfig(block_n=128, block_k=64, block_m=8, split_k=1, max_concurrent_steps=4,
                    wide_loads=True), "int4", 128),
-    (1, None, "e2m1", 32), (16, None, "e2m1", 16)])
+    (1, None, "e2m1", 32), (16, None, "e2m1", 16),
+    (128, MgpuConfig(block_n=256, block_k=128, block_m=128, split_k=1, max_concurrent_steps=3,
+                     compute_wgs=2), "int4", 128)])
 def test_kernel_lowers_for_sm90(m, cfg, lut, group):
     """Exporting for CUDA runs Mosaic GPU's own lowering (layout inference, the register-operand
     wgmma that interpret mode replaces by a shared-memory one, TMA descriptors) on this CPU."""
@@ -213,6 +221,8 @@ def test_layout_and_impl_mismatches_are_errors():
     (MgpuConfig(block_k=96), "block_k=96"),
     (MgpuConfig(block_k=256, split_k=4), "split_k=4 must tile K_pad=512"),
     (MgpuConfig(block_k=512, max_concurrent_steps=1), "max_concurrent_steps=1 must be ≥ 2"),
+    (MgpuConfig(compute_wgs=3), "compute_wgs=3 must be 1 or 2"),
+    (MgpuConfig(block_n=64, compute_wgs=2), "block_n=64 must be a multiple of 64·compute_wgs"),
 ])
 def test_bad_launches_name_the_parameter(cfg, match):
     rng = np.random.default_rng(7)

@@ -62,10 +62,11 @@ def correctness() -> list[dict]:
         x = rng.standard_normal((m, k)).astype(np.float32)
         ref = x.astype(np.asarray(jnp.zeros((), xdt)).dtype).astype(np.float32) @ w
         rec = dict(k=k, n=n, group=g, zeros=zeros, scale=sdt, m=m, x=jnp.dtype(xdt).name, act=act)
-        for wide in (False, True):
-            rec = dict(rec, wide_loads=wide)
+        base = default_mgpu_config(min(m, 128), packed)
+        ws = [c for c in ws_launches(m, packed) if c.block_m == base.block_m]
+        for cfg in [base, dataclasses.replace(base, wide_loads=True)] + ws[:2]:
+            rec = dict(rec, wide_loads=cfg.wide_loads, compute_wgs=cfg.compute_wgs)
             try:
-                cfg = dataclasses.replace(default_mgpu_config(min(m, 128), packed), wide_loads=wide)
                 got = jax.jit(lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg))(jnp.asarray(x, xdt), packed)
                 got = np.asarray(got, np.float32)
                 err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
@@ -162,23 +163,42 @@ def sweep(quick: bool) -> list[dict]:
     return rows
 
 
-def ab() -> list[dict]:
-    """The default launch against wide int4 loads and the sweep's other winners, same process."""
+def ws_launches(m: int, packed) -> list[MgpuConfig]:
+    """Warp-specialized launches (2 compute warpgroups sharing x) worth timing at ``m``."""
+    bm = min(bench_round8(m), 128)
+    out = []
+    if bm <= 16:
+        for bn, sp, st in ((128, 8, 3), (128, 4, 4), (256, 4, 3), (256, 8, 2), (128, 16, 2)):
+            out.append(MgpuConfig(block_n=bn, block_k=256, block_m=bm, split_k=sp,
+                                  max_concurrent_steps=st, compute_wgs=2))
+    else:
+        for bn, bk, sp, st in ((256, 128, 1, 3), (256, 64, 1, 4), (256, 128, 2, 2),
+                               (128, 128, 2, 3), (256, 64, 2, 4)):
+            out.append(MgpuConfig(block_n=bn, block_k=bk, block_m=bm, split_k=sp,
+                                  max_concurrent_steps=st, compute_wgs=2))
+    return [c for c in out if not packed.n_pad % c.block_n
+            and not packed.k_pad % (c.split_k * c.block_k)]
+
+
+def bench_round8(m: int) -> int:
+    return -(-m // 8) * 8
+
+
+def ab(out: pathlib.Path, ms=(1, 16, 32, 64, 128, 256)) -> list[dict]:
+    """The default launch against warp-specialized launches and wide loads, same process
+    (``out``/mgpu_ab.json rewritten after each cell)."""
     rows = []
     key = jax.random.PRNGKey(0)
     for n, k in ((28672, 8192), (8192, 8192)):
         weight, packs, w_bf16 = _int4_operands(n, k, key)
-        for m in (1, 16, 32, 64, 128):
+        packed = packs[0]
+        for m in ms:
             xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
             bf16 = time_fn(jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)]).median_us
             base = default_mgpu_config(m, packed)
-            alts = [base, dataclasses.replace(base, wide_loads=True)]
-            if m in (32, 64):
-                alts += [dataclasses.replace(base, block_n=128), dataclasses.replace(
-                    base, block_n=128, wide_loads=True)]
+            alts = [base] + ws_launches(m, packed)
             if m == 1:
-                alts += [dataclasses.replace(base, max_concurrent_steps=2, wide_loads=True),
-                         dataclasses.replace(base, max_concurrent_steps=4, wide_loads=True)]
+                alts.append(dataclasses.replace(alts[1], wide_loads=True))
             line = f"{n}x{k} M={m:<4d} bf16 {bf16:7.1f} |"
             for cfg in alts:
                 us = _time_launch(cfg, xs, packs, f"{n}x{k} M={m}")
@@ -186,11 +206,30 @@ def ab() -> list[dict]:
                     continue
                 rows.append(dict(N=n, K=k, M=m, time_us=us, xla_bf16_us=bf16,
                                  config=dataclasses.asdict(cfg)))
-                line += (f" bn{cfg.block_n} bk{cfg.block_k} st{cfg.max_concurrent_steps} "
-                         f"sp{cfg.split_k}{' wide' if cfg.wide_loads else ''}: {us:6.1f} |")
+                line += (f" {'ws ' if cfg.compute_wgs > 1 else ''}bn{cfg.block_n} bk{cfg.block_k} "
+                         f"st{cfg.max_concurrent_steps} sp{cfg.split_k}"
+                         f"{' wide' if cfg.wide_loads else ''}: {us:6.1f} |")
             log(line)
+            (out / "mgpu_ab.json").write_text(json.dumps(rows, indent=1))
         del packs, w_bf16
     return rows
+
+
+def compile_for_sass() -> None:
+    """Runs one launch per kernel of interest once, for a process started with
+    MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=<dir> (the dump is per compiled kernel)."""
+    key = jax.random.PRNGKey(0)
+    n, k = 4096, 4096
+    for scheme in ("int4_g128", "mxfp4"):
+        weight = bench.make_weight(scheme, n, k, key)
+        lut = "e2m1" if scheme == "mxfp4" else "int4"
+        packed = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"], lut=lut)
+        for m in ((1,) if lut == "e2m1" else (1, 128)):
+            x = jax.random.normal(key, (m, k), jnp.bfloat16)
+            for cfg in [default_mgpu_config(m, packed)] + ws_launches(m, packed)[:1]:
+                fn = jax.jit(lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg))
+                jax.block_until_ready(fn(x, packed))
+                log(f"compiled {scheme} M={m} {cfg}")
 
 
 def main(argv=None) -> int:
@@ -199,15 +238,19 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-sweep", action="store_true")
     parser.add_argument("--ab", action="store_true", help="default launch vs wide loads and alternatives")
+    parser.add_argument("--sass-only", action="store_true", help="compile a few launches, nothing else")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log(f"devices {jax.devices()} jax {jax.__version__}")
+    if args.sass_only:
+        compile_for_sass()
+        return 0
     res = correctness()
     (out / "mgpu_correctness.json").write_text(json.dumps(res, indent=1))
     log(f"correctness {sum(r['ok'] for r in res)}/{len(res)}")
     if args.ab:
-        (out / "mgpu_ab.json").write_text(json.dumps(ab(), indent=1))
+        ab(out)
     if not args.skip_sweep:
         rows = sweep(args.quick)
         (out / "mgpu_sweep.json").write_text(json.dumps(rows, indent=1))

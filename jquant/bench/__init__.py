@@ -2,7 +2,8 @@
 
 from jquant.bench.cli import main
 from jquant.bench.timing import (Roofline, Timing, array_bytes, copies_for,
-                                 measure_hbm_bandwidth, roofline, time_fn)
+                                 measure_hbm_bandwidth, roofline, time_fn,
+                                 time_interleaved)
 
 __all__ = ["Roofline", "Timing", "array_bytes", "copies_for", "main", "measure_hbm_bandwidth",
-           "roofline", "time_fn"]
+           "roofline", "time_fn", "time_interleaved"]

@@ -47,17 +47,32 @@ def time_fn(fn: Callable, args_list: Sequence[tuple], warmup: int = 3, reps: int
     back); a batch repeats that program until it lasts ``min_batch_s`` (or ``calls_per_batch``
     calls, rounded up to whole rotations; at most ``max_calls``).
     """
-    if not args_list:
-        raise ValueError("args_list must hold at least one tuple of arguments")
-    if warmup < 1 or reps < 1:
-        raise ValueError(f"warmup and reps must be ≥ 1, got warmup={warmup}, reps={reps}")
-    n = len(args_list)
-    rotation = jax.jit(lambda all_args: tuple(fn(*a) for a in all_args))
-    args = tuple(tuple(a) for a in args_list)
-    for _ in range(warmup):
-        _block(rotation(args))
+    return time_interleaved({"fn": (fn, args_list)}, warmup=warmup, reps=reps,
+                            calls_per_batch=calls_per_batch, min_batch_s=min_batch_s,
+                            max_calls=max_calls)["fn"]
 
-    def batch(rotations: int) -> float:
+
+def time_interleaved(candidates: dict[str, tuple[Callable, Sequence[tuple]]], warmup: int = 3,
+                     reps: int = 9, calls_per_batch: int | None = None,
+                     min_batch_s: float = 10e-3, max_calls: int = 4000) -> dict[str, Timing]:
+    """Times several ``(fn, args_list)`` candidates as ``time_fn`` does, but round-robin: each of
+    the ``reps`` rounds runs one batch of every candidate in turn, so a drift of the device's
+    clocks or temperature during the run falls on all of them alike instead of on whichever was
+    timed last. Returns µs per call by name."""
+    batchers = {}
+    for name, (fn, args_list) in candidates.items():
+        if not args_list:
+            raise ValueError(f"args_list of {name!r} must hold at least one tuple of arguments")
+        if warmup < 1 or reps < 1:
+            raise ValueError(f"warmup and reps must be ≥ 1, got warmup={warmup}, reps={reps}")
+        rotation = jax.jit(lambda all_args, fn=fn: tuple(fn(*a) for a in all_args))
+        args = tuple(tuple(a) for a in args_list)
+        for _ in range(warmup):
+            _block(rotation(args))
+        batchers[name] = (rotation, args)
+
+    def batch(name: str, rotations: int) -> float:
+        rotation, args = batchers[name]
         start = time.perf_counter()
         out = None
         for _ in range(rotations):
@@ -65,12 +80,20 @@ def time_fn(fn: Callable, args_list: Sequence[tuple], warmup: int = 3, reps: int
         _block(out)
         return time.perf_counter() - start
 
-    if calls_per_batch is None:
-        probe = batch(1) / n
-        calls_per_batch = int(min(max_calls, max(n, math.ceil(min_batch_s / max(probe, 1e-9)))))
-    rotations = max(1, -(-calls_per_batch // n))
-    samples = tuple(1e6 * batch(rotations) / (rotations * n) for _ in range(reps))
-    return Timing(statistics.median(samples), min(samples), samples, rotations * n)
+    rotations = {}
+    for name, (_, args) in batchers.items():
+        n = len(args)
+        calls = calls_per_batch
+        if calls is None:
+            probe = batch(name, 1) / n
+            calls = int(min(max_calls, max(n, math.ceil(min_batch_s / max(probe, 1e-9)))))
+        rotations[name] = max(1, -(-calls // n))
+    samples = {name: [] for name in batchers}
+    for _ in range(reps):
+        for name, (_, args) in batchers.items():
+            samples[name].append(1e6 * batch(name, rotations[name]) / (rotations[name] * len(args)))
+    return {name: Timing(statistics.median(v), min(v), tuple(v), rotations[name] * len(batchers[name][1]))
+            for name, v in samples.items()}
 
 
 def copies_for(bytes_per_set: int, l2_bytes: int = H200_L2_BYTES, max_copies: int = 64) -> int:

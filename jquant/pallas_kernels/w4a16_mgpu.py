@@ -31,43 +31,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jquant.pallas_kernels.w4a16_mgpu_common import (K_CHUNK, SUB_CHUNK_GROUPS, MgpuConfig,
+                                                     check_launch, decode_mma_step,
+                                                     e2m1_from_signed, step_specs)
+from jquant.pallas_kernels.w4a16_mgpu_ws import w4a16_mgpu_ws
 from jquant.pallas_kernels.w4a16_layout import (_round_up, _sort_act_order, canonical_lut,
                                                 gather_pad)
-
-# wgmma consumes K in chunks of one 128-byte swizzle atom of the 16-bit B operand.
-_K_CHUNK = 64
-# Groups finer than a chunk: the chunk's scale is chosen per column.
-_SUB_CHUNK_GROUPS = (16, 32)
-
-
-@dataclasses.dataclass(frozen=True)
-class MgpuConfig:
-    """Launch of the Mosaic GPU W4A16 kernel.
-
-    block_n: weight rows per CTA (wgmma M; 64 per warpgroup instruction).
-    block_k: K per pipeline step (a multiple of 64 dividing the per-split K range).
-    block_m: activation rows per CTA (wgmma N: a multiple of 8, at most 256).
-    split_k: K ranges run by separate CTAs, summed by XLA afterwards.
-    max_concurrent_steps: TMA pipeline depth.
-    wide_loads: read the int4 tile 8 codes per 32-bit load (Mosaic GPU's UPCAST_4X layout) and
-      shuffle into wgmma's layout, instead of 2 codes per 8-bit load.
-    """
-
-    block_n: int = 128
-    block_k: int = 256
-    block_m: int = 8
-    split_k: int = 1
-    max_concurrent_steps: int = 4
-    wide_loads: bool = False
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.name == "wide_loads":
-                continue
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"MgpuConfig.{f.name} must be a positive int, got {v!r}")
-
 
 @dataclasses.dataclass(frozen=True)
 class PackedW4NK:
@@ -113,42 +82,6 @@ jax.tree_util.register_dataclass(
     meta_fields=["lut", "k", "n", "group_size"])
 
 
-def e2m1_from_signed(v):
-    """The E2M1 value of a code stored as the signed integer ``±u`` (u = its magnitude bits, so
-    0..7 → 0, ½, 1, 1½, 2, 3, 4, 6): exact in any float type with ≥ 3 mantissa bits, and made of
-    ops that both XLA and the Mosaic GPU kernel run on register arrays."""
-    return 2 * v - 0.5 * jnp.clip(v, -4, 4) - jnp.clip(v, -6, 6)
-
-
-def _swizzle_tiles(block_k: int, bits: int):
-    swizzle = plgpu.find_swizzle(block_k * bits, "w4a16")
-    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
-
-
-def _check(packed: PackedW4NK, m_pad: int, cfg: MgpuConfig) -> int:
-    n_pad, k_pad = packed.data.shape
-    g = packed.group_size
-    k_split = k_pad // cfg.split_k
-    problems = []
-    if n_pad % cfg.block_n or cfg.block_n % 64:
-        problems.append(f"block_n={cfg.block_n} must be a multiple of 64 dividing N_pad={n_pad}")
-    if cfg.block_m % 8 or not 8 <= cfg.block_m <= 256 or m_pad % cfg.block_m:
-        problems.append(f"block_m={cfg.block_m} must be a multiple of 8 in [8, 256] dividing "
-                        f"M_pad={m_pad}")
-    if k_pad % cfg.split_k or k_split % cfg.block_k or cfg.block_k % _K_CHUNK:
-        problems.append(f"block_k={cfg.block_k} (a multiple of {_K_CHUNK}) and split_k="
-                        f"{cfg.split_k} must tile K_pad={k_pad}")
-    if (g % _K_CHUNK and g not in _SUB_CHUNK_GROUPS) or (g < cfg.block_k and cfg.block_k % g) or (
-            g > cfg.block_k and g % cfg.block_k):
-        problems.append(f"group_size={g} must be 16, 32 or a multiple of {_K_CHUNK} that divides or "
-                        f"is a multiple of block_k={cfg.block_k}")
-    if cfg.max_concurrent_steps < 2:
-        problems.append(f"max_concurrent_steps={cfg.max_concurrent_steps} must be ≥ 2")
-    if problems:
-        raise ValueError("w4a16 mgpu kernel: " + "; ".join(problems))
-    return k_split
-
-
 def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
                interpret: bool = False) -> jax.Array:
     """fp32 ``[split_k, N_pad, M_pad]`` partials of ``(xs @ W)ᵀ`` for padded ``xs`` ``[M_pad, K_pad]``."""
@@ -159,17 +92,14 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
     if xs.ndim != 2 or xs.shape[1] != packed.k_pad:
         raise ValueError(f"xs has shape {tuple(xs.shape)}; expected [M_pad, K_pad={packed.k_pad}]")
     m_pad = xs.shape[0]
-    k_split = _check(packed, m_pad, cfg)
+    k_split = check_launch(packed.n_pad, packed.k_pad, m_pad, packed.group_size, cfg)
+    if cfg.compute_wgs > 1:
+        return w4a16_mgpu_ws(xs, packed, config=cfg, interpret=interpret)
     bn, bk, bm = cfg.block_n, cfg.block_k, cfg.block_m
     g = packed.group_size
-    dtype = xs.dtype
     steps = k_split // bk
-    # Scale rows per pipeline step (several groups per step, or one group over several steps).
-    s_rows = max(bk // g, 1)
     has_zero = packed.zero is not None
-    fp4 = packed.lut == "e2m1"
-    w_transforms = _swizzle_tiles(bk, 4)
-    x_transforms = _swizzle_tiles(bk, 16)
+
 
     def kernel(x_gmem, w_gmem, s_gmem, *rest):
         if has_zero:
@@ -178,76 +108,24 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
             z_gmem = None
             out_gmem, o_smem, *a_scratch = rest
         ni, si, mi = (jax.lax.axis_index(name) for name in ("n", "s", "m"))
-        k0 = si * k_split
 
         def step(idx, w_smem, x_smem, s_smem, *z_smem, acc_ref):
             del idx
-            chunks = bk // _K_CHUNK
-            if chunks == 1:
-                # The decoded registers of the previous step's wgmma get reused now.
-                plgpu.wgmma_wait(0)
-            if cfg.wide_loads:
-                # 8 codes per 32-bit shared-memory load, then register shuffles into wgmma's layout.
-                w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
-            else:
-                w = w_smem[...]
-            for c in range(chunks):
-                row = (c * _K_CHUNK) // g if g < bk else 0
-                ks = slice(c * _K_CHUNK, (c + 1) * _K_CHUNK)
-                wc = w[:, ks].astype(dtype)
-                if fp4:
-                    wc = e2m1_from_signed(wc)
-                if has_zero:
-                    zero = plgpu.load(z_smem[0].at[row], layout=plgpu.Layout.WGMMA.reduce(1))
-                    wc = wc - jax.lax.broadcast_in_dim(zero.astype(dtype), (bn, _K_CHUNK), (0,))
-                wc = wc * chunk_scale(s_smem, row)
-                if a_scratch:
-                    a_scratch[0][...] = wc
-                    plgpu.commit_smem()
-                    plgpu.wgmma(acc_ref, a_scratch[0], x_smem.at[:, ks].T)
-                    plgpu.wgmma_wait(0)
-                else:
-                    plgpu.wgmma(acc_ref, wc, x_smem.at[:, ks].T)
-                    # One wgmma stays in flight while the next chunk is decoded.
-                    plgpu.wgmma_wait(1)
+            decode_mma_step(w_smem, x_smem, s_smem, z_smem[0] if z_smem else None, acc_ref,
+                            rows=slice(None), group_size=g, dtype=xs.dtype,
+                            fp4=packed.lut == "e2m1", wide_loads=cfg.wide_loads,
+                            a_scratch=a_scratch[0] if a_scratch else None)
             return acc_ref
 
-        def chunk_scale(s_smem, row):
-            """The chunk's scales as a [bn, 64] array: one row of scales, or (groups of 16 / 32)
-            a row per group, picked by column."""
-            def row_of(r):
-                v = plgpu.load(s_smem.at[r], layout=plgpu.Layout.WGMMA.reduce(1)).astype(dtype)
-                return jax.lax.broadcast_in_dim(v, (bn, _K_CHUNK), (0,))
-            if g >= _K_CHUNK:
-                return row_of(row)
-            col = plgpu.broadcasted_iota(jnp.int32, (bn, _K_CHUNK), 1, layout=plgpu.Layout.WGMMA)
-            out = row_of(row)
-            for j in range(1, _K_CHUNK // g):
-                out = jnp.where(col >= j * g, row_of(row + j), out)
-            return out
-
-        def s_index(t):
-            return ((k0 // bk + t) * bk // g // s_rows, ni)
-
-        in_specs = [
-            plgpu.BlockSpec((bn, bk), lambda t: (ni, k0 // bk + t), transforms=w_transforms),
-            # x is read by the wgmma still in flight when the step returns: free its slot late.
-            plgpu.BlockSpec((bm, bk), lambda t: (mi, k0 // bk + t), transforms=x_transforms,
-                            delay_release=1),
-            plgpu.BlockSpec((s_rows, bn), s_index),
-        ]
-        operands = [w_gmem, x_gmem, s_gmem]
-        if has_zero:
-            in_specs.append(plgpu.BlockSpec((s_rows, bn), s_index))
-            operands.append(z_gmem)
+        in_specs = step_specs(cfg, group_size=g, coords=lambda t: (ni, mi, si * steps + t),
+                              has_zero=has_zero, delay_all=False)
 
         def run(acc_ref):
             plgpu.emit_pipeline(
                 functools.partial(_step_with_acc, step, acc_ref),
                 grid=(steps,), in_specs=in_specs,
                 max_concurrent_steps=max(2, min(cfg.max_concurrent_steps, steps)),
-            )(*operands)
+            )(w_gmem, x_gmem, s_gmem, *([z_gmem] if has_zero else []))
             plgpu.wgmma_wait(0)
             return acc_ref[...]
 
@@ -259,7 +137,7 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
 
     scratch = [plgpu.SMEM((bn, bm), jnp.float32)]
     if interpret:
-        scratch.append(plgpu.SMEM((bn, _K_CHUNK), dtype))
+        scratch.append(plgpu.SMEM((bn, K_CHUNK), xs.dtype))
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad), jnp.float32),
@@ -279,7 +157,7 @@ def _step_with_acc(step, acc_ref, idx, *refs):
 
 
 def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None, g_idx=None,
-               pad_k: int = _K_CHUNK, pad_n: int = 128) -> PackedW4NK:
+               pad_k: int = K_CHUNK, pad_n: int = 128) -> PackedW4NK:
     """Lays 4-bit codes ``q`` ``[K, N]`` (0..15) out for the Mosaic GPU kernel: ``[N_pad, K_pad]``
     signed int4, scales and zeros ``[K_pad / G, N_pad]``. ``lut``: ``"int4"`` (value ``code − 8``,
     or ``code − zero``) or ``"e2m1"`` (FP4; no zeros, optional ``global_scale``). Padded columns
@@ -347,7 +225,7 @@ def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
     if packed.n_pad % bn:
         bn = 64
     g = packed.group_size
-    while bk > _K_CHUNK and (g % bk if g >= bk else bk % g):   # a step meets whole groups
+    while bk > K_CHUNK and (g % bk if g >= bk else bk % g):   # a step meets whole groups
         bk //= 2
     if split > 1 and packed.n_pad // bn * -(-m // block_m) >= 264 and block_m > 16:
         split = 1
@@ -380,8 +258,8 @@ def nk_compatible(group_size: int, k: int, lut: str = "int4") -> bool:
     multiples of 64 (NF4 needs a table: the Triton kernels run it)."""
     if canonical_lut(lut) not in ("int4", "e2m1"):
         return False
-    return (group_size in (None, -1) or group_size >= k or group_size % _K_CHUNK == 0
-            or group_size in _SUB_CHUNK_GROUPS)
+    return (group_size in (None, -1) or group_size >= k or group_size % K_CHUNK == 0
+            or group_size in SUB_CHUNK_GROUPS)
 
 
 def dequantize_nk(packed: PackedW4NK, dtype=jnp.float32) -> jax.Array:

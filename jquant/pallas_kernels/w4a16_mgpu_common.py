@@ -1,0 +1,189 @@
+"""What both Mosaic GPU W4A16 kernels share: the launch config, its checks, and one pipeline step
+(decode the int4 / E2M1 weight tile into wgmma registers chunk by chunk, scale, issue the wgmma)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# wgmma consumes K in chunks of one 128-byte swizzle atom of the 16-bit B operand.
+K_CHUNK = 64
+# Groups finer than a chunk: the chunk's scale is chosen per column.
+SUB_CHUNK_GROUPS = (16, 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    """Launch of the Mosaic GPU W4A16 kernel.
+
+    block_n: weight rows per CTA (wgmma M; 64 per warpgroup instruction).
+    block_k: K per pipeline step (a multiple of 64 dividing the per-split K range).
+    block_m: activation rows per CTA (wgmma N: a multiple of 8, at most 256).
+    split_k: K ranges run by separate CTAs, summed by XLA afterwards.
+    max_concurrent_steps: TMA pipeline depth.
+    wide_loads: read the int4 tile 8 codes per 32-bit load (Mosaic GPU's UPCAST_4X layout) and
+      shuffle into wgmma's layout, instead of 2 codes per 8-bit load.
+    compute_wgs: warpgroups that decode and multiply, each owning ``block_n / compute_wgs`` rows
+      and sharing the x tile. With 2, a third warpgroup only issues the TMA copies (warp
+      specialization); with 1, the one warpgroup does both.
+    """
+
+    block_n: int = 128
+    block_k: int = 256
+    block_m: int = 8
+    split_k: int = 1
+    max_concurrent_steps: int = 4
+    wide_loads: bool = False
+    compute_wgs: int = 1
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "wide_loads":
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"MgpuConfig.{f.name} must be a positive int, got {v!r}")
+
+
+def check_launch(n_pad: int, k_pad: int, m_pad: int, group_size: int, cfg: MgpuConfig) -> int:
+    """Raises a ValueError naming every parameter of ``cfg`` that cannot tile the problem;
+    returns the K range of one split."""
+    g = group_size
+    k_split = k_pad // cfg.split_k
+    wg_rows = cfg.block_n // cfg.compute_wgs
+    problems = []
+    if cfg.compute_wgs not in (1, 2):
+        problems.append(f"compute_wgs={cfg.compute_wgs} must be 1 or 2")
+    if n_pad % cfg.block_n or cfg.block_n % cfg.compute_wgs or wg_rows % 64:
+        problems.append(f"block_n={cfg.block_n} must be a multiple of 64·compute_wgs="
+                        f"{64 * cfg.compute_wgs} dividing N_pad={n_pad}")
+    if cfg.block_m % 8 or not 8 <= cfg.block_m <= 256 or m_pad % cfg.block_m:
+        problems.append(f"block_m={cfg.block_m} must be a multiple of 8 in [8, 256] dividing "
+                        f"M_pad={m_pad}")
+    if k_pad % cfg.split_k or k_split % cfg.block_k or cfg.block_k % K_CHUNK:
+        problems.append(f"block_k={cfg.block_k} (a multiple of {K_CHUNK}) and split_k="
+                        f"{cfg.split_k} must tile K_pad={k_pad}")
+    if (g % K_CHUNK and g not in SUB_CHUNK_GROUPS) or (g < cfg.block_k and cfg.block_k % g) or (
+            g > cfg.block_k and g % cfg.block_k):
+        problems.append(f"group_size={g} must be 16, 32 or a multiple of {K_CHUNK} that divides or "
+                        f"is a multiple of block_k={cfg.block_k}")
+    if cfg.max_concurrent_steps < 2:
+        problems.append(f"max_concurrent_steps={cfg.max_concurrent_steps} must be ≥ 2")
+    if problems:
+        raise ValueError("w4a16 mgpu kernel: " + "; ".join(problems))
+    return k_split
+
+
+def e2m1_from_signed(v):
+    """The E2M1 value of a code stored as the signed integer ``±u`` (u = its magnitude bits, so
+    0..7 → 0, ½, 1, 1½, 2, 3, 4, 6): exact in any float type with ≥ 3 mantissa bits, and made of
+    ops that both XLA and the Mosaic GPU kernel run on register arrays."""
+    return 2 * v - 0.5 * jnp.clip(v, -4, 4) - jnp.clip(v, -6, 6)
+
+
+def swizzle_tiles(block_k: int, bits: int):
+    swizzle = plgpu.find_swizzle(block_k * bits, "w4a16")
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def scale_rows_per_step(block_k: int, group_size: int) -> int:
+    """Scale rows one pipeline step reads: several groups per step, or one group over several."""
+    return max(block_k // group_size, 1)
+
+
+def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size: int, dtype,
+                    fp4: bool, wide_loads: bool, a_scratch=None):
+    """One pipeline step of one warpgroup: ``acc += decode(W[rows, :]) · x_tileᵀ``.
+
+    ``w_smem`` ``[bn, bk]`` int4, ``x_smem`` ``[bm, bk]``, ``s_smem`` / ``z_smem`` (or None)
+    ``[s_rows, bn]``; ``rows`` (a slice or ``pl.ds``) picks the warpgroup's weight rows. Each
+    64-wide K chunk is decoded into registers while the previous chunk's wgmma runs
+    (``wgmma_wait(1)``), so the last wgmma is still in flight on return: the caller releases x's
+    slot one step late. ``a_scratch`` (interpret mode, whose wgmma reads A only from shared memory)
+    routes each decoded chunk through shared memory and waits for each wgmma."""
+    g = group_size
+    w_ref = w_smem.at[rows]
+    wg_rows = w_ref.shape[0]
+    bk = w_smem.shape[1]
+    chunks = bk // K_CHUNK
+
+    def row_of(ref, r):
+        v = plgpu.load(ref.at[r].at[rows], layout=plgpu.Layout.WGMMA.reduce(1)).astype(dtype)
+        return jax.lax.broadcast_in_dim(v, (wg_rows, K_CHUNK), (0,))
+
+    def chunk_scale(row):
+        """The chunk's scales as a [rows, 64] array: one row of scales, or (groups of 16 / 32)
+        a row per group, picked by column."""
+        if g >= K_CHUNK:
+            return row_of(s_smem, row)
+        col = plgpu.broadcasted_iota(jnp.int32, (wg_rows, K_CHUNK), 1, layout=plgpu.Layout.WGMMA)
+        out = row_of(s_smem, row)
+        for j in range(1, K_CHUNK // g):
+            out = jnp.where(col >= j * g, row_of(s_smem, row + j), out)
+        return out
+
+    if chunks == 1:
+        # The decoded registers of the previous step's wgmma get reused now.
+        plgpu.wgmma_wait(0)
+    for c in range(chunks):
+        row = (c * K_CHUNK) // g if g < bk else 0
+        ks = slice(c * K_CHUNK, (c + 1) * K_CHUNK)
+        # Loaded chunk by chunk (not the whole step's tile up front): fewer live registers.
+        if wide_loads:
+            # 8 codes per 32-bit shared-memory load, then register shuffles into wgmma's layout.
+            wc = plgpu.layout_cast(plgpu.load(w_ref.at[:, ks], layout=plgpu.Layout.WGMMA_UPCAST_4X),
+                                   plgpu.Layout.WGMMA)
+        else:
+            wc = w_ref.at[:, ks][...]
+        wc = wc.astype(dtype)
+        if fp4:
+            wc = e2m1_from_signed(wc)
+        if z_smem is not None:
+            wc = wc - row_of(z_smem, row)
+        wc = wc * chunk_scale(row)
+        if a_scratch is not None:
+            a_scratch[...] = wc
+            plgpu.commit_smem()
+            plgpu.wgmma(acc_ref, a_scratch, x_smem.at[:, ks].T)
+            plgpu.wgmma_wait(0)
+        else:
+            plgpu.wgmma(acc_ref, wc, x_smem.at[:, ks].T)
+            # One wgmma stays in flight while the next chunk is decoded.
+            plgpu.wgmma_wait(1)
+
+
+def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, delay_all: bool):
+    """The pipeline's BlockSpecs for step t, where ``coords(t)`` gives the step's (weight row
+    block, x row block, K block): the weight tile ``[bn, bk]``, the x tile ``[bm, bk]``, and the
+    scale (and zero) rows ``[s_rows, bn]`` that step meets. x is read by the wgmma still in flight
+    when a step returns, so its slot is freed one step late (``delay_all``: every input's, as the
+    warp-specialized pipeline requires)."""
+    bn, bk, bm, g = cfg.block_n, cfg.block_k, cfg.block_m, group_size
+    s_rows = scale_rows_per_step(bk, g)
+    late = 1 if delay_all else 0
+
+    def w_index(t):
+        n_idx, _, k_idx = coords(t)
+        return n_idx, k_idx
+
+    def x_index(t):
+        _, m_idx, k_idx = coords(t)
+        return m_idx, k_idx
+
+    def s_index(t):
+        n_idx, _, k_idx = coords(t)
+        return k_idx * bk // g // s_rows, n_idx
+
+    specs = [
+        # Tiled per 64-wide chunk, so each chunk loads on its own.
+        plgpu.BlockSpec((bn, bk), w_index, transforms=swizzle_tiles(K_CHUNK, 4),
+                        delay_release=late),
+        plgpu.BlockSpec((bm, bk), x_index, transforms=swizzle_tiles(bk, 16), delay_release=1),
+        plgpu.BlockSpec((s_rows, bn), s_index, delay_release=late),
+    ]
+    if has_zero:
+        specs.append(plgpu.BlockSpec((s_rows, bn), s_index, delay_release=late))
+    return specs
