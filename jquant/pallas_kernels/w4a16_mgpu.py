@@ -233,6 +233,11 @@ def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
         split //= 2
     while packed.k_pad % bk:   # K_pad is a multiple of 64
         bk //= 2
+    if block_m >= 64 and packed.n_pad % 256 == 0 and packed.n_pad // 256 >= 100:
+        # Two warpgroups × 128 rows share each x tile: half the x traffic from L2, which bounds
+        # M ≥ 64 on wide weights (interleaved H200 A/B, bench/NOTES.md "Warp-specialized").
+        return MgpuConfig(block_n=256, block_k=K_CHUNK, block_m=block_m, split_k=1,
+                          max_concurrent_steps=6 if block_m <= 64 else 4, compute_wgs=2)
     return MgpuConfig(block_n=bn, block_k=bk, block_m=block_m, split_k=split,
                       max_concurrent_steps=stages)
 
