@@ -33,7 +33,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.pallas_kernels.w4a16_mgpu_common import (K_CHUNK, SUB_CHUNK_GROUPS, MgpuConfig,
                                                      check_launch, decode_mma_step,
-                                                     e2m1_from_signed, step_specs)
+                                                     e2m1_from_signed, launch_partials,
+                                                     step_specs)
 from jquant.pallas_kernels.w4a16_mgpu_ws import w4a16_mgpu_ws
 from jquant.pallas_kernels.w4a16_layout import (_round_up, _sort_act_order, canonical_lut,
                                                 gather_pad)
@@ -95,20 +96,12 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
     k_split = check_launch(packed.n_pad, packed.k_pad, m_pad, packed.group_size, cfg)
     if cfg.compute_wgs > 1:
         return w4a16_mgpu_ws(xs, packed, config=cfg, interpret=interpret)
-    bn, bk, bm = cfg.block_n, cfg.block_k, cfg.block_m
+    bn, bm = cfg.block_n, cfg.block_m
     g = packed.group_size
-    steps = k_split // bk
+    steps = k_split // cfg.block_k
     has_zero = packed.zero is not None
 
-
-    def kernel(x_gmem, w_gmem, s_gmem, *rest):
-        if has_zero:
-            z_gmem, out_gmem, o_smem, *a_scratch = rest
-        else:
-            z_gmem = None
-            out_gmem, o_smem, *a_scratch = rest
-        ni, si, mi = (jax.lax.axis_index(name) for name in ("n", "s", "m"))
-
+    def body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem, out_gmem, o_smem, *a_scratch):
         def step(idx, w_smem, x_smem, s_smem, *z_smem, acc_ref):
             del idx
             decode_mma_step(w_smem, x_smem, s_smem, z_smem[0] if z_smem else None, acc_ref,
@@ -138,18 +131,7 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
     scratch = [plgpu.SMEM((bn, bm), jnp.float32)]
     if interpret:
         scratch.append(plgpu.SMEM((bn, K_CHUNK), xs.dtype))
-    call = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad), jnp.float32),
-        grid=(packed.n_pad // bn, cfg.split_k, m_pad // bm),
-        grid_names=("n", "s", "m"),
-        scratch_types=scratch,
-    )
-    args = [xs, packed.data, packed.scale] + ([packed.zero] if has_zero else [])
-    if interpret:
-        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(uninitialized_memory="nan")):
-            return call(*args)
-    return call(*args)
+    return launch_partials(body, xs, packed, cfg, scratch=scratch, interpret=interpret)
 
 
 def _step_with_acc(step, acc_ref, idx, *refs):
@@ -216,6 +198,11 @@ def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
     TMA engines busy); larger M wants 128-row tiles of 128 K (so 3 stages of a 128-row x tile fit
     in shared memory) and split-K 2 only while there are fewer CTAs than ~2 per SM."""
     block_m = min(_round_up(m, 8), 128)
+    if block_m >= 64 and packed.n_pad % 256 == 0 and packed.n_pad // 256 >= 100:
+        # Two warpgroups × 128 rows share each x tile: half the x traffic from L2, which bounds
+        # M ≥ 64 on wide weights (interleaved H200 A/B, bench/NOTES.md "Warp-specialized").
+        return MgpuConfig(block_n=256, block_k=K_CHUNK, block_m=block_m, split_k=1,
+                          max_concurrent_steps=6 if block_m <= 64 else 4, compute_wgs=2)
     if block_m <= 16:
         bn, bk, stages, split = 64, 256, 3, (8 if block_m == 8 else 4)
     elif block_m <= 64:   # 128-row tiles once they still give ~1 CTA per SM (A/B run, NOTES.md)
@@ -233,11 +220,6 @@ def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
         split //= 2
     while packed.k_pad % bk:   # K_pad is a multiple of 64
         bk //= 2
-    if block_m >= 64 and packed.n_pad % 256 == 0 and packed.n_pad // 256 >= 100:
-        # Two warpgroups × 128 rows share each x tile: half the x traffic from L2, which bounds
-        # M ≥ 64 on wide weights (interleaved H200 A/B, bench/NOTES.md "Warp-specialized").
-        return MgpuConfig(block_n=256, block_k=K_CHUNK, block_m=block_m, split_k=1,
-                          max_concurrent_steps=6 if block_m <= 64 else 4, compute_wgs=2)
     return MgpuConfig(block_n=bn, block_k=bk, block_m=block_m, split_k=split,
                       max_concurrent_steps=stages)
 

@@ -187,3 +187,27 @@ def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, dela
     if has_zero:
         specs.append(plgpu.BlockSpec((s_rows, bn), s_index, delay_release=late))
     return specs
+
+
+def launch_partials(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool, **kernel_kw):
+    """Runs ``body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem or None, out_gmem, *scratch)`` on
+    the (N_pad / block_n, split_k, M_pad / block_m) grid and returns its fp32 ``[split_k, N_pad,
+    M_pad]`` partials; interpret mode starts every buffer as NaN, so an unwritten tile shows."""
+    has_zero = packed.zero is not None
+
+    def kernel(x_gmem, w_gmem, s_gmem, *rest):
+        z_gmem, (out_gmem, *scratch_refs) = (rest[0], rest[1:]) if has_zero else (None, rest)
+        ni, si, mi = (jax.lax.axis_index(name) for name in ("n", "s", "m"))
+        body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem, out_gmem, *scratch_refs)
+
+    m_pad = xs.shape[0]
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad), jnp.float32),
+        grid=(packed.n_pad // cfg.block_n, cfg.split_k, m_pad // cfg.block_m),
+        grid_names=("n", "s", "m"), scratch_types=scratch, **kernel_kw)
+    args = [xs, packed.data, packed.scale] + ([packed.zero] if has_zero else [])
+    if interpret:
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(uninitialized_memory="nan")):
+            return call(*args)
+    return call(*args)

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jquant.pallas_kernels.w4a16_mgpu_common import (K_CHUNK, MgpuConfig, check_launch,
-                                                     decode_mma_step, step_specs)
+from jquant.pallas_kernels.w4a16_mgpu_common import (K_CHUNK, MgpuConfig, decode_mma_step,
+                                                     launch_partials, step_specs)
 
 # Registers left to the copy-issuing warpgroup (the compute warpgroups get the rest).
 _MEMORY_REGISTERS = 40
@@ -26,28 +26,20 @@ _EPILOGUE_ROWS = 64
 
 def w4a16_mgpu_ws(xs: jax.Array, packed, *, config: MgpuConfig,
                   interpret: bool = False) -> jax.Array:
-    """fp32 ``[split_k, N_pad, M_pad]`` partials of ``(xs @ W)ᵀ`` (as ``w4a16_mgpu``) with
-    ``config.compute_wgs`` compute warpgroups per CTA."""
+    """fp32 ``[split_k, N_pad, M_pad]`` partials of ``(xs @ W)ᵀ`` with ``config.compute_wgs``
+    compute warpgroups per CTA; reached through ``w4a16_mgpu``, which checks the launch."""
     cfg = config
-    m_pad = xs.shape[0]
-    k_split = check_launch(packed.n_pad, packed.k_pad, m_pad, packed.group_size, cfg)
     bn, bk, bm, wgs = cfg.block_n, cfg.block_k, cfg.block_m, cfg.compute_wgs
     wg_rows = bn // wgs
     g = packed.group_size
-    steps = k_split // bk
+    steps = packed.k_pad // cfg.split_k // bk
     has_zero = packed.zero is not None
 
-    def kernel(x_gmem, w_gmem, s_gmem, *rest):
-        if has_zero:
-            z_gmem, out_gmem, o_smem, *a_scratch = rest
-        else:
-            z_gmem = None
-            out_gmem, o_smem, *a_scratch = rest
-        ni, si, mi = (jax.lax.axis_index(name) for name in ("n", "s", "m"))
+    def body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem, out_gmem, o_smem, *a_scratch):
         wg = jax.lax.axis_index("wg")
         rows = pl.ds(wg * wg_rows, wg_rows)
 
-        def body(idx, w_smem, x_smem, s_smem, *rest_refs):
+        def step(idx, w_smem, x_smem, s_smem, *rest_refs):
             *z_smem, carry = rest_refs
             del idx
             decode_mma_step(w_smem, x_smem, s_smem, z_smem[0] if z_smem else None, carry,
@@ -72,7 +64,7 @@ def w4a16_mgpu_ws(xs: jax.Array, packed, *, config: MgpuConfig,
             pl.run_scoped(with_acc, plgpu.ACC((wg_rows, bm), jnp.float32))
 
         plgpu.emit_pipeline_warp_specialized(
-            body, grid=(steps,), memory_registers=_MEMORY_REGISTERS,
+            step, grid=(steps,), memory_registers=_MEMORY_REGISTERS,
             in_specs=step_specs(cfg, group_size=g, coords=lambda t: (ni, mi, si * steps + t),
                                 has_zero=has_zero, delay_all=True),
             wg_axis="wg", num_compute_wgs=wgs,
@@ -83,17 +75,5 @@ def w4a16_mgpu_ws(xs: jax.Array, packed, *, config: MgpuConfig,
     scratch = [plgpu.SMEM((wgs, _EPILOGUE_ROWS, bm), jnp.float32)]
     if interpret:
         scratch.append(plgpu.SMEM((wgs, wg_rows, K_CHUNK), xs.dtype))
-    call = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad), jnp.float32),
-        grid=(packed.n_pad // bn, cfg.split_k, m_pad // bm),
-        grid_names=("n", "s", "m"),
-        num_threads=wgs + 1,
-        thread_name="wg",
-        scratch_types=scratch,
-    )
-    args = [xs, packed.data, packed.scale] + ([packed.zero] if has_zero else [])
-    if interpret:
-        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(uninitialized_memory="nan")):
-            return call(*args)
-    return call(*args)
+    return launch_partials(body, xs, packed, cfg, scratch=scratch, interpret=interpret,
+                           num_threads=wgs + 1, thread_name="wg")
