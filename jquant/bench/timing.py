@@ -59,12 +59,13 @@ def time_interleaved(candidates: dict[str, tuple[Callable, Sequence[tuple]]], wa
     the ``reps`` rounds runs one batch of every candidate in turn, so a drift of the device's
     clocks or temperature during the run falls on all of them alike instead of on whichever was
     timed last. Returns µs per call by name."""
-    batchers = {}
-    for name, (fn, args_list) in candidates.items():
+    if warmup < 1 or reps < 1:
+        raise ValueError(f"warmup and reps must be ≥ 1, got warmup={warmup}, reps={reps}")
+    for name, (_, args_list) in candidates.items():
         if not args_list:
             raise ValueError(f"args_list of {name!r} must hold at least one tuple of arguments")
-        if warmup < 1 or reps < 1:
-            raise ValueError(f"warmup and reps must be ≥ 1, got warmup={warmup}, reps={reps}")
+    batchers = {}
+    for name, (fn, args_list) in candidates.items():
         rotation = jax.jit(lambda all_args, fn=fn: tuple(fn(*a) for a in all_args))
         args = tuple(tuple(a) for a in args_list)
         for _ in range(warmup):
