@@ -64,11 +64,17 @@ class PackedW4NK:
 
     @property
     def n_pad(self) -> int:
-        return self.data.shape[0]
+        return self.data.shape[-2] if self.data.ndim == 3 else self.data.shape[0]
 
     @property
     def k_pad(self) -> int:
-        return self.data.shape[1]
+        return self.data.shape[0] * K_CHUNK if self.data.ndim == 3 else self.data.shape[1]
+
+    def codes(self) -> jax.Array:
+        """The stored codes as ``[N_pad, K_pad]``, whichever layout ``data`` has."""
+        if self.data.ndim == 3:
+            return self.data.transpose(1, 0, 2).reshape(self.n_pad, self.k_pad)
+        return self.data
 
     @property
     def nbytes(self) -> int:
@@ -111,7 +117,8 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
             return acc_ref
 
         in_specs = step_specs(cfg, group_size=g, coords=lambda t: (ni, mi, si * steps + t),
-                              has_zero=has_zero, delay_all=False)
+                              has_zero=has_zero, delay_all=False,
+                              chunk_major=packed.data.ndim == 3)
 
         def run(acc_ref):
             plgpu.emit_pipeline(
@@ -139,7 +146,7 @@ def _step_with_acc(step, acc_ref, idx, *refs):
 
 
 def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None, g_idx=None,
-               pad_k: int = K_CHUNK, pad_n: int = 128) -> PackedW4NK:
+               pad_k: int = K_CHUNK, pad_n: int = 128, chunk_major: bool = True) -> PackedW4NK:
     """Lays 4-bit codes ``q`` ``[K, N]`` (0..15) out for the Mosaic GPU kernel: ``[N_pad, K_pad]``
     signed int4, scales and zeros ``[K_pad / G, N_pad]``. ``lut``: ``"int4"`` (value ``code − 8``,
     or ``code − zero``) or ``"e2m1"`` (FP4; no zeros, optional ``global_scale``). Padded columns
@@ -174,6 +181,8 @@ def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None
     else:
         codes = codes - 8
     data = jnp.pad(codes.T, ((0, n_pad - n), (0, k_pad - k))).astype(jnp.int4)
+    if chunk_major:
+        data = data.reshape(n_pad, k_pad // K_CHUNK, K_CHUNK).transpose(1, 0, 2)
 
     def per_group(values, dtype):
         rows = k_pad // group
@@ -251,7 +260,7 @@ def nk_compatible(group_size: int, k: int, lut: str = "int4") -> bool:
 
 def dequantize_nk(packed: PackedW4NK, dtype=jnp.float32) -> jax.Array:
     """The float weight ``[K_pad, N_pad]`` in stored row order, in fp32 math (padding is 0)."""
-    values = packed.data.astype(jnp.float32).T
+    values = packed.codes().astype(jnp.float32).T
     if packed.lut == "e2m1":
         values = e2m1_from_signed(values)
     rows = lambda t: jnp.repeat(t.astype(jnp.float32), packed.group_size, axis=0)

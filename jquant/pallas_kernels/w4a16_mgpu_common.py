@@ -105,10 +105,16 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
     slot one step late. ``a_scratch`` (interpret mode, whose wgmma reads A only from shared memory)
     routes each decoded chunk through shared memory and waits for each wgmma."""
     g = group_size
-    w_ref = w_smem.at[rows]
-    wg_rows = w_ref.shape[0]
-    bk = w_smem.shape[1]
+    chunk_major = len(w_smem.shape) == 3
+    bk = w_smem.shape[0] * K_CHUNK if chunk_major else w_smem.shape[1]
     chunks = bk // K_CHUNK
+
+    def w_chunk(c):
+        if chunk_major:
+            return w_smem.at[c].at[rows]
+        return w_smem.at[rows].at[:, c * K_CHUNK:(c + 1) * K_CHUNK]
+
+    wg_rows = w_chunk(0).shape[0]
 
     def row_of(ref, r):
         v = plgpu.load(ref.at[r].at[rows], layout=plgpu.Layout.WGMMA.reduce(1)).astype(dtype)
@@ -134,10 +140,10 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
         # Loaded chunk by chunk (not the whole step's tile up front): fewer live registers.
         if wide_loads:
             # 8 codes per 32-bit shared-memory load, then register shuffles into wgmma's layout.
-            wc = plgpu.layout_cast(plgpu.load(w_ref.at[:, ks], layout=plgpu.Layout.WGMMA_UPCAST_4X),
+            wc = plgpu.layout_cast(plgpu.load(w_chunk(c), layout=plgpu.Layout.WGMMA_UPCAST_4X),
                                    plgpu.Layout.WGMMA)
         else:
-            wc = w_ref.at[:, ks][...]
+            wc = w_chunk(c)[...]
         wc = wc.astype(dtype)
         if fp4:
             wc = e2m1_from_signed(wc)
@@ -155,7 +161,8 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
             plgpu.wgmma_wait(1)
 
 
-def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, delay_all: bool):
+def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, delay_all: bool,
+               chunk_major: bool):
     """The pipeline's BlockSpecs for step t, where ``coords(t)`` gives the step's (weight row
     block, x row block, K block): the weight tile ``[bn, bk]``, the x tile ``[bm, bk]``, and the
     scale (and zero) rows ``[s_rows, bn]`` that step meets. x is read by the wgmma still in flight
@@ -177,10 +184,18 @@ def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, dela
         n_idx, _, k_idx = coords(t)
         return k_idx * bk // g // s_rows, n_idx
 
+    def w_index_chunks(t):
+        n_idx, _, k_idx = coords(t)
+        return k_idx, n_idx, 0
+
+    w_spec = (plgpu.BlockSpec((bk // K_CHUNK, bn, K_CHUNK), w_index_chunks,
+                              transforms=swizzle_tiles(K_CHUNK, 4), delay_release=late)
+              if chunk_major else
+              # Tiled per 64-wide chunk, so each chunk loads on its own.
+              plgpu.BlockSpec((bn, bk), w_index, transforms=swizzle_tiles(K_CHUNK, 4),
+                              delay_release=late))
     specs = [
-        # Tiled per 64-wide chunk, so each chunk loads on its own.
-        plgpu.BlockSpec((bn, bk), w_index, transforms=swizzle_tiles(K_CHUNK, 4),
-                        delay_release=late),
+        w_spec,
         plgpu.BlockSpec((bm, bk), x_index, transforms=swizzle_tiles(bk, 16), delay_release=1),
         plgpu.BlockSpec((s_rows, bn), s_index, delay_release=late),
     ]

@@ -1,0 +1,48 @@
+"""Launches a few Mosaic GPU W4A16 kernels once each, for Nsight Compute on the H200:
+
+ncu --clock-control none --kernel-name regex:mosaic_gpu --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    --csv --page details python3 tools/ncu_w4a16_mgpu.py > ncu.csv
+
+Prints, in launch order, which launch is which (ncu's rows follow the same order).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from jquant.bench import w4a16 as bench
+from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
+                                              w4a16_mgpu)
+
+LAUNCHES = [  # (N, K, scheme, chunk_major, M, config or None for the default)
+    (28672, 8192, "int4_g128", True, 1, None),
+    (28672, 8192, "int4_g128", False, 1, None),
+    (28672, 8192, "int4_g128", True, 1, MgpuConfig(block_n=64, block_k=256, block_m=8, split_k=1,
+                                                   max_concurrent_steps=4)),
+    (28672, 8192, "int4_g128", True, 1, MgpuConfig(block_n=128, block_k=256, block_m=8,
+                                                   split_k=4, max_concurrent_steps=4)),
+    (28672, 8192, "mxfp4", True, 1, None),
+    (8192, 8192, "int4_g128", True, 1, None),
+    (28672, 8192, "int4_g128", True, 128, None),
+]
+
+
+def main() -> int:
+    key = jax.random.PRNGKey(0)
+    for i, (n, k, scheme, chunk_major, m, cfg) in enumerate(LAUNCHES):
+        weight = bench.make_weight(scheme, n, k, key)
+        packed = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"],
+                            lut="e2m1" if scheme == "mxfp4" else "int4", chunk_major=chunk_major)
+        cfg = cfg or default_mgpu_config(m, packed)
+        xs = jax.random.normal(key, (-(-m // cfg.block_m) * cfg.block_m, k), jnp.bfloat16)
+        jax.block_until_ready(jax.jit(lambda x, p: w4a16_mgpu(x, p, config=cfg))(xs, packed))
+        print(f"launch {i}: {n}x{k} {scheme} chunk_major={chunk_major} M={m} {cfg}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
