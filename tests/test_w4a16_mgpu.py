@@ -91,6 +91,11 @@ CASES = [  # k, n, group, zeros ("e2m1": FP4), scale, act-order, m, x dtype, bia
     (512, 200, 32, "e2m1", "e8m0", False, 3, jnp.bfloat16, False,         # WS, MXFP4, 256 rows
      MgpuConfig(block_n=256, block_k=128, block_m=8, split_k=1, max_concurrent_steps=3,
                 compute_wgs=2)),
+    (768, 130, 64, "int", "f16", True, 11, jnp.float16, True,             # fp32 group scaling,
+     MgpuConfig(block_n=64, block_k=128, block_m=16, split_k=2, max_concurrent_steps=2,  # 2 per
+                group_acc=True)),                                          # step, zeros, act
+    (512, 256, 128, None, "bf16", False, 1, jnp.bfloat16, False,          # bf16 weight scaling
+     MgpuConfig(block_n=64, block_k=256, block_m=8, split_k=2, max_concurrent_steps=2)),
 ]
 
 
@@ -223,6 +228,8 @@ def test_layout_and_impl_mismatches_are_errors():
     (MgpuConfig(block_k=512, max_concurrent_steps=1), "max_concurrent_steps=1 must be ≥ 2"),
     (MgpuConfig(compute_wgs=3), "compute_wgs=3 must be 1 or 2"),
     (MgpuConfig(block_n=64, compute_wgs=2), "block_n=64 must be a multiple of 64·compute_wgs"),
+    (MgpuConfig(block_k=64, group_acc=True), "group_acc needs .* dividing block_k=64"),
+    (MgpuConfig(block_n=128, compute_wgs=2, group_acc=True), "group_acc needs one compute warpgroup"),
 ])
 def test_bad_launches_name_the_parameter(cfg, match):
     rng = np.random.default_rng(7)

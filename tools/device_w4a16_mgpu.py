@@ -65,8 +65,13 @@ def correctness() -> list[dict]:
         rec = dict(k=k, n=n, group=g, zeros=zeros, scale=sdt, m=m, x=jnp.dtype(xdt).name, act=act)
         base = default_mgpu_config(min(m, 128), packed)
         ws = [c for c in ws_launches(m, packed) if c.block_m == base.block_m]
-        for cfg in [base, dataclasses.replace(base, wide_loads=True)] + ws[:2]:
-            rec = dict(rec, wide_loads=cfg.wide_loads, compute_wgs=cfg.compute_wgs)
+        alts = [base, dataclasses.replace(base, wide_loads=True)] + ws[:2]
+        pg = packed.group_size
+        if base.compute_wgs == 1 and pg % 64 == 0 and base.block_k % pg == 0:
+            alts.append(dataclasses.replace(base, group_acc=not base.group_acc))
+        for cfg in alts:
+            rec = dict(rec, wide_loads=cfg.wide_loads, compute_wgs=cfg.compute_wgs,
+                       group_acc=cfg.group_acc)
             try:
                 got = jax.jit(lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg))(jnp.asarray(x, xdt), packed)
                 got = np.asarray(got, np.float32)
@@ -106,10 +111,10 @@ def launches(m: int, packed, full: bool):
         yield cfg
 
 
-def _int4_operands(n: int, k: int, key, chunk_major: bool = True):
+def _int4_operands(n: int, k: int, key):
     """A random int4 g128 weight, L2-defeating copies of its NK packing, and bf16 weights for XLA."""
     weight = bench.make_weight("int4_g128", n, k, key)
-    packed = prepack_nk(weight["q"], weight["scale"], group_size=128, chunk_major=chunk_major)
+    packed = prepack_nk(weight["q"], weight["scale"], group_size=128)
     packs = [packed] + [jax.tree_util.tree_map(lambda a: a.copy(), packed)
                         for _ in range(copies_for(packed.nbytes, max_copies=8) - 1)]
     w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
@@ -221,52 +226,50 @@ def ab(out: pathlib.Path, ms=(1, 16, 32, 64, 128, 256)) -> list[dict]:
     return rows
 
 
-def layout_ab(out: pathlib.Path) -> list[dict]:
-    """Row-major ``[N, K]`` against chunk-major ``[K/64, N, 64]`` weight storage, same launches,
-    timed round-robin with XLA bf16; at M = 1 also the kernel alone (no x padding, no split-K
-    sum) and a small launch sweep on the chunk-major layout (``out``/layout_ab.json)."""
+def group_acc_ab(out: pathlib.Path) -> list[dict]:
+    """Scales applied per group to an fp32 accumulator (``group_acc``) against scaling every
+    decoded weight in bf16, same launch, timed round-robin with XLA bf16; at M = 1 also 128-row
+    tiles, 4 stages and the kernel alone (``out``/group_acc_ab.json, rewritten per cell)."""
     rows = []
     key = jax.random.PRNGKey(0)
-    for n, k in ((28672, 8192), (8192, 8192), (8192, 28672)):
-        _, packs_cm, w_bf16 = _int4_operands(n, k, key, chunk_major=True)
-        _, packs_rm, _ = _int4_operands(n, k, key, chunk_major=False)
-        for m in ((1, 16, 64, 128) if n == 28672 else (1, 16, 128)):
+    plan = [((28672, 8192), (1, 4, 16, 32)), ((8192, 8192), (1, 16, 32)), ((8192, 28672), (1, 16))]
+    for (n, k), ms in plan:
+        _, packs, w_bf16 = _int4_operands(n, k, key)
+        for m in ms:
             xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
-            base = default_mgpu_config(m, packs_cm[0])
-            fn = jax.jit(lambda x, p, cfg=base: w4a16_mgpu_matmul(x, p, config=cfg))
-            cands = {"xla_bf16": (jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)]),
-                     "row_major": (fn, [(xs[c % 4], p) for c, p in enumerate(packs_rm)]),
-                     "chunk_major": (fn, [(xs[c % 4], p) for c, p in enumerate(packs_cm)])}
+            base = default_mgpu_config(m, packs[0])
+            alts = {"default": base, "flip_group_acc": dataclasses.replace(base, group_acc=not base.group_acc)}
+            if m == 1:
+                on = dataclasses.replace(base, group_acc=True)
+                alts["group_acc_st4"] = dataclasses.replace(on, max_concurrent_steps=4)
+                alts["group_acc_bn128"] = dataclasses.replace(on, block_n=128)
+                alts["group_acc_bn128_sp4"] = dataclasses.replace(on, block_n=128, split_k=4)
+                alts["group_acc_bk512_sp4"] = dataclasses.replace(on, block_k=512, split_k=4)
+            cands = {"xla_bf16": (jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)])}
+            for name, cfg in alts.items():
+                fn = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu_matmul(x, p, config=cfg))
+                try:
+                    jax.block_until_ready(fn(xs[0], packs[0]))
+                except Exception as e:
+                    log(f"  FAILED {n}x{k} M={m} {name} {cfg}: {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                cands[name] = (fn, [(xs[c % 4], p) for c, p in enumerate(packs)])
             if m == 1:
                 xp = [jnp.pad(x, ((0, base.block_m - 1), (0, 0))) for x in xs]
-                kern = jax.jit(lambda x, p, cfg=base: w4a16_mgpu(x, p, config=cfg))
-                cands["chunk_major_kernel_only"] = (kern, [(xp[c % 4], p) for c, p in enumerate(packs_cm)])
-                cands["row_major_kernel_only"] = (kern, [(xp[c % 4], p) for c, p in enumerate(packs_rm)])
+                for name in ("default", "flip_group_acc"):
+                    kern = jax.jit(lambda x, p, cfg=alts[name]: w4a16_mgpu(x, p, config=cfg))
+                    cands[name + "_kernel_only"] = (kern, [(xp[c % 4], p) for c, p in enumerate(packs)])
             times = time_interleaved(cands)
             line = f"{n}x{k} M={m:<4d} {base}:"
             for name, t in times.items():
+                cfg = alts.get(name.replace("_kernel_only", ""))
                 rows.append(dict(N=n, K=k, M=m, name=name, time_us=t.median_us,
-                                 batches_us=list(t.batches_us), config=dataclasses.asdict(base)))
+                                 batches_us=list(t.batches_us),
+                                 config=dataclasses.asdict(cfg) if cfg else None))
                 line += f" {name} {t.median_us:6.1f} |"
             log(line)
-            if m == 1:
-                start = time.time()
-                for bn, bk, st, sp in itertools.product((64, 128, 256), (256, 512), (3, 4, 6),
-                                                        (8, 4, 16)):
-                    cfg = MgpuConfig(block_n=bn, block_k=bk, block_m=8, split_k=sp,
-                                     max_concurrent_steps=st)
-                    if (time.time() - start > 50 or smem_bytes(cfg) > 220_000
-                            or k % (sp * bk) or k // (sp * bk) < 2):
-                        continue
-                    us = _time_launch(cfg, xs, packs_cm, f"{n}x{k} M=1")
-                    if us is not None:
-                        rows.append(dict(N=n, K=k, M=m, name="chunk_major_sweep", time_us=us,
-                                         config=dataclasses.asdict(cfg)))
-                best = sorted((r for r in rows if r["name"] == "chunk_major_sweep"
-                               and r["N"] == n and r["K"] == k), key=lambda r: r["time_us"])[:3]
-                log(f"  sweep best: {[(round(r['time_us'], 1), r['config']) for r in best]}")
-            (out / "layout_ab.json").write_text(json.dumps(rows, indent=1))
-        del packs_cm, packs_rm, w_bf16
+            (out / "group_acc_ab.json").write_text(json.dumps(rows, indent=1))
+        del packs, w_bf16
     return rows
 
 
@@ -294,7 +297,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-sweep", action="store_true")
     parser.add_argument("--ab", action="store_true", help="default launch vs wide loads and alternatives")
-    parser.add_argument("--layout-ab", action="store_true", help="row- vs chunk-major weight")
+    parser.add_argument("--group-acc-ab", action="store_true", help="per-group fp32 scaling A/B")
     parser.add_argument("--sass-only", action="store_true", help="compile a few launches, nothing else")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
@@ -306,8 +309,8 @@ def main(argv=None) -> int:
     res = correctness()
     (out / "mgpu_correctness.json").write_text(json.dumps(res, indent=1))
     log(f"correctness {sum(r['ok'] for r in res)}/{len(res)}")
-    if args.layout_ab:
-        layout_ab(out)
+    if args.group_acc_ab:
+        group_acc_ab(out)
     if args.ab:
         ab(out)
     if not args.skip_sweep:

@@ -36,11 +36,11 @@ def main() -> int:
     for i, (n, k, scheme, chunk_major, m, cfg) in enumerate(LAUNCHES):
         weight = bench.make_weight(scheme, n, k, key)
         packed = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"],
-                            lut="e2m1" if scheme == "mxfp4" else "int4", chunk_major=chunk_major)
+                            lut="e2m1" if scheme == "mxfp4" else "int4", )
         cfg = cfg or default_mgpu_config(m, packed)
         xs = jax.random.normal(key, (-(-m // cfg.block_m) * cfg.block_m, k), jnp.bfloat16)
         jax.block_until_ready(jax.jit(lambda x, p: w4a16_mgpu(x, p, config=cfg))(xs, packed))
-        print(f"launch {i}: {n}x{k} {scheme} chunk_major={chunk_major} M={m} {cfg}", flush=True)
+        print(f"launch {i}: {n}x{k} {scheme} M={m} {cfg}", flush=True)
     return 0
 
 

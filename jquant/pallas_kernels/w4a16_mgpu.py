@@ -64,17 +64,11 @@ class PackedW4NK:
 
     @property
     def n_pad(self) -> int:
-        return self.data.shape[-2] if self.data.ndim == 3 else self.data.shape[0]
+        return self.data.shape[0]
 
     @property
     def k_pad(self) -> int:
-        return self.data.shape[0] * K_CHUNK if self.data.ndim == 3 else self.data.shape[1]
-
-    def codes(self) -> jax.Array:
-        """The stored codes as ``[N_pad, K_pad]``, whichever layout ``data`` has."""
-        if self.data.ndim == 3:
-            return self.data.transpose(1, 0, 2).reshape(self.n_pad, self.k_pad)
-        return self.data
+        return self.data.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -108,28 +102,51 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
     has_zero = packed.zero is not None
 
     def body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem, out_gmem, o_smem, *a_scratch):
-        def step(idx, w_smem, x_smem, s_smem, *z_smem, acc_ref):
-            del idx
+        def mma(w_smem, x_smem, s_smem, z_smem, acc_ref, **kw):
             decode_mma_step(w_smem, x_smem, s_smem, z_smem[0] if z_smem else None, acc_ref,
                             rows=slice(None), group_size=g, dtype=xs.dtype,
                             fp4=packed.lut == "e2m1", wide_loads=cfg.wide_loads,
-                            a_scratch=a_scratch[0] if a_scratch else None)
+                            a_scratch=a_scratch[0] if a_scratch else None, **kw)
+
+        def step(idx, w_smem, x_smem, s_smem, *z_smem, acc_ref):
+            del idx
+            mma(w_smem, x_smem, s_smem, z_smem, acc_ref)
             return acc_ref
 
+        def group_acc_step(idx, w_smem, x_smem, s_smem, *rest):
+            """Per group: unscaled wgmmas into a fresh accumulator, then ``sum += s · acc``."""
+            del idx
+            *z_smem, total = rest
+            per_group = g // K_CHUNK
+            for j in range(cfg.block_k // g):
+                def group_dot(acc_ref, j=j):
+                    mma(w_smem, x_smem, s_smem, z_smem, acc_ref, scaled=False,
+                        chunks=range(j * per_group, (j + 1) * per_group))
+                    return acc_ref[...]
+
+                part = pl.run_scoped(group_dot, plgpu.ACC((bn, bm), jnp.float32))
+                s = plgpu.load(s_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(1))
+                total = total + part * jax.lax.broadcast_in_dim(s.astype(jnp.float32),
+                                                                (bn, bm), (0,))
+            return total
+
         in_specs = step_specs(cfg, group_size=g, coords=lambda t: (ni, mi, si * steps + t),
-                              has_zero=has_zero, delay_all=False,
-                              chunk_major=packed.data.ndim == 3)
+                              has_zero=has_zero, delay_all=False)
+        pipeline_kw = dict(grid=(steps,), in_specs=in_specs,
+                           max_concurrent_steps=max(2, min(cfg.max_concurrent_steps, steps)))
+        operands = (w_gmem, x_gmem, s_gmem, *([z_gmem] if has_zero else []))
 
         def run(acc_ref):
-            plgpu.emit_pipeline(
-                functools.partial(_step_with_acc, step, acc_ref),
-                grid=(steps,), in_specs=in_specs,
-                max_concurrent_steps=max(2, min(cfg.max_concurrent_steps, steps)),
-            )(w_gmem, x_gmem, s_gmem, *([z_gmem] if has_zero else []))
+            plgpu.emit_pipeline(functools.partial(_step_with_acc, step, acc_ref),
+                                **pipeline_kw)(*operands)
             plgpu.wgmma_wait(0)
             return acc_ref[...]
 
-        acc = pl.run_scoped(run, plgpu.ACC((bn, bm), jnp.float32))
+        if cfg.group_acc:
+            zeros = plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32), plgpu.Layout.WGMMA)
+            acc = plgpu.emit_pipeline(group_acc_step, init_carry=zeros, **pipeline_kw)(*operands)
+        else:
+            acc = pl.run_scoped(run, plgpu.ACC((bn, bm), jnp.float32))
         o_smem[...] = acc
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[si, pl.ds(ni * bn, bn), pl.ds(mi * bm, bm)])
@@ -146,7 +163,7 @@ def _step_with_acc(step, acc_ref, idx, *refs):
 
 
 def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None, g_idx=None,
-               pad_k: int = K_CHUNK, pad_n: int = 128, chunk_major: bool = True) -> PackedW4NK:
+               pad_k: int = K_CHUNK, pad_n: int = 128) -> PackedW4NK:
     """Lays 4-bit codes ``q`` ``[K, N]`` (0..15) out for the Mosaic GPU kernel: ``[N_pad, K_pad]``
     signed int4, scales and zeros ``[K_pad / G, N_pad]``. ``lut``: ``"int4"`` (value ``code − 8``,
     or ``code − zero``) or ``"e2m1"`` (FP4; no zeros, optional ``global_scale``). Padded columns
@@ -181,8 +198,6 @@ def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None
     else:
         codes = codes - 8
     data = jnp.pad(codes.T, ((0, n_pad - n), (0, k_pad - k))).astype(jnp.int4)
-    if chunk_major:
-        data = data.reshape(n_pad, k_pad // K_CHUNK, K_CHUNK).transpose(1, 0, 2)
 
     def per_group(values, dtype):
         rows = k_pad // group
@@ -229,8 +244,11 @@ def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
         split //= 2
     while packed.k_pad % bk:   # K_pad is a multiple of 64
         bk //= 2
+    # Scales on a per-group fp32 accumulator wherever the groups allow it (bench/NOTES.md,
+    # "Scales on the accumulator").
     return MgpuConfig(block_n=bn, block_k=bk, block_m=block_m, split_k=split,
-                      max_concurrent_steps=stages)
+                      max_concurrent_steps=stages,
+                      group_acc=g % K_CHUNK == 0 and bk % g == 0)
 
 
 def w4a16_mgpu_matmul(x2: jax.Array, packed: PackedW4NK, bias=None, *,
@@ -260,7 +278,7 @@ def nk_compatible(group_size: int, k: int, lut: str = "int4") -> bool:
 
 def dequantize_nk(packed: PackedW4NK, dtype=jnp.float32) -> jax.Array:
     """The float weight ``[K_pad, N_pad]`` in stored row order, in fp32 math (padding is 0)."""
-    values = packed.codes().astype(jnp.float32).T
+    values = packed.data.astype(jnp.float32).T
     if packed.lut == "e2m1":
         values = e2m1_from_signed(values)
     rows = lambda t: jnp.repeat(t.astype(jnp.float32), packed.group_size, axis=0)

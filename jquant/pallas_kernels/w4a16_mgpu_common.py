@@ -29,6 +29,10 @@ class MgpuConfig:
     compute_wgs: warpgroups that decode and multiply, each owning ``block_n / compute_wgs`` rows
       and sharing the x tile. With 2, a third warpgroup only issues the TMA copies (warp
       specialization); with 1, the one warpgroup does both.
+    group_acc: each group's wgmmas go into a fresh fp32 accumulator that is then scaled and
+      added to the running sum, instead of scaling every decoded weight in bf16: one FMA per
+      output element per group instead of one multiply per pair of codes (1 warpgroup; groups
+      that are multiples of 64 and divide ``block_k``).
     """
 
     block_n: int = 128
@@ -38,11 +42,12 @@ class MgpuConfig:
     max_concurrent_steps: int = 4
     wide_loads: bool = False
     compute_wgs: int = 1
+    group_acc: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "wide_loads":
+            if f.name in ("wide_loads", "group_acc"):
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"MgpuConfig.{f.name} must be a positive int, got {v!r}")
@@ -70,6 +75,10 @@ def check_launch(n_pad: int, k_pad: int, m_pad: int, group_size: int, cfg: MgpuC
             g > cfg.block_k and g % cfg.block_k):
         problems.append(f"group_size={g} must be 16, 32 or a multiple of {K_CHUNK} that divides or "
                         f"is a multiple of block_k={cfg.block_k}")
+    if cfg.group_acc and (g % K_CHUNK or cfg.block_k % g or cfg.compute_wgs != 1):
+        problems.append(f"group_acc needs one compute warpgroup and a group_size that is a "
+                        f"multiple of {K_CHUNK} dividing block_k={cfg.block_k}, got group_size="
+                        f"{g}, compute_wgs={cfg.compute_wgs}")
     if cfg.max_concurrent_steps < 2:
         problems.append(f"max_concurrent_steps={cfg.max_concurrent_steps} must be ≥ 2")
     if problems:
@@ -95,26 +104,23 @@ def scale_rows_per_step(block_k: int, group_size: int) -> int:
 
 
 def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size: int, dtype,
-                    fp4: bool, wide_loads: bool, a_scratch=None):
+                    fp4: bool, wide_loads: bool, a_scratch=None, chunks=None,
+                    scaled: bool = True):
     """One pipeline step of one warpgroup: ``acc += decode(W[rows, :]) · x_tileᵀ``.
 
     ``w_smem`` ``[bn, bk]`` int4, ``x_smem`` ``[bm, bk]``, ``s_smem`` / ``z_smem`` (or None)
-    ``[s_rows, bn]``; ``rows`` (a slice or ``pl.ds``) picks the warpgroup's weight rows. Each
-    64-wide K chunk is decoded into registers while the previous chunk's wgmma runs
-    (``wgmma_wait(1)``), so the last wgmma is still in flight on return: the caller releases x's
-    slot one step late. ``a_scratch`` (interpret mode, whose wgmma reads A only from shared memory)
-    routes each decoded chunk through shared memory and waits for each wgmma."""
+    ``[s_rows, bn]``; ``rows`` (a slice or ``pl.ds``) picks the warpgroup's weight rows;
+    ``chunks`` (default: all) the 64-wide K chunks of the step to run; ``scaled=False`` leaves
+    the scales out (the caller applies them to a per-group accumulator). Each chunk is decoded
+    into registers while the previous chunk's wgmma runs (``wgmma_wait(1)``), so the last wgmma
+    is still in flight on return: the caller releases x's slot one step late. ``a_scratch``
+    (interpret mode, whose wgmma reads A only from shared memory) routes each decoded chunk
+    through shared memory and waits for each wgmma."""
     g = group_size
-    chunk_major = len(w_smem.shape) == 3
-    bk = w_smem.shape[0] * K_CHUNK if chunk_major else w_smem.shape[1]
-    chunks = bk // K_CHUNK
-
-    def w_chunk(c):
-        if chunk_major:
-            return w_smem.at[c].at[rows]
-        return w_smem.at[rows].at[:, c * K_CHUNK:(c + 1) * K_CHUNK]
-
-    wg_rows = w_chunk(0).shape[0]
+    w_ref = w_smem.at[rows]
+    wg_rows = w_ref.shape[0]
+    bk = w_smem.shape[1]
+    chunks = range(bk // K_CHUNK) if chunks is None else chunks
 
     def row_of(ref, r):
         v = plgpu.load(ref.at[r].at[rows], layout=plgpu.Layout.WGMMA.reduce(1)).astype(dtype)
@@ -131,25 +137,26 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
             out = jnp.where(col >= j * g, row_of(s_smem, row + j), out)
         return out
 
-    if chunks == 1:
+    if len(chunks) == bk // K_CHUNK == 1:
         # The decoded registers of the previous step's wgmma get reused now.
         plgpu.wgmma_wait(0)
-    for c in range(chunks):
+    for c in chunks:
         row = (c * K_CHUNK) // g if g < bk else 0
         ks = slice(c * K_CHUNK, (c + 1) * K_CHUNK)
         # Loaded chunk by chunk (not the whole step's tile up front): fewer live registers.
         if wide_loads:
             # 8 codes per 32-bit shared-memory load, then register shuffles into wgmma's layout.
-            wc = plgpu.layout_cast(plgpu.load(w_chunk(c), layout=plgpu.Layout.WGMMA_UPCAST_4X),
+            wc = plgpu.layout_cast(plgpu.load(w_ref.at[:, ks], layout=plgpu.Layout.WGMMA_UPCAST_4X),
                                    plgpu.Layout.WGMMA)
         else:
-            wc = w_chunk(c)[...]
+            wc = w_ref.at[:, ks][...]
         wc = wc.astype(dtype)
         if fp4:
             wc = e2m1_from_signed(wc)
         if z_smem is not None:
             wc = wc - row_of(z_smem, row)
-        wc = wc * chunk_scale(row)
+        if scaled:
+            wc = wc * chunk_scale(row)
         if a_scratch is not None:
             a_scratch[...] = wc
             plgpu.commit_smem()
@@ -161,8 +168,7 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
             plgpu.wgmma_wait(1)
 
 
-def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, delay_all: bool,
-               chunk_major: bool):
+def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, delay_all: bool):
     """The pipeline's BlockSpecs for step t, where ``coords(t)`` gives the step's (weight row
     block, x row block, K block): the weight tile ``[bn, bk]``, the x tile ``[bm, bk]``, and the
     scale (and zero) rows ``[s_rows, bn]`` that step meets. x is read by the wgmma still in flight
@@ -184,18 +190,10 @@ def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, dela
         n_idx, _, k_idx = coords(t)
         return k_idx * bk // g // s_rows, n_idx
 
-    def w_index_chunks(t):
-        n_idx, _, k_idx = coords(t)
-        return k_idx, n_idx, 0
-
-    w_spec = (plgpu.BlockSpec((bk // K_CHUNK, bn, K_CHUNK), w_index_chunks,
-                              transforms=swizzle_tiles(K_CHUNK, 4), delay_release=late)
-              if chunk_major else
-              # Tiled per 64-wide chunk, so each chunk loads on its own.
-              plgpu.BlockSpec((bn, bk), w_index, transforms=swizzle_tiles(K_CHUNK, 4),
-                              delay_release=late))
     specs = [
-        w_spec,
+        # Tiled per 64-wide chunk, so each chunk loads on its own.
+        plgpu.BlockSpec((bn, bk), w_index, transforms=swizzle_tiles(K_CHUNK, 4),
+                        delay_release=late),
         plgpu.BlockSpec((bm, bk), x_index, transforms=swizzle_tiles(bk, 16), delay_release=1),
         plgpu.BlockSpec((s_rows, bn), s_index, delay_release=late),
     ]
