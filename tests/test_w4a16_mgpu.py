@@ -16,7 +16,7 @@ from jquant.pallas_kernels import (MGPU_MAX_M, MgpuConfig, PackedW4NK, default_m
                                    dequantize_nk, prepack, prepack_nk, reference_nk, resolve_impl,
                                    w4a16_matmul)
 from jquant.pallas_kernels import w4a16 as dispatch
-from jquant.pallas_kernels.w4a16_mgpu import w4a16_mgpu
+from jquant.pallas_kernels.w4a16_mgpu import w4a16_mgpu, x_rows
 
 
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
@@ -133,6 +133,23 @@ def test_kernel_writes_every_partial():
     assert _rel_err(np.asarray(parts).sum(0).T, want) <= 1e-2
 
 
+@pytest.mark.parametrize("group_acc", [False, True])
+def test_x_rows_past_m_read_as_zeros(group_acc):
+    """x is not padded along M: the copy fills the last tile's rows past M with zeros (TMA's
+    out-of-bounds fill; interpret mode, whose fresh buffers are NaN, does the same)."""
+    rng = np.random.default_rng(6)
+    q, s, _, _ = _weight(rng, 512, 128, 128)
+    packed = prepack_nk(q, s, group_size=128)
+    cfg = MgpuConfig(block_n=64, block_k=256, block_m=16, split_k=1, max_concurrent_steps=2,
+                     group_acc=group_acc)
+    xs = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+    parts = np.asarray(w4a16_mgpu(xs, packed, config=cfg, interpret=True))
+    assert parts.shape == (1, 128, 16)
+    np.testing.assert_array_equal(parts[:, :, 3:], 0.0)
+    want = np.asarray(xs, np.float64) @ _numpy_weight(q, s, None, 128)
+    assert _rel_err(parts[0, :, :3].T, want) <= 1e-2
+
+
 class TestUnderJit(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_batch_dims(self):
@@ -163,7 +180,7 @@ def test_kernel_lowers_for_sm90(m, cfg, lut, group):
     q, s, z, _ = _weight(rng, 1024, 256, group, zeros="int" if m == 16 and lut == "int4" else None)
     packed = prepack_nk(q, s, z, group_size=group, lut=lut)
     cfg = cfg or default_mgpu_config(m, packed)
-    xs = jnp.zeros((-(-m // cfg.block_m) * cfg.block_m, packed.k_pad), jnp.bfloat16)
+    xs = jnp.zeros((x_rows(m), packed.k_pad), jnp.bfloat16)
     exported = jax.export.export(jax.jit(lambda x, p: w4a16_mgpu(x, p, config=cfg)),
                                  platforms=["cuda"])(xs, packed)
     assert "mosaic_gpu" in exported.mlir_module()
@@ -178,9 +195,12 @@ def test_default_configs_are_valid_launches(n, k, group, m):
     packed = prepack_nk(np.zeros((k, n), np.uint8), np.ones((groups, n), np.float32),
                         group_size=group)
     cfg = default_mgpu_config(m, packed)
-    xs = jax.ShapeDtypeStruct((-(-m // cfg.block_m) * cfg.block_m, packed.k_pad), jnp.bfloat16)
+    xs = jax.ShapeDtypeStruct((x_rows(m), packed.k_pad), jnp.bfloat16)
     out = jax.eval_shape(lambda x, p: w4a16_mgpu(x, p, config=cfg), xs, packed)  # runs the checks
-    assert out.shape == (cfg.split_k, packed.n_pad, xs.shape[0])
+    assert out.shape == (cfg.split_k, packed.n_pad, -(-m // cfg.block_m) * cfg.block_m)
+    # Scales go on a per-group fp32 accumulator wherever the launch allows it.
+    g = packed.group_size
+    assert cfg.group_acc == (cfg.compute_wgs == 1 and g % 64 == 0 and cfg.block_k % g == 0)
 
 
 def test_dispatch_by_device_and_m(monkeypatch):
@@ -246,6 +266,9 @@ def test_group_that_does_not_fit_the_step_is_refused():
     cfg = MgpuConfig(block_k=128, block_m=8)
     with pytest.raises(ValueError, match="group_size=192 must be 16, 32 or a multiple of 64 that divides"):
         w4a16_mgpu(jnp.ones((8, packed.k_pad), jnp.bfloat16), packed, config=cfg, interpret=True)
+    with pytest.raises(ValueError, match=r"xs has shape \(12, 384\); expected .* M a multiple of 8"):
+        w4a16_mgpu(jnp.ones((12, packed.k_pad), jnp.bfloat16), packed,
+                   config=dataclasses.replace(cfg, block_k=64), interpret=True)
     with pytest.raises(TypeError, match="xs must be bf16 or fp16"):
         w4a16_mgpu(jnp.ones((8, packed.k_pad), jnp.float32), packed,
                    config=dataclasses.replace(cfg, block_k=64), interpret=True)

@@ -229,7 +229,8 @@ def ab(out: pathlib.Path, ms=(1, 16, 32, 64, 128, 256)) -> list[dict]:
 def group_acc_ab(out: pathlib.Path) -> list[dict]:
     """Scales applied per group to an fp32 accumulator (``group_acc``) against scaling every
     decoded weight in bf16, same launch, timed round-robin with XLA bf16; at M = 1 also 128-row
-    tiles, 4 stages and the kernel alone (``out``/group_acc_ab.json, rewritten per cell)."""
+    tiles, 4 stages, and the kernel alone with x unpadded (TMA zero-fills rows 1-7) or padded
+    to 8 rows as before (``out``/group_acc_ab.json, rewritten per cell)."""
     rows = []
     key = jax.random.PRNGKey(0)
     plan = [((28672, 8192), (1, 4, 16, 32)), ((8192, 8192), (1, 16, 32)), ((8192, 28672), (1, 16))]
@@ -254,15 +255,17 @@ def group_acc_ab(out: pathlib.Path) -> list[dict]:
                     log(f"  FAILED {n}x{k} M={m} {name} {cfg}: {type(e).__name__}: {str(e)[:300]}")
                     continue
                 cands[name] = (fn, [(xs[c % 4], p) for c, p in enumerate(packs)])
-            if m == 1:
+            if m == 1:   # the kernel alone, x as is (rows 1-7 zero-filled by TMA) or padded
                 xp = [jnp.pad(x, ((0, base.block_m - 1), (0, 0))) for x in xs]
-                for name in ("default", "flip_group_acc"):
-                    kern = jax.jit(lambda x, p, cfg=alts[name]: w4a16_mgpu(x, p, config=cfg))
-                    cands[name + "_kernel_only"] = (kern, [(xp[c % 4], p) for c, p in enumerate(packs)])
+                for name, xk in (("default", xs), ("default_padded_x", xp),
+                                 ("flip_group_acc_padded_x", xp)):
+                    cfg = alts[name.replace("_padded_x", "")]
+                    kern = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu(x, p, config=cfg))
+                    cands[name + "_kernel_only"] = (kern, [(xk[c % 4], p) for c, p in enumerate(packs)])
             times = time_interleaved(cands)
             line = f"{n}x{k} M={m:<4d} {base}:"
             for name, t in times.items():
-                cfg = alts.get(name.replace("_kernel_only", ""))
+                cfg = alts.get(name.replace("_kernel_only", "").replace("_padded_x", ""))
                 rows.append(dict(N=n, K=k, M=m, name=name, time_us=t.median_us,
                                  batches_us=list(t.batches_us),
                                  config=dataclasses.asdict(cfg) if cfg else None))

@@ -85,14 +85,20 @@ jax.tree_util.register_dataclass(
 
 def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
                interpret: bool = False) -> jax.Array:
-    """fp32 ``[split_k, N_pad, M_pad]`` partials of ``(xs @ W)ᵀ`` for padded ``xs`` ``[M_pad, K_pad]``."""
+    """fp32 ``[split_k, N_pad, M_pad]`` partials of ``(xs @ W)ᵀ`` for ``xs`` ``[M, K_pad]``
+    (columns in stored order, see ``gather_pad``), ``M_pad`` = M rounded up to ``block_m``.
+    The rows of the last x tile past M are never read: the TMA copy fills them with zeros
+    (so at M = 1 the L2 serves one row of x per step, not ``block_m``). The copy's 8-row tiling
+    needs M < 8 or a multiple of 8 (``x_rows``)."""
     cfg = config
     if xs.dtype not in (jnp.bfloat16, jnp.float16):
         raise TypeError(f"xs must be bf16 or fp16 (wgmma's 16-bit operand), got {xs.dtype} "
                         f"(shape {tuple(xs.shape)})")
-    if xs.ndim != 2 or xs.shape[1] != packed.k_pad:
-        raise ValueError(f"xs has shape {tuple(xs.shape)}; expected [M_pad, K_pad={packed.k_pad}]")
-    m_pad = xs.shape[0]
+    if (xs.ndim != 2 or xs.shape[1] != packed.k_pad or xs.shape[0] < 1
+            or x_rows(xs.shape[0]) != xs.shape[0]):
+        raise ValueError(f"xs has shape {tuple(xs.shape)}; expected [M, K_pad={packed.k_pad}] "
+                         "with 1 ≤ M < 8 or M a multiple of 8")
+    m_pad = _round_up(xs.shape[0], cfg.block_m)
     k_split = check_launch(packed.n_pad, packed.k_pad, m_pad, packed.group_size, cfg)
     if cfg.compute_wgs > 1:
         return w4a16_mgpu_ws(xs, packed, config=cfg, interpret=interpret)
@@ -156,6 +162,12 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
     if interpret:
         scratch.append(plgpu.SMEM((bn, K_CHUNK), xs.dtype))
     return launch_partials(body, xs, packed, cfg, scratch=scratch, interpret=interpret)
+
+
+def x_rows(m: int) -> int:
+    """Rows x is padded to for the kernel: none below 8 (the copy zero-fills the tile), else a
+    multiple of 8 (the TMA copy's row tiling)."""
+    return m if m < 8 else _round_up(m, 8)
 
 
 def _step_with_acc(step, acc_ref, idx, *refs):
@@ -256,9 +268,8 @@ def w4a16_mgpu_matmul(x2: jax.Array, packed: PackedW4NK, bias=None, *,
     """``x2 @ W`` (``[M, K]`` bf16/fp16 → ``[M, N]`` in x's dtype) with the Mosaic GPU kernel."""
     m = x2.shape[0]
     cfg = config or default_mgpu_config(m, packed)
-    m_pad = _round_up(m, cfg.block_m)
-    xs = gather_pad(x2, packed, m_pad)
-    parts = w4a16_mgpu(xs, packed, config=cfg, interpret=interpret)
+    parts = w4a16_mgpu(gather_pad(x2, packed, x_rows(m)), packed, config=cfg,
+                       interpret=interpret)
     out = jnp.sum(parts, axis=0)[:packed.n, :m].T
     if packed.global_scale is not None:
         out = out * packed.global_scale[0]

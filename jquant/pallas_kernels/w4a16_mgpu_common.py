@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jquant.pallas_kernels.w4a16_layout import _round_up
+
 # wgmma consumes K in chunks of one 128-byte swizzle atom of the 16-bit B operand.
 K_CHUNK = 64
 # Groups finer than a chunk: the chunk's scale is chosen per column.
@@ -205,7 +207,8 @@ def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, dela
 def launch_partials(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool, **kernel_kw):
     """Runs ``body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem or None, out_gmem, *scratch)`` on
     the (N_pad / block_n, split_k, M_pad / block_m) grid and returns its fp32 ``[split_k, N_pad,
-    M_pad]`` partials; interpret mode starts every buffer as NaN, so an unwritten tile shows."""
+    M_pad]`` partials (``M_pad``: x's rows rounded up to ``block_m``); interpret mode starts every
+    buffer as NaN, so an unwritten tile shows."""
     has_zero = packed.zero is not None
 
     def kernel(x_gmem, w_gmem, s_gmem, *rest):
@@ -213,7 +216,7 @@ def launch_partials(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bo
         ni, si, mi = (jax.lax.axis_index(name) for name in ("n", "s", "m"))
         body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem, out_gmem, *scratch_refs)
 
-    m_pad = xs.shape[0]
+    m_pad = _round_up(xs.shape[0], cfg.block_m)
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad), jnp.float32),
