@@ -4,7 +4,9 @@ ncu --clock-control none --kernel-name regex:mosaic_gpu --section SpeedOfLight -
     --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
     --csv --page details python3 tools/ncu_w4a16_mgpu.py > ncu.csv
 
-Prints, in launch order, which launch is which (ncu's rows follow the same order).
+Prints, in launch order, which launch is which (ncu's rows follow the same order). The profile
+in bench/results/h200_2026-12-01c/ncu_m1.csv was taken with a chunk-major variant as its launch 1
+(commit "Experiment: chunk-major …"), since reverted.
 """
 
 from __future__ import annotations
@@ -16,29 +18,28 @@ import jax.numpy as jnp
 
 from jquant.bench import w4a16 as bench
 from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
-                                              w4a16_mgpu)
+                                              w4a16_mgpu, x_rows)
 
-LAUNCHES = [  # (N, K, scheme, chunk_major, M, config or None for the default)
-    (28672, 8192, "int4_g128", True, 1, None),
-    (28672, 8192, "int4_g128", False, 1, None),
-    (28672, 8192, "int4_g128", True, 1, MgpuConfig(block_n=64, block_k=256, block_m=8, split_k=1,
-                                                   max_concurrent_steps=4)),
-    (28672, 8192, "int4_g128", True, 1, MgpuConfig(block_n=128, block_k=256, block_m=8,
-                                                   split_k=4, max_concurrent_steps=4)),
-    (28672, 8192, "mxfp4", True, 1, None),
-    (8192, 8192, "int4_g128", True, 1, None),
-    (28672, 8192, "int4_g128", True, 128, None),
+LAUNCHES = [  # (N, K, scheme, M, config or None for the default)
+    (28672, 8192, "int4_g128", 1, None),
+    (28672, 8192, "int4_g128", 1, MgpuConfig(block_n=64, block_k=256, block_m=8, split_k=1,
+                                             max_concurrent_steps=4)),
+    (28672, 8192, "int4_g128", 1, MgpuConfig(block_n=128, block_k=256, block_m=8, split_k=4,
+                                             max_concurrent_steps=4)),
+    (28672, 8192, "mxfp4", 1, None),
+    (8192, 8192, "int4_g128", 1, None),
+    (28672, 8192, "int4_g128", 128, None),
 ]
 
 
 def main() -> int:
     key = jax.random.PRNGKey(0)
-    for i, (n, k, scheme, chunk_major, m, cfg) in enumerate(LAUNCHES):
+    for i, (n, k, scheme, m, cfg) in enumerate(LAUNCHES):
         weight = bench.make_weight(scheme, n, k, key)
         packed = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"],
-                            lut="e2m1" if scheme == "mxfp4" else "int4", )
+                            lut="e2m1" if scheme == "mxfp4" else "int4")
         cfg = cfg or default_mgpu_config(m, packed)
-        xs = jax.random.normal(key, (-(-m // cfg.block_m) * cfg.block_m, k), jnp.bfloat16)
+        xs = jax.random.normal(key, (x_rows(m), packed.k_pad), jnp.bfloat16)
         jax.block_until_ready(jax.jit(lambda x, p: w4a16_mgpu(x, p, config=cfg))(xs, packed))
         print(f"launch {i}: {n}x{k} {scheme} M={m} {cfg}", flush=True)
     return 0
