@@ -1,8 +1,10 @@
 """One H200 run for the Mosaic GPU W4A16 kernel: correctness on the device, then a launch sweep
 against XLA bf16 (and the Triton kernels at M = 1) measured in the same process.
 
-PYTHONPATH=. python3 tools/device_w4a16_mgpu.py --out $OUT [--quick]
-Writes mgpu_correctness.json, mgpu_sweep.json and mgpu_best.json (the fastest launch per cell).
+PYTHONPATH=. python3 tools/device_w4a16_mgpu.py --out $OUT [--quick] [--skip-sweep]
+    [--ab] [--group-acc-ab] [--latency-probe]
+Writes mgpu_correctness.json and mgpu_sweep.json, and one JSON per extra stage (rewritten after
+each cell): mgpu_ab.json, group_acc_ab.json, latency_probe.json.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from jquant.bench import w4a16 as bench
 from jquant.bench.timing import copies_for, time_fn, time_interleaved
 from jquant.pallas_kernels.w4a16_layout import _round_up
 from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
-                                              w4a16_mgpu, w4a16_mgpu_matmul)
+                                              w4a16_mgpu, w4a16_mgpu_matmul, x_rows)
 
 START = time.time()
 
@@ -276,6 +278,68 @@ def group_acc_ab(out: pathlib.Path) -> list[dict]:
     return rows
 
 
+def latency_probe(out: pathlib.Path, plan=(((28672, 8192), 1), ((8192, 8192), 1)),
+                  interpret: bool = False) -> list[dict]:
+    """Where an M = 1 CTA's ~10 µs go (bench/NOTES.md, session 4, "Next" 1): the kernel alone
+    (x unpadded), timed round-robin, as is; with an empty consumer (copies and barriers only);
+    with the epilogue waiting only until shared memory is read; and with fewer, longer CTAs
+    whose tiles are all in flight at once. The variants patch this process's modules only
+    (``out``/latency_probe.json)."""
+    from jquant.pallas_kernels import w4a16_mgpu as kernel_mod
+    real_step, real_wait = kernel_mod.decode_mma_step, kernel_mod.plgpu.wait_smem_to_gmem
+
+    def empty_step(*args, **kwargs):
+        del args, kwargs
+
+    def read_only_wait(n, wait_read_only=False):
+        del wait_read_only
+        real_wait(n, wait_read_only=True)
+
+    rows = []
+    key = jax.random.PRNGKey(0)
+    for (n, k), m in plan:
+        _, packs, w_bf16 = _int4_operands(n, k, key)
+        if interpret:
+            packs = packs[:1]
+        base = default_mgpu_config(m, packs[0])
+        steps = k // base.block_k
+        alts = {"default": (base, real_step, real_wait),
+                "empty_consumer": (base, empty_step, real_wait),
+                "read_only_epilogue": (base, real_step, read_only_wait),
+                "empty_consumer_read_only": (base, empty_step, read_only_wait)}
+        for sp in (4, 2):
+            st = min(steps // sp, 8)
+            cfg = dataclasses.replace(base, split_k=sp, max_concurrent_steps=st)
+            alts[f"sp{sp}_st{st}"] = (cfg, real_step, real_wait)
+            alts[f"sp{sp}_st{st}_read_only"] = (cfg, real_step, read_only_wait)
+        xs = [jax.random.normal(jax.random.fold_in(key, c), (x_rows(m), k), jnp.bfloat16)
+              for c in range(4)]
+        cands = {}
+        for name, (cfg, step_fn, wait_fn) in alts.items():
+            kernel_mod.decode_mma_step, kernel_mod.plgpu.wait_smem_to_gmem = step_fn, wait_fn
+            try:
+                fn = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu(x, p, config=cfg, interpret=interpret))
+                jax.block_until_ready(fn(xs[0], packs[0]))   # traced and compiled under the patch
+                cands[name] = (fn, [(xs[c % 4], p) for c, p in enumerate(packs)])
+            except Exception as e:
+                log(f"  FAILED {n}x{k} M={m} {name}: {type(e).__name__}: {str(e)[:300]}")
+            finally:
+                kernel_mod.decode_mma_step, kernel_mod.plgpu.wait_smem_to_gmem = real_step, real_wait
+        cands["xla_bf16"] = (jnp.dot, [(xs[c % 4][:m], w) for c, w in enumerate(w_bf16)])
+        times = time_interleaved(cands, **(dict(warmup=1, reps=1) if interpret else {}))
+        line = f"{n}x{k} M={m} kernel alone:"
+        for name, t in times.items():
+            cfg = alts[name][0] if name in alts else None
+            rows.append(dict(N=n, K=k, M=m, name=name, time_us=t.median_us,
+                             batches_us=list(t.batches_us),
+                             config=dataclasses.asdict(cfg) if cfg else None))
+            line += f" {name} {t.median_us:6.1f} |"
+        log(line)
+        (out / "latency_probe.json").write_text(json.dumps(rows, indent=1))
+        del packs, w_bf16
+    return rows
+
+
 def compile_for_sass() -> None:
     """Runs one launch per kernel of interest once, for a process started with
     MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=<dir> (one dump per compiled
@@ -301,6 +365,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-sweep", action="store_true")
     parser.add_argument("--ab", action="store_true", help="default launch vs wide loads and alternatives")
     parser.add_argument("--group-acc-ab", action="store_true", help="per-group fp32 scaling A/B")
+    parser.add_argument("--latency-probe", action="store_true", help="where an M = 1 CTA's time goes")
     parser.add_argument("--sass-only", action="store_true", help="compile a few launches, nothing else")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
@@ -314,6 +379,8 @@ def main(argv=None) -> int:
     log(f"correctness {sum(r['ok'] for r in res)}/{len(res)}")
     if args.group_acc_ab:
         group_acc_ab(out)
+    if args.latency_probe:
+        latency_probe(out)
     if args.ab:
         ab(out)
     if not args.skip_sweep:
