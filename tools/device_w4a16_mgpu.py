@@ -228,6 +228,20 @@ def ab(out: pathlib.Path, ms=(1, 16, 32, 64, 128, 256)) -> list[dict]:
     return rows
 
 
+def _record_cell(rows: list[dict], times: dict, configs: dict, cell: dict, header: str,
+                 path: pathlib.Path) -> None:
+    """Appends one record per timed candidate of a cell, logs the cell on one line and
+    rewrites ``path`` (so a run cut short keeps what it measured)."""
+    line = header
+    for name, t in times.items():
+        cfg = configs.get(name)
+        rows.append(dict(cell, name=name, time_us=t.median_us, batches_us=list(t.batches_us),
+                         config=dataclasses.asdict(cfg) if cfg else None))
+        line += f" {name} {t.median_us:6.1f} |"
+    log(line)
+    path.write_text(json.dumps(rows, indent=1))
+
+
 def group_acc_ab(out: pathlib.Path) -> list[dict]:
     """Scales applied per group to an fp32 accumulator (``group_acc``) against scaling every
     decoded weight in bf16, same launch, timed round-robin with XLA bf16; at M = 1 also 128-row
@@ -265,15 +279,10 @@ def group_acc_ab(out: pathlib.Path) -> list[dict]:
                     kern = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu(x, p, config=cfg))
                     cands[name + "_kernel_only"] = (kern, [(xk[c % 4], p) for c, p in enumerate(packs)])
             times = time_interleaved(cands)
-            line = f"{n}x{k} M={m:<4d} {base}:"
-            for name, t in times.items():
-                cfg = alts.get(name.replace("_kernel_only", "").replace("_padded_x", ""))
-                rows.append(dict(N=n, K=k, M=m, name=name, time_us=t.median_us,
-                                 batches_us=list(t.batches_us),
-                                 config=dataclasses.asdict(cfg) if cfg else None))
-                line += f" {name} {t.median_us:6.1f} |"
-            log(line)
-            (out / "group_acc_ab.json").write_text(json.dumps(rows, indent=1))
+            configs = {name: alts.get(name.replace("_kernel_only", "").replace("_padded_x", ""))
+                       for name in times}
+            _record_cell(rows, times, configs, dict(N=n, K=k, M=m), f"{n}x{k} M={m:<4d} {base}:",
+                         out / "group_acc_ab.json")
         del packs, w_bf16
     return rows
 
@@ -327,15 +336,9 @@ def latency_probe(out: pathlib.Path, plan=(((28672, 8192), 1), ((8192, 8192), 1)
                 kernel_mod.decode_mma_step, kernel_mod.plgpu.wait_smem_to_gmem = real_step, real_wait
         cands["xla_bf16"] = (jnp.dot, [(xs[c % 4][:m], w) for c, w in enumerate(w_bf16)])
         times = time_interleaved(cands, **(dict(warmup=1, reps=1) if interpret else {}))
-        line = f"{n}x{k} M={m} kernel alone:"
-        for name, t in times.items():
-            cfg = alts[name][0] if name in alts else None
-            rows.append(dict(N=n, K=k, M=m, name=name, time_us=t.median_us,
-                             batches_us=list(t.batches_us),
-                             config=dataclasses.asdict(cfg) if cfg else None))
-            line += f" {name} {t.median_us:6.1f} |"
-        log(line)
-        (out / "latency_probe.json").write_text(json.dumps(rows, indent=1))
+        configs = {name: alts[name][0] if name in alts else None for name in times}
+        _record_cell(rows, times, configs, dict(N=n, K=k, M=m), f"{n}x{k} M={m} kernel alone:",
+                     out / "latency_probe.json")
         del packs, w_bf16
     return rows
 
