@@ -27,6 +27,7 @@ from jquant.bench.timing import copies_for, time_fn, time_interleaved
 from jquant.pallas_kernels.w4a16_layout import _round_up
 from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
                                               w4a16_mgpu, w4a16_mgpu_matmul, x_rows)
+from jquant.pallas_kernels.w4a16_mgpu_common import group_acc_fits
 
 START = time.time()
 
@@ -68,8 +69,7 @@ def correctness() -> list[dict]:
         base = default_mgpu_config(min(m, 128), packed)
         ws = [c for c in ws_launches(m, packed) if c.block_m == base.block_m]
         alts = [base, dataclasses.replace(base, wide_loads=True)] + ws[:2]
-        pg = packed.group_size
-        if base.compute_wgs == 1 and pg % 64 == 0 and base.block_k % pg == 0:
+        if group_acc_fits(packed.group_size, base.block_k, base.compute_wgs):
             alts.append(dataclasses.replace(base, group_acc=not base.group_acc))
         for cfg in alts:
             rec = dict(rec, wide_loads=cfg.wide_loads, compute_wgs=cfg.compute_wgs,

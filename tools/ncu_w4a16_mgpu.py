@@ -37,7 +37,7 @@ def main() -> int:
     for i, (n, k, scheme, m, cfg) in enumerate(LAUNCHES):
         weight = bench.make_weight(scheme, n, k, key)
         packed = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"],
-                            lut="e2m1" if scheme == "mxfp4" else "int4")
+                            lut=weight["lut"], global_scale=weight["global_scale"])
         cfg = cfg or default_mgpu_config(m, packed)
         xs = jax.random.normal(key, (x_rows(m), packed.k_pad), jnp.bfloat16)
         jax.block_until_ready(jax.jit(lambda x, p: w4a16_mgpu(x, p, config=cfg))(xs, packed))

@@ -33,8 +33,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.pallas_kernels.w4a16_mgpu_common import (K_CHUNK, SUB_CHUNK_GROUPS, MgpuConfig,
                                                      check_launch, decode_mma_step,
-                                                     e2m1_from_signed, launch_partials,
-                                                     step_specs)
+                                                     e2m1_from_signed, group_acc_fits,
+                                                     launch_partials, step_specs)
 from jquant.pallas_kernels.w4a16_mgpu_ws import w4a16_mgpu_ws
 from jquant.pallas_kernels.w4a16_layout import (_round_up, _sort_act_order, canonical_lut,
                                                 gather_pad)
@@ -261,7 +261,7 @@ def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
     # columns the second accumulator costs registers (8192×28672 M = 128: 301 vs 167 µs).
     return MgpuConfig(block_n=bn, block_k=bk, block_m=block_m, split_k=split,
                       max_concurrent_steps=stages,
-                      group_acc=block_m <= 16 and g % K_CHUNK == 0 and bk % g == 0)
+                      group_acc=block_m <= 16 and group_acc_fits(g, bk, 1))
 
 
 def w4a16_mgpu_matmul(x2: jax.Array, packed: PackedW4NK, bias=None, *,

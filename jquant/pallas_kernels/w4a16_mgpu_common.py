@@ -55,6 +55,12 @@ class MgpuConfig:
                 raise ValueError(f"MgpuConfig.{f.name} must be a positive int, got {v!r}")
 
 
+def group_acc_fits(group_size: int, block_k: int, compute_wgs: int) -> bool:
+    """Whether ``MgpuConfig.group_acc`` can run: one compute warpgroup and whole groups of a
+    multiple of 64 inside each step."""
+    return compute_wgs == 1 and group_size % K_CHUNK == 0 and block_k % group_size == 0
+
+
 def check_launch(n_pad: int, k_pad: int, m_pad: int, group_size: int, cfg: MgpuConfig) -> int:
     """Raises a ValueError naming every parameter of ``cfg`` that cannot tile the problem;
     returns the K range of one split."""
@@ -77,7 +83,7 @@ def check_launch(n_pad: int, k_pad: int, m_pad: int, group_size: int, cfg: MgpuC
             g > cfg.block_k and g % cfg.block_k):
         problems.append(f"group_size={g} must be 16, 32 or a multiple of {K_CHUNK} that divides or "
                         f"is a multiple of block_k={cfg.block_k}")
-    if cfg.group_acc and (g % K_CHUNK or cfg.block_k % g or cfg.compute_wgs != 1):
+    if cfg.group_acc and not group_acc_fits(g, cfg.block_k, cfg.compute_wgs):
         problems.append(f"group_acc needs one compute warpgroup and a group_size that is a "
                         f"multiple of {K_CHUNK} dividing block_k={cfg.block_k}, got group_size="
                         f"{g}, compute_wgs={cfg.compute_wgs}")
