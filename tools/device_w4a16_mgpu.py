@@ -2,9 +2,11 @@
 against XLA bf16 (and the Triton kernels at M = 1) measured in the same process.
 
 PYTHONPATH=. python3 tools/device_w4a16_mgpu.py --out $OUT [--quick] [--skip-sweep]
-    [--ab] [--group-acc-ab] [--latency-probe]
+    [--ab] [--group-acc-ab] [--latency-probe] [--persistent] [--wide-rows] [--copy-probe]
+    [--skip-correctness]
 Writes mgpu_correctness.json and mgpu_sweep.json, and one JSON per extra stage (rewritten after
-each cell): mgpu_ab.json, group_acc_ab.json, latency_probe.json.
+each cell): mgpu_ab.json, group_acc_ab.json, latency_probe.json, persistent_ab.json, wide_rows_ab.json, copy_probe.json;
+gpu_state.txt logs nvidia-smi's clocks and other processes between stages.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.bench import w4a16 as bench
 from jquant.bench.timing import copies_for, time_fn, time_interleaved
 from jquant.pallas_kernels.w4a16_layout import _round_up
-from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
-                                              w4a16_mgpu, w4a16_mgpu_matmul, x_rows)
+from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config,
+                                              persistent_launch, prepack_nk, w4a16_mgpu,
+                                              w4a16_mgpu_matmul, x_rows)
 from jquant.pallas_kernels.w4a16_mgpu_common import group_acc_fits
 
 START = time.time()
@@ -68,12 +72,20 @@ def correctness() -> list[dict]:
         rec = dict(k=k, n=n, group=g, zeros=zeros, scale=sdt, m=m, x=jnp.dtype(xdt).name, act=act)
         base = default_mgpu_config(min(m, 128), packed)
         ws = [c for c in ws_launches(m, packed) if c.block_m == base.block_m]
-        alts = [base, dataclasses.replace(base, wide_loads=True)] + ws[:2]
+        alts = [base, dataclasses.replace(base, wide_loads=True),
+                dataclasses.replace(base, wide_rows=True)] + ws[:2]
+        alts += [dataclasses.replace(c, wide_rows=True) for c in ws[:1]]
         if group_acc_fits(packed.group_size, base.block_k, base.compute_wgs):
             alts.append(dataclasses.replace(base, group_acc=not base.group_acc))
+        if base.compute_wgs == 1:
+            # Persistent: as tuned, and on 5 CTAs so that each streams several tiles, unevenly.
+            alts.append(persistent_launch(base, packed, m, ctas_per_sm=2,
+                                          stages=base.max_concurrent_steps))
+            alts.append(dataclasses.replace(alts[-1], grid_ctas=min(5, alts[-1].grid_ctas)))
         for cfg in alts:
-            rec = dict(rec, wide_loads=cfg.wide_loads, compute_wgs=cfg.compute_wgs,
-                       group_acc=cfg.group_acc)
+            rec = dict(rec, wide_loads=cfg.wide_loads, wide_rows=cfg.wide_rows,
+                       compute_wgs=cfg.compute_wgs,
+                       group_acc=cfg.group_acc, grid_ctas=cfg.grid_ctas)
             try:
                 got = jax.jit(lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg))(jnp.asarray(x, xdt), packed)
                 got = np.asarray(got, np.float32)
@@ -343,6 +355,158 @@ def latency_probe(out: pathlib.Path, plan=(((28672, 8192), 1), ((8192, 8192), 1)
     return rows
 
 
+PERSISTENT_PLAN = (("int4_g128", 28672, 8192, 1), ("int4_g128", 8192, 8192, 1),
+                   ("int4_g128", 8192, 28672, 1), ("int4_g128", 28672, 8192, 16),
+                   ("mxfp4", 28672, 8192, 1), ("nvfp4", 28672, 8192, 1),
+                   ("int4_g128", 1536, 576, 1))
+
+
+def launch_ab(out: pathlib.Path, plan, variants, file_name: str, kernel_only=("default",),
+              interpret: bool = False) -> list[dict]:
+    """Per (scheme, N, K, M) cell of ``plan``: the default launch and ``variants(base, packed,
+    m)`` (name → MgpuConfig), whole calls (and the kernel alone for the names in
+    ``kernel_only``), timed round-robin with XLA bf16 (``out``/``file_name``, rewritten per
+    cell)."""
+    rows = []
+    key = jax.random.PRNGKey(0)
+    for scheme, n, k, m in plan:
+        weight = bench.make_weight(scheme, n, k, key)
+        packed = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"],
+                            lut="int4" if scheme.startswith("int4") else "e2m1",
+                            global_scale=weight.get("global_scale"))
+        packs = [packed] + [jax.tree_util.tree_map(lambda a: a.copy(), packed)
+                            for _ in range(copies_for(packed.nbytes, max_copies=8) - 1)]
+        w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
+                  for c in range(copies_for(k * n * 2, max_copies=4))]
+        if interpret:
+            packs, w_bf16 = packs[:1], w_bf16[:1]
+        base = default_mgpu_config(m, packed)
+        alts = {"default": base, **variants(base, packed, m)}
+        xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
+        cands = {"xla_bf16": (jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)])}
+        for name, cfg in list(alts.items()):
+            fn = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu_matmul(x, p, config=cfg,
+                                                                 interpret=interpret))
+            try:
+                jax.block_until_ready(fn(xs[0], packs[0]))
+            except Exception as e:
+                log(f"  FAILED {scheme} {n}x{k} M={m} {name} {cfg}: {type(e).__name__}: "
+                    f"{str(e)[:300]}")
+                del alts[name]
+                continue
+            cands[name] = (fn, [(xs[c % 4], p) for c, p in enumerate(packs)])
+            if name in kernel_only:
+                kern = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu(x, p, config=cfg,
+                                                                interpret=interpret))
+                cands[name + "_kernel_only"] = (kern, [(xs[c % 4], p) for c, p in enumerate(packs)])
+        times = time_interleaved(cands, **(dict(warmup=1, reps=1) if interpret else {}))
+        configs = {name: alts.get(name.replace("_kernel_only", "")) for name in times}
+        _record_cell(rows, times, configs, dict(scheme=scheme, N=n, K=k, M=m),
+                     f"{scheme} {n}x{k} M={m}:", out / file_name)
+        del packs, w_bf16
+    return rows
+
+
+def persistent_variants(base, packed, m) -> dict:
+    """Persistent launches of 1-5 CTAs per SM (``persistent_launch``)."""
+    alts = {f"p{cps}_st{st}": persistent_launch(base, packed, m, ctas_per_sm=cps, stages=st)
+            for cps, st in ((5, 3), (4, 4), (3, 5), (2, 8), (1, 16))}
+    if packed.k_pad % 512 == 0:
+        alts["p2_st4_bk512"] = persistent_launch(dataclasses.replace(base, block_k=512),
+                                                 packed, m, ctas_per_sm=2, stages=4)
+    return alts
+
+
+WIDE_ROWS_PLAN = tuple(("int4_g128", 28672, 8192, m) for m in (1, 16, 64, 128)) + (
+    ("int4_g128", 8192, 8192, 1), ("int4_g128", 8192, 8192, 128),
+    ("int4_g128", 8192, 28672, 1), ("int4_g128", 8192, 28672, 128),
+    ("mxfp4", 28672, 8192, 1), ("nvfp4", 28672, 8192, 1))
+
+
+def wide_rows_variants(base, packed, m) -> dict:
+    """The weight tile staged with 128-byte swizzle rows (``MgpuConfig.wide_rows``), as is, one
+    stage deeper, and (M ≤ 16) with 512-code steps."""
+    wide = dataclasses.replace(base, wide_rows=True)
+    alts = {"wide_rows": wide,
+            "wide_rows_st+1": dataclasses.replace(wide, max_concurrent_steps=base.max_concurrent_steps + 1)}
+    if m <= 16 and packed.k_pad % (512 * base.split_k) == 0:
+        alts["wide_rows_bk512"] = dataclasses.replace(wide, block_k=512)
+    return alts
+
+
+COPY_PROBE_LAYOUTS = {  # name: (dtype, block [rows, cols], tile cols, swizzle bytes or None)
+    "int4_bk256_swz32": (jnp.int4, (64, 256), 64, 32),       # today's weight tile
+    "int4_bk256_swz128": (jnp.int4, (64, 256), 256, 128),
+    "u8_bk256_swz128": (jnp.uint8, (64, 128), 128, 128),     # the same bytes, as uint8
+    "u8_bk256_plain": (jnp.uint8, (64, 128), None, None),
+    "u8_bn128_bk256_swz128": (jnp.uint8, (128, 128), 128, 128),
+    "u8_bk512_swz128": (jnp.uint8, (64, 256), 128, 128),
+    "int4_bk512_swz32": (jnp.int4, (64, 512), 64, 32),
+}
+
+
+def copy_probe(out: pathlib.Path, n: int = 28672, k: int = 8192, split: int = 8,
+               stages=(3, 4), interpret: bool = False) -> list[dict]:
+    """Copies only: how fast TMA streams the weight through an emit_pipeline of one-CTA-per-tile
+    launches, by smem tile shape and swizzle (box rows of 32 vs 128 bytes), with no consumer
+    (``out``/copy_probe.json)."""
+    key = jax.random.PRNGKey(0)
+    codes = jax.random.randint(key, (n, k), -8, 8, jnp.int32).astype(jnp.int4)
+    as_u8 = jax.random.randint(key, (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    rows, cands, configs = [], {}, {}
+    for name, (dtype, block, tile_cols, swz) in COPY_PROBE_LAYOUTS.items():
+        w = codes if dtype == jnp.int4 else as_u8
+        copies = [w] if interpret else [w] + [w.copy() for _ in range(copies_for(n * k // 2, max_copies=8) - 1)]
+        transforms = (() if swz is None else
+                      (plgpu.TilingTransform((8, tile_cols)), plgpu.SwizzleTransform(swz)))
+        for st in stages:
+            steps = w.shape[1] // split // block[1]
+
+            def kernel(w_gmem, o_gmem, block=block, transforms=transforms, steps=steps):
+                ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+                spec = plgpu.BlockSpec(block, lambda t: (ni, si * steps + t), transforms=transforms)
+                plgpu.emit_pipeline(lambda idx, w_smem: None, grid=(steps,), in_specs=[spec],
+                                    max_concurrent_steps=st)(w_gmem)
+                del o_gmem
+
+            call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((8,), jnp.float32),
+                                grid=(n // block[0], split), grid_names=("n", "s"))
+            if interpret:
+                with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+                    fn = jax.jit(lambda a, call=call: call(a))
+                    jax.block_until_ready(fn(copies[0]))
+                continue
+            fn = jax.jit(call)
+            try:
+                jax.block_until_ready(fn(copies[0]))
+            except Exception as e:
+                log(f"  FAILED copy probe {name} st{st}: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            cands[f"{name}_st{st}"] = (fn, [(c,) for c in copies])
+    if interpret:
+        return rows
+    times = time_interleaved(cands)
+    _record_cell(rows, times, configs, dict(N=n, K=k, split_k=split),
+                 f"copy probe {n}x{k} sp{split}:", out / "copy_probe.json")
+    return rows
+
+
+def gpu_state(out: pathlib.Path, tag: str) -> None:
+    """nvidia-smi's clocks, power and other processes on the GPU, logged (noise hunting)."""
+    import subprocess
+    cmd = ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu,"
+           "utilization.gpu,clocks_throttle_reasons.active", "--format=csv"]
+    try:
+        text = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout
+        text += subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                "--format=csv"], capture_output=True, text=True, timeout=20).stdout
+    except Exception as e:   # the tool may be missing
+        text = f"{type(e).__name__}: {e}"
+    log(f"gpu state {tag}: {text.strip()}")
+    with open(out / "gpu_state.txt", "a") as f:
+        f.write(f"--- {tag}\n{text}\n")
+
+
 def compile_for_sass() -> None:
     """Runs one launch per kernel of interest once, for a process started with
     MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=<dir> (one dump per compiled
@@ -369,6 +533,10 @@ def main(argv=None) -> int:
     parser.add_argument("--ab", action="store_true", help="default launch vs wide loads and alternatives")
     parser.add_argument("--group-acc-ab", action="store_true", help="per-group fp32 scaling A/B")
     parser.add_argument("--latency-probe", action="store_true", help="where an M = 1 CTA's time goes")
+    parser.add_argument("--persistent", action="store_true", help="persistent launches A/B")
+    parser.add_argument("--wide-rows", action="store_true", help="128-byte weight rows A/B")
+    parser.add_argument("--copy-probe", action="store_true", help="TMA copy rate by tile shape")
+    parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--sass-only", action="store_true", help="compile a few launches, nothing else")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
@@ -377,13 +545,27 @@ def main(argv=None) -> int:
     if args.sass_only:
         compile_for_sass()
         return 0
-    res = correctness()
-    (out / "mgpu_correctness.json").write_text(json.dumps(res, indent=1))
-    log(f"correctness {sum(r['ok'] for r in res)}/{len(res)}")
+    gpu_state(out, "start")
+    if args.copy_probe:
+        copy_probe(out)
+        gpu_state(out, "after copy probe")
+    if not args.skip_correctness:
+        res = correctness()
+        (out / "mgpu_correctness.json").write_text(json.dumps(res, indent=1))
+        log(f"correctness {sum(r['ok'] for r in res)}/{len(res)}")
     if args.group_acc_ab:
         group_acc_ab(out)
     if args.latency_probe:
         latency_probe(out)
+    if args.persistent:
+        launch_ab(out, PERSISTENT_PLAN[:2] if args.quick else PERSISTENT_PLAN,
+                  persistent_variants, "persistent_ab.json",
+                  kernel_only=("default", "p5_st3", "p2_st8"))
+        gpu_state(out, "after persistent")
+    if args.wide_rows:
+        launch_ab(out, WIDE_ROWS_PLAN, wide_rows_variants, "wide_rows_ab.json",
+                  kernel_only=("default", "wide_rows"))
+        gpu_state(out, "after wide rows")
     if args.ab:
         ab(out)
     if not args.skip_sweep:

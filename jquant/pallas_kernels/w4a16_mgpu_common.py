@@ -7,6 +7,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.pallas_kernels.w4a16_layout import _round_up
@@ -28,6 +29,9 @@ class MgpuConfig:
     max_concurrent_steps: TMA pipeline depth.
     wide_loads: read the int4 tile 8 codes per 32-bit load (Mosaic GPU's UPCAST_4X layout) and
       shuffle into wgmma's layout, instead of 2 codes per 8-bit load.
+    wide_rows: stage the weight tile in shared memory with 128-byte swizzle rows (256 codes; a
+      64-byte swizzle at block_k = 128) instead of one 32-byte row per 64-code chunk, so the TMA
+      copy moves 128-byte rows, and load each 256-code span into registers at once.
     compute_wgs: warpgroups that decode and multiply, each owning ``block_n / compute_wgs`` rows
       and sharing the x tile. With 2, a third warpgroup only issues the TMA copies (warp
       specialization); with 1, the one warpgroup does both.
@@ -35,6 +39,9 @@ class MgpuConfig:
       added to the running sum, instead of scaling every decoded weight in bf16: one FMA per
       output element per group instead of one multiply per pair of codes (1 warpgroup; groups
       that are multiples of 64 and divide ``block_k``).
+    grid_ctas: 0 launches one CTA per (weight rows, split, x rows) tile; n > 0 launches n
+      persistent CTAs, each streaming a contiguous run of those tiles through one pipeline, so
+      the TMA queue stays full across tiles (no per-CTA fill, drain and epilogue wait).
     """
 
     block_n: int = 128
@@ -43,16 +50,19 @@ class MgpuConfig:
     split_k: int = 1
     max_concurrent_steps: int = 4
     wide_loads: bool = False
+    wide_rows: bool = False
     compute_wgs: int = 1
     group_acc: bool = False
+    grid_ctas: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("wide_loads", "group_acc"):
+            if f.name in ("wide_loads", "wide_rows", "group_acc"):
                 continue
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"MgpuConfig.{f.name} must be a positive int, got {v!r}")
+            lowest = 0 if f.name == "grid_ctas" else 1
+            if not isinstance(v, int) or isinstance(v, bool) or v < lowest:
+                raise ValueError(f"MgpuConfig.{f.name} must be an int ≥ {lowest}, got {v!r}")
 
 
 def group_acc_fits(group_size: int, block_k: int, compute_wgs: int) -> bool:
@@ -87,6 +97,13 @@ def check_launch(n_pad: int, k_pad: int, m_pad: int, group_size: int, cfg: MgpuC
         problems.append(f"group_acc needs one compute warpgroup and a group_size that is a "
                         f"multiple of {K_CHUNK} dividing block_k={cfg.block_k}, got group_size="
                         f"{g}, compute_wgs={cfg.compute_wgs}")
+    tiles = n_pad // cfg.block_n * cfg.split_k * max(m_pad // cfg.block_m, 1)
+    if cfg.grid_ctas and (cfg.compute_wgs != 1 or cfg.grid_ctas > tiles):
+        problems.append(f"grid_ctas={cfg.grid_ctas} (persistent) needs one compute warpgroup and "
+                        f"at most one CTA per tile ({tiles} tiles), got compute_wgs="
+                        f"{cfg.compute_wgs}")
+    if cfg.wide_rows and cfg.wide_loads:
+        problems.append("wide_rows and wide_loads are two ways to read the weight tile; pick one")
     if cfg.max_concurrent_steps < 2:
         problems.append(f"max_concurrent_steps={cfg.max_concurrent_steps} must be ≥ 2")
     if problems:
@@ -101,6 +118,16 @@ def e2m1_from_signed(v):
     return 2 * v - 0.5 * jnp.clip(v, -4, 4) - jnp.clip(v, -6, 6)
 
 
+# Codes per 128-byte swizzle row of the int4 weight tile (wide_rows).
+WIDE_ROW_CODES = 256
+
+
+def weight_row_codes(cfg: MgpuConfig) -> int:
+    """Codes per shared-memory swizzle row of the weight tile: one 64-code chunk, or (wide_rows)
+    up to 256."""
+    return min(cfg.block_k, WIDE_ROW_CODES) if cfg.wide_rows else K_CHUNK
+
+
 def swizzle_tiles(block_k: int, bits: int):
     swizzle = plgpu.find_swizzle(block_k * bits, "w4a16")
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
@@ -113,7 +140,7 @@ def scale_rows_per_step(block_k: int, group_size: int) -> int:
 
 def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size: int, dtype,
                     fp4: bool, wide_loads: bool, a_scratch=None, chunks=None,
-                    scaled: bool = True):
+                    scaled: bool = True, row_codes: int = K_CHUNK):
     """One pipeline step of one warpgroup: ``acc += decode(W[rows, :]) · x_tileᵀ``.
 
     ``w_smem`` ``[bn, bk]`` int4, ``x_smem`` ``[bm, bk]``, ``s_smem`` / ``z_smem`` (or None)
@@ -123,7 +150,9 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
     into registers while the previous chunk's wgmma runs (``wgmma_wait(1)``), so the last wgmma
     is still in flight on return: the caller releases x's slot one step late. ``a_scratch``
     (interpret mode, whose wgmma reads A only from shared memory) routes each decoded chunk
-    through shared memory and waits for each wgmma."""
+    through shared memory and waits for each wgmma. ``row_codes``: codes per swizzle row of
+    ``w_smem`` (``weight_row_codes``); wider rows are loaded a row's span at a time and sliced
+    into chunks in registers."""
     g = group_size
     w_ref = w_smem.at[rows]
     wg_rows = w_ref.shape[0]
@@ -148,11 +177,17 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
     if len(chunks) == bk // K_CHUNK == 1:
         # The decoded registers of the previous step's wgmma get reused now.
         plgpu.wgmma_wait(0)
+    spans = {}
     for c in chunks:
         row = (c * K_CHUNK) // g if g < bk else 0
         ks = slice(c * K_CHUNK, (c + 1) * K_CHUNK)
         # Loaded chunk by chunk (not the whole step's tile up front): fewer live registers.
-        if wide_loads:
+        if row_codes > K_CHUNK:
+            span, offset = divmod(c * K_CHUNK, row_codes)
+            if span not in spans:
+                spans[span] = w_ref.at[:, pl.ds(span * row_codes, row_codes)][...]
+            wc = spans[span][:, offset:offset + K_CHUNK]
+        elif wide_loads:
             # 8 codes per 32-bit shared-memory load, then register shuffles into wgmma's layout.
             wc = plgpu.layout_cast(plgpu.load(w_ref.at[:, ks], layout=plgpu.Layout.WGMMA_UPCAST_4X),
                                    plgpu.Layout.WGMMA)
@@ -199,8 +234,8 @@ def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, dela
         return k_idx * bk // g // s_rows, n_idx
 
     specs = [
-        # Tiled per 64-wide chunk, so each chunk loads on its own.
-        plgpu.BlockSpec((bn, bk), w_index, transforms=swizzle_tiles(K_CHUNK, 4),
+        # Tiled per 64-wide chunk, so each chunk loads on its own (or per wide row).
+        plgpu.BlockSpec((bn, bk), w_index, transforms=swizzle_tiles(weight_row_codes(cfg), 4),
                         delay_release=late),
         plgpu.BlockSpec((bm, bk), x_index, transforms=swizzle_tiles(bk, 16), delay_release=1),
         plgpu.BlockSpec((s_rows, bn), s_index, delay_release=late),
@@ -212,8 +247,8 @@ def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, dela
 
 def launch_partials(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool, **kernel_kw):
     """Runs ``body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem or None, out_gmem, *scratch)`` on
-    the (N_pad / block_n, split_k, M_pad / block_m) grid and returns its fp32 ``[split_k, N_pad,
-    M_pad]`` partials (``M_pad``: x's rows rounded up to ``block_m``); interpret mode starts every
+    the (N_pad / block_n, split_k, M_pad / block_m) grid (persistent: ``(grid_ctas, 1, 1)``, ``ni``
+    the CTA) and returns its fp32 ``[split_k, N_pad, M_pad]`` partials (``M_pad``: x's rows rounded up to ``block_m``); interpret mode starts every
     buffer as NaN, so an unwritten tile shows."""
     has_zero = packed.zero is not None
 
@@ -226,7 +261,8 @@ def launch_partials(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bo
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad), jnp.float32),
-        grid=(packed.n_pad // cfg.block_n, cfg.split_k, m_pad // cfg.block_m),
+        grid=((cfg.grid_ctas, 1, 1) if cfg.grid_ctas else
+              (packed.n_pad // cfg.block_n, cfg.split_k, m_pad // cfg.block_m)),
         grid_names=("n", "s", "m"), scratch_types=scratch, **kernel_kw)
     args = [xs, packed.data, packed.scale] + ([packed.zero] if has_zero else [])
     if interpret:

@@ -17,7 +17,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.pallas_kernels.w4a16_mgpu_common import (K_CHUNK, MgpuConfig, decode_mma_step,
-                                                     launch_partials, step_specs)
+                                                     launch_partials, step_specs,
+                                                     weight_row_codes)
 
 # Registers left to the copy-issuing warpgroup (the compute warpgroups get the rest).
 _MEMORY_REGISTERS = 40
@@ -44,7 +45,7 @@ def w4a16_mgpu_ws(xs: jax.Array, packed, *, config: MgpuConfig,
             del idx
             decode_mma_step(w_smem, x_smem, s_smem, z_smem[0] if z_smem else None, carry,
                             rows=rows, group_size=g, dtype=xs.dtype, fp4=packed.lut == "e2m1",
-                            wide_loads=cfg.wide_loads,
+                            wide_loads=cfg.wide_loads, row_codes=weight_row_codes(cfg),
                             a_scratch=a_scratch[0].at[wg] if a_scratch else None)
             return carry
 
@@ -60,7 +61,7 @@ def w4a16_mgpu_ws(xs: jax.Array, packed, *, config: MgpuConfig,
                     plgpu.copy_smem_to_gmem(
                         o_smem.at[wg], out_gmem.at[si, pl.ds(ni * bn + wg * wg_rows + r,
                                                              _EPILOGUE_ROWS), pl.ds(mi * bm, bm)])
-                    plgpu.wait_smem_to_gmem(0)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             pl.run_scoped(with_acc, plgpu.ACC((wg_rows, bm), jnp.float32))
 
         plgpu.emit_pipeline_warp_specialized(
