@@ -16,7 +16,7 @@ from jquant.pallas_kernels import (MGPU_MAX_M, MgpuConfig, PackedW4NK, default_m
                                    dequantize_nk, prepack, prepack_nk, reference_nk, resolve_impl,
                                    w4a16_matmul)
 from jquant.pallas_kernels import w4a16 as dispatch
-from jquant.pallas_kernels.w4a16_mgpu import persistent_launch, w4a16_mgpu, x_rows
+from jquant.pallas_kernels.w4a16_mgpu import w4a16_mgpu, x_rows
 
 
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
@@ -96,15 +96,12 @@ CASES = [  # k, n, group, zeros ("e2m1": FP4), scale, act-order, m, x dtype, bia
                 group_acc=True)),                                          # step, zeros, act
     (512, 256, 128, None, "bf16", False, 1, jnp.bfloat16, False,          # bf16 weight scaling
      MgpuConfig(block_n=64, block_k=256, block_m=8, split_k=2, max_concurrent_steps=2)),
-    (512, 320, 128, None, "bf16", False, 20, jnp.bfloat16, True,          # persistent: 36 tiles
-     MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=2, max_concurrent_steps=3,  # on 7
-                group_acc=True, grid_ctas=7)),                              # CTAs, group_acc
-    (768, 130, 64, "int", "f16", True, 5, jnp.float16, False,             # persistent, zeros,
-     MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=3, max_concurrent_steps=2,  # act,
-                grid_ctas=5)),                                             # 12 tiles, 5 CTAs
-    (512, 192, 32, "e2m1", "e8m0", False, 2, jnp.bfloat16, False,         # persistent MXFP4
-     MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=2, max_concurrent_steps=3,
-                grid_ctas=4)),
+    (1024, 200, 128, "int", "bf16", False, 3, jnp.bfloat16, True,         # 128-byte rows, two
+     MgpuConfig(block_n=64, block_k=512, block_m=8, split_k=1, max_concurrent_steps=2,  # spans
+                group_acc=True, wide_rows=True)),                          # a step, zeros
+    (512, 192, 32, "e2m1", "e8m0", False, 4, jnp.bfloat16, False,         # 64-byte rows, MXFP4
+     MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=2, max_concurrent_steps=2,
+                wide_rows=True)),
 ]
 
 
@@ -129,15 +126,12 @@ def test_kernel_matches_numpy_and_reference(case):
     assert _rel_err(out, reference_nk(x, packed, b)) <= 1e-2
 
 
-@pytest.mark.parametrize("grid_ctas", [0, 3])
-def test_kernel_writes_every_partial(grid_ctas):
-    """The raw split-K partials (before XLA sums them) are all finite: no CTA skipped a tile
-    (persistent: 16 tiles on 3 CTAs, 5 or 6 each)."""
+def test_kernel_writes_every_partial():
+    """The raw split-K partials (before XLA sums them) are all finite: no CTA skipped a tile."""
     rng = np.random.default_rng(3)
     q, s, _, _ = _weight(rng, 512, 256, 128)
     packed = prepack_nk(q, s, group_size=128)
-    cfg = MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=2, max_concurrent_steps=2,
-                     grid_ctas=grid_ctas)
+    cfg = MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=2, max_concurrent_steps=2)
     xs = jnp.asarray(rng.standard_normal((16, 512)), jnp.bfloat16)
     parts = w4a16_mgpu(xs, packed, config=cfg, interpret=True)
     assert parts.shape == (2, 256, 16) and np.isfinite(np.asarray(parts)).all()
@@ -185,10 +179,12 @@ class TestUnderJit(chex.TestCase):
     (1, None, "e2m1", 32), (16, None, "e2m1", 16),
     (128, MgpuConfig(block_n=256, block_k=128, block_m=128, split_k=1, max_concurrent_steps=3,
                      compute_wgs=2), "int4", 128),
-    (1, MgpuConfig(block_n=64, block_k=256, block_m=8, split_k=2, max_concurrent_steps=4,
-                   group_acc=True, grid_ctas=3), "int4", 128),
-    (4, MgpuConfig(block_n=64, block_k=256, block_m=8, split_k=2, max_concurrent_steps=4,
-                   grid_ctas=5), "e2m1", 32)])
+    (1, MgpuConfig(block_n=64, block_k=512, block_m=8, split_k=1, max_concurrent_steps=2,
+                   group_acc=True, wide_rows=True), "int4", 128),
+    (4, MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=2, max_concurrent_steps=4,
+                   wide_rows=True), "e2m1", 32),
+    (128, MgpuConfig(block_n=256, block_k=128, block_m=128, split_k=1, max_concurrent_steps=3,
+                     compute_wgs=2, wide_rows=True), "int4", 128)])
 def test_kernel_lowers_for_sm90(m, cfg, lut, group):
     """Exporting for CUDA runs Mosaic GPU's own lowering (layout inference, the register-operand
     wgmma that interpret mode replaces by a shared-memory one, TMA descriptors) on this CPU."""
@@ -218,6 +214,9 @@ def test_default_configs_are_valid_launches(n, k, group, m):
     g = packed.group_size
     assert cfg.group_acc == (cfg.compute_wgs == 1 and cfg.block_m <= 16 and g % 64 == 0
                              and cfg.block_k % g == 0)
+    # One-warpgroup launches stage the weight in 128-byte rows (the warp-specialized ones step
+    # 64 codes at a time, where there is one row width only).
+    assert cfg.wide_rows == (cfg.compute_wgs == 1) and not cfg.wide_loads
 
 
 def test_dispatch_by_device_and_m(monkeypatch):
@@ -267,9 +266,7 @@ def test_layout_and_impl_mismatches_are_errors():
     (MgpuConfig(block_n=64, compute_wgs=2), "block_n=64 must be a multiple of 64·compute_wgs"),
     (MgpuConfig(block_k=64, group_acc=True), "group_acc needs .* dividing block_k=64"),
     (MgpuConfig(block_n=128, compute_wgs=2, group_acc=True), "group_acc needs one compute warpgroup"),
-    (MgpuConfig(block_n=64, block_k=256, split_k=2, grid_ctas=5),
-     r"grid_ctas=5 \(persistent\) needs .* at most one CTA per tile \(4 tiles\)"),
-    (MgpuConfig(block_n=128, compute_wgs=2, grid_ctas=1), "grid_ctas=1 .* got compute_wgs=2"),
+    (MgpuConfig(wide_rows=True, wide_loads=True), "wide_rows and wide_loads .* pick one"),
 ])
 def test_bad_launches_name_the_parameter(cfg, match):
     rng = np.random.default_rng(7)
@@ -310,37 +307,8 @@ def test_prepack_nk_rejects_what_the_kernel_cannot_run():
 
 
 def test_config_fields_are_positive_ints():
-    with pytest.raises(ValueError, match="MgpuConfig.split_k must be an int ≥ 1, got 0"):
+    with pytest.raises(ValueError, match="MgpuConfig.split_k must be a positive int"):
         MgpuConfig(split_k=0)
-    with pytest.raises(ValueError, match="MgpuConfig.grid_ctas must be an int ≥ 0, got -1"):
-        MgpuConfig(grid_ctas=-1)
-
-
-@pytest.mark.parametrize("n,k,m,ctas_per_sm", [(28672, 8192, 1, 5), (8192, 8192, 1, 2),
-                                               (1536, 576, 4, 3), (4096, 4096, 16, 1)])
-def test_persistent_launch_spreads_tiles_evenly(n, k, m, ctas_per_sm):
-    """No split-K gives the busiest CTA less work than the one picked, and the launch is valid."""
-    packed = prepack_nk(np.zeros((k, n), np.uint8), np.ones((k // 64, n), np.float32),
-                        group_size=64)
-    base = default_mgpu_config(m, packed)
-    cfg = persistent_launch(base, packed, m, ctas_per_sm=ctas_per_sm, stages=4, sm_count=132)
-    n_tiles = packed.n_pad // cfg.block_n * -(-x_rows(m) // cfg.block_m)
-
-    def busiest(split):
-        tiles = n_tiles * split
-        steps = packed.k_pad // (split * cfg.block_k)
-        return -(-tiles // min(132 * ctas_per_sm, tiles)) * (steps + 0.5)
-
-    splits = [s for s in (1, 2, 4, 8, 16) if packed.k_pad % (s * cfg.block_k) == 0]
-    assert busiest(cfg.split_k) == min(busiest(s) for s in splits)
-    assert cfg.grid_ctas == min(132 * ctas_per_sm, n_tiles * cfg.split_k)
-    assert cfg.max_concurrent_steps == 4
-    xs = jax.ShapeDtypeStruct((x_rows(m), packed.k_pad), jnp.bfloat16)
-    jax.eval_shape(lambda x, p: w4a16_mgpu(x, p, config=cfg), xs, packed)   # runs the checks
-    with pytest.raises(ValueError, match="block_k=1024 does not tile K_pad"):
-        persistent_launch(dataclasses.replace(base, block_k=1024), prepack_nk(
-            np.zeros((576, 64), np.uint8), np.ones((9, 64), np.float32), group_size=64),
-            m, ctas_per_sm=1, stages=2)
 
 
 def test_packed_nk_is_a_pytree():

@@ -2,10 +2,11 @@
 against XLA bf16 (and the Triton kernels at M = 1) measured in the same process.
 
 PYTHONPATH=. python3 tools/device_w4a16_mgpu.py --out $OUT [--quick] [--skip-sweep]
-    [--ab] [--group-acc-ab] [--latency-probe] [--persistent] [--wide-rows] [--copy-probe]
+    [--ab] [--group-acc-ab] [--latency-probe] [--wide-rows] [--ws-wide] [--copy-probe]
     [--skip-correctness]
 Writes mgpu_correctness.json and mgpu_sweep.json, and one JSON per extra stage (rewritten after
-each cell): mgpu_ab.json, group_acc_ab.json, latency_probe.json, persistent_ab.json, wide_rows_ab.json, copy_probe.json;
+each cell): mgpu_ab.json, group_acc_ab.json, latency_probe.json, wide_rows_ab.json, ws_wide_ab.json,
+copy_probe.json;
 gpu_state.txt logs nvidia-smi's clocks and other processes between stages.
 """
 
@@ -28,9 +29,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jquant.bench import w4a16 as bench
 from jquant.bench.timing import copies_for, time_fn, time_interleaved
 from jquant.pallas_kernels.w4a16_layout import _round_up
-from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config,
-                                              persistent_launch, prepack_nk, w4a16_mgpu,
-                                              w4a16_mgpu_matmul, x_rows)
+from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
+                                              w4a16_mgpu, w4a16_mgpu_matmul, x_rows)
 from jquant.pallas_kernels.w4a16_mgpu_common import group_acc_fits
 
 START = time.time()
@@ -77,15 +77,10 @@ def correctness() -> list[dict]:
         alts += [dataclasses.replace(c, wide_rows=True) for c in ws[:1]]
         if group_acc_fits(packed.group_size, base.block_k, base.compute_wgs):
             alts.append(dataclasses.replace(base, group_acc=not base.group_acc))
-        if base.compute_wgs == 1:
-            # Persistent: as tuned, and on 5 CTAs so that each streams several tiles, unevenly.
-            alts.append(persistent_launch(base, packed, m, ctas_per_sm=2,
-                                          stages=base.max_concurrent_steps))
-            alts.append(dataclasses.replace(alts[-1], grid_ctas=min(5, alts[-1].grid_ctas)))
         for cfg in alts:
             rec = dict(rec, wide_loads=cfg.wide_loads, wide_rows=cfg.wide_rows,
                        compute_wgs=cfg.compute_wgs,
-                       group_acc=cfg.group_acc, grid_ctas=cfg.grid_ctas)
+                       group_acc=cfg.group_acc)
             try:
                 got = jax.jit(lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg))(jnp.asarray(x, xdt), packed)
                 got = np.asarray(got, np.float32)
@@ -355,12 +350,6 @@ def latency_probe(out: pathlib.Path, plan=(((28672, 8192), 1), ((8192, 8192), 1)
     return rows
 
 
-PERSISTENT_PLAN = (("int4_g128", 28672, 8192, 1), ("int4_g128", 8192, 8192, 1),
-                   ("int4_g128", 8192, 28672, 1), ("int4_g128", 28672, 8192, 16),
-                   ("mxfp4", 28672, 8192, 1), ("nvfp4", 28672, 8192, 1),
-                   ("int4_g128", 1536, 576, 1))
-
-
 def launch_ab(out: pathlib.Path, plan, variants, file_name: str, kernel_only=("default",),
               interpret: bool = False) -> list[dict]:
     """Per (scheme, N, K, M) cell of ``plan``: the default launch and ``variants(base, packed,
@@ -407,20 +396,24 @@ def launch_ab(out: pathlib.Path, plan, variants, file_name: str, kernel_only=("d
     return rows
 
 
-def persistent_variants(base, packed, m) -> dict:
-    """Persistent launches of 1-5 CTAs per SM (``persistent_launch``)."""
-    alts = {f"p{cps}_st{st}": persistent_launch(base, packed, m, ctas_per_sm=cps, stages=st)
-            for cps, st in ((5, 3), (4, 4), (3, 5), (2, 8), (1, 16))}
-    if packed.k_pad % 512 == 0:
-        alts["p2_st4_bk512"] = persistent_launch(dataclasses.replace(base, block_k=512),
-                                                 packed, m, ctas_per_sm=2, stages=4)
-    return alts
-
-
 WIDE_ROWS_PLAN = tuple(("int4_g128", 28672, 8192, m) for m in (1, 16, 64, 128)) + (
     ("int4_g128", 8192, 8192, 1), ("int4_g128", 8192, 8192, 128),
     ("int4_g128", 8192, 28672, 1), ("int4_g128", 8192, 28672, 128),
     ("mxfp4", 28672, 8192, 1), ("nvfp4", 28672, 8192, 1))
+
+
+WS_WIDE_PLAN = (("int4_g128", 28672, 8192, 64), ("int4_g128", 28672, 8192, 128),
+                ("int4_g128", 8192, 28672, 128))
+
+
+def ws_wide_variants(base, packed, m) -> dict:
+    """The warp-specialized default (64-code steps, 32-byte rows) against 128- and 256-code
+    steps with wide rows."""
+    del packed, m
+    return {"ws_bk128_wide": dataclasses.replace(base, block_k=128, wide_rows=True,
+                                                 max_concurrent_steps=4),
+            "ws_bk256_wide": dataclasses.replace(base, block_k=256, wide_rows=True,
+                                                 max_concurrent_steps=2)}
 
 
 def wide_rows_variants(base, packed, m) -> dict:
@@ -533,8 +526,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ab", action="store_true", help="default launch vs wide loads and alternatives")
     parser.add_argument("--group-acc-ab", action="store_true", help="per-group fp32 scaling A/B")
     parser.add_argument("--latency-probe", action="store_true", help="where an M = 1 CTA's time goes")
-    parser.add_argument("--persistent", action="store_true", help="persistent launches A/B")
     parser.add_argument("--wide-rows", action="store_true", help="128-byte weight rows A/B")
+    parser.add_argument("--ws-wide", action="store_true", help="wide rows in the WS kernel A/B")
     parser.add_argument("--copy-probe", action="store_true", help="TMA copy rate by tile shape")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--sass-only", action="store_true", help="compile a few launches, nothing else")
@@ -557,15 +550,12 @@ def main(argv=None) -> int:
         group_acc_ab(out)
     if args.latency_probe:
         latency_probe(out)
-    if args.persistent:
-        launch_ab(out, PERSISTENT_PLAN[:2] if args.quick else PERSISTENT_PLAN,
-                  persistent_variants, "persistent_ab.json",
-                  kernel_only=("default", "p5_st3", "p2_st8"))
-        gpu_state(out, "after persistent")
     if args.wide_rows:
         launch_ab(out, WIDE_ROWS_PLAN, wide_rows_variants, "wide_rows_ab.json",
                   kernel_only=("default", "wide_rows"))
         gpu_state(out, "after wide rows")
+    if args.ws_wide:
+        launch_ab(out, WS_WIDE_PLAN, ws_wide_variants, "ws_wide_ab.json")
     if args.ab:
         ab(out)
     if not args.skip_sweep:

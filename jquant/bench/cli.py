@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     w4.add_argument("--schemes", default=None, help="comma list of int4_g128,mxfp4,nvfp4,nf4")
     w4.add_argument("--impls", default="auto", help="w4a16_matmul impls to time, e.g. auto,xla")
     w4.add_argument("--quick", action="store_true", help="3 shapes and 4 M values")
-    w4.add_argument("--reps", type=int, default=5)
+    w4.add_argument("--reps", type=int, default=9)
     w4.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode")
     return parser
 

@@ -2,6 +2,7 @@
 
 Each record (JSON) holds op, impl, scheme, M, N, K, time_us, baselines {name: time_us}, device,
 jax_version, date, the launch config, TB/s, TFLOP/s, speedup vs bf16 and % of the byte floor.
+The baselines and kernels of one cell are timed round-robin (``time_interleaved``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from jquant.bench.timing import (H200_HBM_BYTES_PER_S, array_bytes, copies_for, roofline,
-                                 time_fn)
+                                 time_interleaved)
 from jquant.pallas_kernels.w4a16_mgpu import nk_compatible
 from jquant.pallas_kernels import (PackedW4, PackedW4NK, TuningConfig, default_config,
                                    default_mgpu_config, prepack, prepack_nk, resolve_impl,
@@ -96,7 +97,7 @@ def _device_name() -> str:
 
 def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
         schemes: Iterable[str] = tuple(SCHEMES), configs: dict | None = None,
-        impls: Iterable[str] = ("auto",), interpret: bool = False, reps: int = 5,
+        impls: Iterable[str] = ("auto",), interpret: bool = False, reps: int = 9,
         hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S, log: Callable[[str], None] = print,
         max_copies: int = 8) -> list[dict]:
     """Measures every (shape, M) for int4 (and the M=1 row for the other schemes).
@@ -129,14 +130,13 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                     continue
                 xs = [jax.random.normal(jax.random.fold_in(key, 100 + c), (m, k), jnp.bfloat16)
                       for c in range(4)]
-                baselines = {}
+                # Baselines and impls of a cell are timed round-robin, so a drift of the
+                # device's clocks falls on all of them alike and their ratios hold.
+                cands = {}
                 if scheme == "int4_g128" or m == 1:
-                    t = time_fn(jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)], reps=reps,
-                                warmup=warmup)
-                    baselines["xla_bf16"] = t.median_us
-                    t = time_fn(dequant_fn, [(x, rows, int4["scale"]) for x in xs], reps=reps,
-                                warmup=warmup)
-                    baselines["xla_dequant_dot"] = t.median_us
+                    cands["xla_bf16"] = (jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)])
+                    cands["xla_dequant_dot"] = (dequant_fn, [(x, rows, int4["scale"]) for x in xs])
+                timed = {}
                 for impl in impls:
                     nk = (nk_compatible(weight["group_size"], k, weight["lut"])
                           and impl not in ("gemv", "mma"))
@@ -157,10 +157,20 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                         x, p, impl=_impl, config=_cfg, interpret=interpret))
                     args = [(xs[c % 4], p) for c, p in enumerate(packed)]
                     try:
-                        t = time_fn(fn, args, reps=reps, warmup=warmup)
+                        jax.block_until_ready(fn(*args[0]))
                     except Exception as e:  # one failing cell must not end the run
                         log(f"  FAILED {scheme} {n}x{k} M={m} impl={impl}: {type(e).__name__}: {e}")
                         continue
+                    cands[f"impl:{impl}"] = (fn, args)
+                    timed[impl] = (mode, cfg, packed)
+                # 10 ms batches, as in the device script's A/Bs, which ran steady; the two
+                # H200 runs with 2 ms batches did not (bench/NOTES.md, session 5).
+                times = time_interleaved(cands, warmup=warmup, reps=reps,
+                                         min_batch_s=1e-3 if interpret else 10e-3)
+                baselines = {b: times[b].median_us for b in ("xla_bf16", "xla_dequant_dot")
+                             if b in times}
+                for impl, (mode, cfg, packed) in timed.items():
+                    t = times[f"impl:{impl}"]
                     nbytes = array_bytes(packed[0], xs[0]) + m * n * 2
                     roof = roofline(t.median_us, nbytes, 2 * m * n * k, hbm_bytes_per_s)
                     rec = dict(op=f"w4a16_{mode}", impl=impl, scheme=scheme, M=m, N=n, K=k,

@@ -108,14 +108,12 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
     steps = k_split // cfg.block_k
     has_zero = packed.zero is not None
 
-    n_tiles, m_tiles = packed.n_pad // bn, m_pad // bm
-    tiles = n_tiles * cfg.split_k * m_tiles
-
     def body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem, out_gmem, o_smem, *a_scratch):
         def mma(w_smem, x_smem, s_smem, z_smem, acc_ref, **kw):
             decode_mma_step(w_smem, x_smem, s_smem, z_smem[0] if z_smem else None, acc_ref,
                             rows=slice(None), group_size=g, dtype=xs.dtype,
-                            fp4=packed.lut == "e2m1", wide_loads=cfg.wide_loads, row_codes=weight_row_codes(cfg),
+                            fp4=packed.lut == "e2m1", wide_loads=cfg.wide_loads,
+                            row_codes=weight_row_codes(cfg),
                             a_scratch=a_scratch[0] if a_scratch else None, **kw)
 
         def step(idx, w_smem, x_smem, s_smem, *z_smem, acc_ref):
@@ -123,69 +121,28 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
             mma(w_smem, x_smem, s_smem, z_smem, acc_ref)
             return acc_ref
 
-        def carry_step(idx, w_smem, x_smem, s_smem, *rest):
-            """The step's wgmmas into a fresh accumulator added to the carried sum: per group
-            unscaled, then ``sum += s · acc`` (group_acc), or the whole step scaled."""
+        def group_acc_step(idx, w_smem, x_smem, s_smem, *rest):
+            """Per group: unscaled wgmmas into a fresh accumulator, then ``sum += s · acc``."""
             del idx
             *z_smem, total = rest
             per_group = g // K_CHUNK
-            scopes = ([(range(j * per_group, (j + 1) * per_group), j)
-                       for j in range(cfg.block_k // g)] if cfg.group_acc else [(None, None)])
-            for chunks, j in scopes:
-                def scoped_dot(acc_ref, chunks=chunks, j=j):
-                    mma(w_smem, x_smem, s_smem, z_smem, acc_ref, scaled=j is None, chunks=chunks)
+            for j in range(cfg.block_k // g):
+                def group_dot(acc_ref, j=j):
+                    mma(w_smem, x_smem, s_smem, z_smem, acc_ref, scaled=False,
+                        chunks=range(j * per_group, (j + 1) * per_group))
                     return acc_ref[...]
 
-                part = pl.run_scoped(scoped_dot, plgpu.ACC((bn, bm), jnp.float32))
-                if j is not None:
-                    s = plgpu.load(s_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(1))
-                    part = part * jax.lax.broadcast_in_dim(s.astype(jnp.float32), (bn, bm), (0,))
-                total = total + part
+                part = pl.run_scoped(group_dot, plgpu.ACC((bn, bm), jnp.float32))
+                s = plgpu.load(s_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(1))
+                total = total + part * jax.lax.broadcast_in_dim(s.astype(jnp.float32),
+                                                                (bn, bm), (0,))
             return total
 
-        if cfg.grid_ctas:
-            # CTA ``ni`` streams tiles [first, last] (n fastest: neighbours share x's K range);
-            # a CTA with one tile less repeats its last one (same values, same place).
-            first = ni * tiles // cfg.grid_ctas
-            last = (ni + 1) * tiles // cfg.grid_ctas - 1
-
-            def tile_of(t):
-                tile = jnp.minimum(first + t // steps, last)
-                return tile % n_tiles, tile // n_tiles % cfg.split_k, tile // (n_tiles * cfg.split_k)
-
-            def coords(t):
-                t_ni, t_si, t_mi = tile_of(t)
-                return t_ni, t_mi, t_si * steps + t % steps
-        else:
-            coords = lambda t: (ni, mi, si * steps + t)
-
-        in_specs = step_specs(cfg, group_size=g, coords=coords, has_zero=has_zero,
-                              delay_all=False)
-        per_cta = -(-tiles // cfg.grid_ctas) if cfg.grid_ctas else 1
-        pipeline_kw = dict(grid=(per_cta * steps,), in_specs=in_specs,
-                           max_concurrent_steps=max(2, min(cfg.max_concurrent_steps,
-                                                           per_cta * steps)))
+        in_specs = step_specs(cfg, group_size=g, coords=lambda t: (ni, mi, si * steps + t),
+                              has_zero=has_zero, delay_all=False)
+        pipeline_kw = dict(grid=(steps,), in_specs=in_specs,
+                           max_concurrent_steps=max(2, min(cfg.max_concurrent_steps, steps)))
         operands = (w_gmem, x_gmem, s_gmem, *([z_gmem] if has_zero else []))
-        zeros = lambda: plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32), plgpu.Layout.WGMMA)
-
-        def store(acc, slot, t_ni, t_si, t_mi):
-            o_smem.at[slot][...] = acc
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[slot], out_gmem.at[t_si, pl.ds(t_ni * bn, bn),
-                                                                  pl.ds(t_mi * bm, bm)])
-
-        def persistent_step(idx, *refs):
-            total = carry_step(idx, *refs)
-            t = idx[0]
-            done = t % steps == steps - 1
-
-            @pl.when(done)
-            def _():
-                # Two output buffers: the store before last has finished reading this one.
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                store(total, t // steps % 2, *tile_of(t))
-
-            return total * jnp.where(done, 0.0, 1.0).astype(jnp.float32)
 
         def run(acc_ref):
             plgpu.emit_pipeline(functools.partial(_step_with_acc, step, acc_ref),
@@ -193,18 +150,18 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
             plgpu.wgmma_wait(0)
             return acc_ref[...]
 
-        if cfg.grid_ctas:
-            plgpu.emit_pipeline(persistent_step, init_carry=zeros(), **pipeline_kw)(*operands)
+        if cfg.group_acc:
+            zeros = plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32), plgpu.Layout.WGMMA)
+            acc = plgpu.emit_pipeline(group_acc_step, init_carry=zeros, **pipeline_kw)(*operands)
         else:
-            if cfg.group_acc:
-                acc = plgpu.emit_pipeline(carry_step, init_carry=zeros(), **pipeline_kw)(*operands)
-            else:
-                acc = pl.run_scoped(run, plgpu.ACC((bn, bm), jnp.float32))
-            store(acc, 0, ni, si, mi)
-        # Shared memory must outlive the stores' reads; their writes land before the kernel ends.
+            acc = pl.run_scoped(run, plgpu.ACC((bn, bm), jnp.float32))
+        o_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[si, pl.ds(ni * bn, bn), pl.ds(mi * bm, bm)])
+        # Shared memory must outlive the store's reads; its writes land before the kernel ends.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    scratch = [plgpu.SMEM((2 if cfg.grid_ctas else 1, bn, bm), jnp.float32)]
+    scratch = [plgpu.SMEM((bn, bm), jnp.float32)]
     if interpret:
         scratch.append(plgpu.SMEM((bn, K_CHUNK), xs.dtype))
     return launch_partials(body, xs, packed, cfg, scratch=scratch, interpret=interpret)
@@ -305,41 +262,11 @@ def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
     # Scales on a per-group fp32 accumulator while it is small (M ≤ 16): as fast as scaling
     # each decoded weight in bf16 (H200 A/B, ±4 %) and closer to the fp32 reference; at 32+
     # columns the second accumulator costs registers (8192×28672 M = 128: 301 vs 167 µs).
+    # 128-byte weight rows: the TMA engine moves 32-byte rows at ~3 TB/s and 128-byte rows at
+    # the byte floor (H200 copy probe; kernel 5-10 % faster, bench/NOTES.md "Session 5").
     return MgpuConfig(block_n=bn, block_k=bk, block_m=block_m, split_k=split,
                       max_concurrent_steps=stages,
-                      group_acc=block_m <= 16 and group_acc_fits(g, bk, 1))
-
-
-# H200's SM count, for launches built off the device (tests, export).
-DEFAULT_SM_COUNT = 132
-
-
-def persistent_launch(base: MgpuConfig, packed: PackedW4NK, m: int, *, ctas_per_sm: int,
-                      stages: int, sm_count: int | None = None) -> MgpuConfig:
-    """``base`` as a persistent launch of ``ctas_per_sm`` CTAs per SM, ``stages`` deep: the
-    split-K whose tiles spread most evenly (the CTA with the most tiles sets the time; a tile
-    costs its steps plus about half a step of epilogue), the smaller split on ties."""
-    sm_count = sm_count or _sm_count()
-    n_tiles = packed.n_pad // base.block_n * -(-x_rows(m) // base.block_m)
-    best = None
-    for split in (1, 2, 4, 8, 16):
-        if packed.k_pad % (split * base.block_k):
-            continue
-        tiles = n_tiles * split
-        ctas = min(sm_count * ctas_per_sm, tiles)
-        cost = -(-tiles // ctas) * (packed.k_pad // (split * base.block_k) + 0.5)
-        if best is None or cost < best[0]:
-            best = (cost, split, ctas)
-    if best is None:
-        raise ValueError(f"block_k={base.block_k} does not tile K_pad={packed.k_pad}")
-    _, split, ctas = best
-    return dataclasses.replace(base, split_k=split, grid_ctas=ctas, max_concurrent_steps=stages)
-
-
-def _sm_count() -> int:
-    device = jax.devices()[0]
-    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
-    return count or DEFAULT_SM_COUNT
+                      group_acc=block_m <= 16 and group_acc_fits(g, bk, 1), wide_rows=True)
 
 
 def w4a16_mgpu_matmul(x2: jax.Array, packed: PackedW4NK, bias=None, *,

@@ -39,9 +39,6 @@ class MgpuConfig:
       added to the running sum, instead of scaling every decoded weight in bf16: one FMA per
       output element per group instead of one multiply per pair of codes (1 warpgroup; groups
       that are multiples of 64 and divide ``block_k``).
-    grid_ctas: 0 launches one CTA per (weight rows, split, x rows) tile; n > 0 launches n
-      persistent CTAs, each streaming a contiguous run of those tiles through one pipeline, so
-      the TMA queue stays full across tiles (no per-CTA fill, drain and epilogue wait).
     """
 
     block_n: int = 128
@@ -53,16 +50,14 @@ class MgpuConfig:
     wide_rows: bool = False
     compute_wgs: int = 1
     group_acc: bool = False
-    grid_ctas: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name in ("wide_loads", "wide_rows", "group_acc"):
                 continue
-            lowest = 0 if f.name == "grid_ctas" else 1
-            if not isinstance(v, int) or isinstance(v, bool) or v < lowest:
-                raise ValueError(f"MgpuConfig.{f.name} must be an int ≥ {lowest}, got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"MgpuConfig.{f.name} must be a positive int, got {v!r}")
 
 
 def group_acc_fits(group_size: int, block_k: int, compute_wgs: int) -> bool:
@@ -97,11 +92,6 @@ def check_launch(n_pad: int, k_pad: int, m_pad: int, group_size: int, cfg: MgpuC
         problems.append(f"group_acc needs one compute warpgroup and a group_size that is a "
                         f"multiple of {K_CHUNK} dividing block_k={cfg.block_k}, got group_size="
                         f"{g}, compute_wgs={cfg.compute_wgs}")
-    tiles = n_pad // cfg.block_n * cfg.split_k * max(m_pad // cfg.block_m, 1)
-    if cfg.grid_ctas and (cfg.compute_wgs != 1 or cfg.grid_ctas > tiles):
-        problems.append(f"grid_ctas={cfg.grid_ctas} (persistent) needs one compute warpgroup and "
-                        f"at most one CTA per tile ({tiles} tiles), got compute_wgs="
-                        f"{cfg.compute_wgs}")
     if cfg.wide_rows and cfg.wide_loads:
         problems.append("wide_rows and wide_loads are two ways to read the weight tile; pick one")
     if cfg.max_concurrent_steps < 2:
@@ -247,8 +237,7 @@ def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, dela
 
 def launch_partials(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool, **kernel_kw):
     """Runs ``body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem or None, out_gmem, *scratch)`` on
-    the (N_pad / block_n, split_k, M_pad / block_m) grid (persistent: ``(grid_ctas, 1, 1)``, ``ni``
-    the CTA) and returns its fp32 ``[split_k, N_pad, M_pad]`` partials (``M_pad``: x's rows rounded up to ``block_m``); interpret mode starts every
+    the (N_pad / block_n, split_k, M_pad / block_m) grid and returns its fp32 ``[split_k, N_pad, M_pad]`` partials (``M_pad``: x's rows rounded up to ``block_m``); interpret mode starts every
     buffer as NaN, so an unwritten tile shows."""
     has_zero = packed.zero is not None
 
@@ -261,8 +250,7 @@ def launch_partials(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bo
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad), jnp.float32),
-        grid=((cfg.grid_ctas, 1, 1) if cfg.grid_ctas else
-              (packed.n_pad // cfg.block_n, cfg.split_k, m_pad // cfg.block_m)),
+        grid=(packed.n_pad // cfg.block_n, cfg.split_k, m_pad // cfg.block_m),
         grid_names=("n", "s", "m"), scratch_types=scratch, **kernel_kw)
     args = [xs, packed.data, packed.scale] + ([packed.zero] if has_zero else [])
     if interpret:
