@@ -70,9 +70,12 @@ def test_w4a16_run_writes_records(tmp_path):
         for key in ("N", "K", "device", "jax_version", "date", "tb_per_s", "tflop_per_s",
                     "speedup_vs_bf16", "pct_of_byte_floor", "config"):
             assert key in r
+        assert r["spread_pct"] >= 0 and set(r["baseline_spread_pct"]) == set(r["baselines"])
     js, md = bench.write(records, tmp_path)
     assert json.loads(js.read_text()) == records
     assert md.read_text().count("\n| int4_g128 |") == 2
+    widest = max(records[0]["spread_pct"], *records[0]["baseline_spread_pct"].values())
+    assert md.read_text().splitlines()[6].endswith(f"| {widest} |")
 
 
 def test_cli_main(tmp_path):

@@ -2,11 +2,12 @@
 against XLA bf16 (and the Triton kernels at M = 1) measured in the same process.
 
 PYTHONPATH=. python3 tools/device_w4a16_mgpu.py --out $OUT [--quick] [--skip-sweep]
-    [--ab] [--group-acc-ab] [--latency-probe] [--wide-rows] [--ws-wide] [--copy-probe]
+    [--ab] [--group-acc-ab] [--latency-probe] [--wide-rows] [--ws-wide] [--ws-small-m]
+    [--copy-probe]
     [--skip-correctness]
 Writes mgpu_correctness.json and mgpu_sweep.json, and one JSON per extra stage (rewritten after
 each cell): mgpu_ab.json, group_acc_ab.json, latency_probe.json, wide_rows_ab.json, ws_wide_ab.json,
-copy_probe.json;
+ws_small_m_ab.json, copy_probe.json;
 gpu_state.txt logs nvidia-smi's clocks and other processes between stages.
 """
 
@@ -416,6 +417,23 @@ def ws_wide_variants(base, packed, m) -> dict:
                                                  max_concurrent_steps=2)}
 
 
+WS_SMALL_M_PLAN = (("int4_g128", 28672, 8192, 1), ("int4_g128", 28672, 8192, 16),
+                   ("int4_g128", 8192, 28672, 1), ("int4_g128", 8192, 8192, 1))
+
+
+def ws_small_m_variants(base, packed, m) -> dict:
+    """Warp-specialized launches at M ≤ 16 (``ws_launches``), each with 32-byte and with
+    128-byte weight rows: a copy-only warpgroup keeps the TMA queue full while the compute
+    warpgroups decode, which the one-warpgroup pipeline cannot (bench/NOTES.md, session 5)."""
+    del base
+    alts = {}
+    for cfg in ws_launches(m, packed):
+        name = f"ws_bn{cfg.block_n}_sp{cfg.split_k}_st{cfg.max_concurrent_steps}"
+        alts[name] = cfg
+        alts[name + "_wide"] = dataclasses.replace(cfg, wide_rows=True)
+    return alts
+
+
 def wide_rows_variants(base, packed, m) -> dict:
     """The weight tile staged with 128-byte swizzle rows (``MgpuConfig.wide_rows``), as is, one
     stage deeper, and (M ≤ 16) with 512-code steps."""
@@ -528,6 +546,7 @@ def main(argv=None) -> int:
     parser.add_argument("--latency-probe", action="store_true", help="where an M = 1 CTA's time goes")
     parser.add_argument("--wide-rows", action="store_true", help="128-byte weight rows A/B")
     parser.add_argument("--ws-wide", action="store_true", help="wide rows in the WS kernel A/B")
+    parser.add_argument("--ws-small-m", action="store_true", help="WS launches at M ≤ 16, both row widths")
     parser.add_argument("--copy-probe", action="store_true", help="TMA copy rate by tile shape")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--sass-only", action="store_true", help="compile a few launches, nothing else")
@@ -556,6 +575,9 @@ def main(argv=None) -> int:
         gpu_state(out, "after wide rows")
     if args.ws_wide:
         launch_ab(out, WS_WIDE_PLAN, ws_wide_variants, "ws_wide_ab.json")
+    if args.ws_small_m:
+        launch_ab(out, WS_SMALL_M_PLAN, ws_small_m_variants, "ws_small_m_ab.json")
+        gpu_state(out, "after ws small m")
     if args.ab:
         ab(out)
     if not args.skip_sweep:

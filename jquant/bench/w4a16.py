@@ -1,7 +1,8 @@
 """The W4A16 benchmark: kernels against XLA bf16 ``x @ W`` and XLA dequant+dot, in one run.
 
 Each record (JSON) holds op, impl, scheme, M, N, K, time_us, baselines {name: time_us}, device,
-jax_version, date, the launch config, TB/s, TFLOP/s, speedup vs bf16 and % of the byte floor.
+jax_version, date, the launch config, TB/s, TFLOP/s, speedup vs bf16, % of the byte floor, and
+the batch spread ((slowest − fastest) / median, %) of the kernel and of each baseline.
 The baselines and kernels of one cell are timed round-robin (``time_interleaved``).
 """
 
@@ -169,6 +170,7 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                                          min_batch_s=1e-3 if interpret else 10e-3)
                 baselines = {b: times[b].median_us for b in ("xla_bf16", "xla_dequant_dot")
                              if b in times}
+                spread = {b: _spread_pct(times[b]) for b in baselines}
                 for impl, (mode, cfg, packed) in timed.items():
                     t = times[f"impl:{impl}"]
                     nbytes = array_bytes(packed[0], xs[0]) + m * n * 2
@@ -176,6 +178,7 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                     rec = dict(op=f"w4a16_{mode}", impl=impl, scheme=scheme, M=m, N=n, K=k,
                                time_us=round(t.median_us, 2),
                                baselines={b: round(v, 2) for b, v in baselines.items()},
+                               spread_pct=_spread_pct(t), baseline_spread_pct=spread,
                                config=dataclasses.asdict(cfg) if cfg else None,
                                tb_per_s=round(roof.tb_per_s, 3),
                                tflop_per_s=round(roof.tflop_per_s, 2),
@@ -188,6 +191,11 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                         f"  x{rec.get('speedup_vs_bf16', float('nan')):.2f}"
                         f"  {rec['tb_per_s']:.2f} TB/s")
     return records
+
+
+def _spread_pct(t) -> float:
+    """(slowest − fastest batch) / median, in %: how far a cell's figures can be trusted."""
+    return round(100.0 * (max(t.batches_us) - min(t.batches_us)) / t.median_us, 1)
 
 
 def _packed(cache: dict, scheme: str, weight: dict, cfg: TuningConfig | None, nk: bool,
@@ -212,17 +220,25 @@ def _packed(cache: dict, scheme: str, weight: dict, cfg: TuningConfig | None, nk
 
 def to_markdown(records: list[dict]) -> str:
     head = ("| scheme | N×K | M | op | µs | XLA bf16 µs | XLA dequant+dot µs | vs bf16 | TB/s | "
-            "% byte floor |\n|---|---|---|---|---|---|---|---|---|---|\n")
+            "% byte floor | spread % |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for r in records:
         b = r["baselines"]
         rows.append(f"| {r['scheme']} | {r['N']}×{r['K']} | {r['M']} | {r['op']} | {r['time_us']} | "
                     f"{b.get('xla_bf16', '')} | {b.get('xla_dequant_dot', '')} | "
-                    f"{r.get('speedup_vs_bf16', '')} | {r['tb_per_s']} | {r['pct_of_byte_floor']} |")
+                    f"{r.get('speedup_vs_bf16', '')} | {r['tb_per_s']} | {r['pct_of_byte_floor']} | "
+                    f"{_cell_spread(r)} |")
     meta = records[0] if records else {}
     title = (f"# W4A16 benchmark\n\n{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, "
              f"{meta.get('date', '')}\n\n")
     return title + head + "\n".join(rows) + "\n"
+
+
+def _cell_spread(record: dict) -> str:
+    """The widest batch spread among a cell's kernel and baselines ('' for older records)."""
+    spreads = [record.get("spread_pct"), *record.get("baseline_spread_pct", {}).values()]
+    spreads = [v for v in spreads if v is not None]
+    return str(max(spreads)) if spreads else ""
 
 
 def write(records: list[dict], out_dir, stem: str = "w4a16") -> tuple[pathlib.Path, pathlib.Path]:
