@@ -8,7 +8,8 @@ PYTHONPATH=. python3 tools/device_w4a16_mgpu.py --out $OUT [--quick] [--skip-swe
 Writes mgpu_correctness.json and mgpu_sweep.json, and one JSON per extra stage (rewritten after
 each cell): mgpu_ab.json, group_acc_ab.json, latency_probe.json, wide_rows_ab.json, ws_wide_ab.json,
 ws_small_m_ab.json, copy_probe.json;
-gpu_state.txt logs nvidia-smi's clocks and other processes between stages.
+gpu_state.txt logs nvidia-smi's clocks and other processes between stages. The A/B stages live in
+device_w4a16_mgpu_ab.py, the probes in device_w4a16_mgpu_probes.py (beside this file).
 """
 
 from __future__ import annotations
@@ -25,20 +26,17 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.bench import w4a16 as bench
-from jquant.bench.timing import copies_for, time_fn, time_interleaved
-from jquant.pallas_kernels.w4a16_layout import _round_up
+from jquant.bench.timing import time_fn, time_interleaved
 from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
-                                              w4a16_mgpu, w4a16_mgpu_matmul, x_rows)
+                                              w4a16_mgpu, w4a16_mgpu_matmul)
 from jquant.pallas_kernels.w4a16_mgpu_common import group_acc_fits
-
-START = time.time()
-
-
-def log(msg):
-    print(f"[{time.time() - START:7.1f}s] {msg}", flush=True)
+from tools.device_w4a16_mgpu_ab import (WIDE_ROWS_PLAN, WS_SMALL_M_PLAN, WS_WIDE_PLAN,
+                                        int4_operands, launch_ab, log, record_cell, ws_launches,
+                                        wide_rows_variants, ws_small_m_variants,
+                                        ws_wide_variants)
+from tools.device_w4a16_mgpu_probes import copy_probe, gpu_state, latency_probe
 
 
 def correctness() -> list[dict]:
@@ -121,17 +119,6 @@ def launches(m: int, packed, full: bool):
         yield cfg
 
 
-def _int4_operands(n: int, k: int, key):
-    """A random int4 g128 weight, L2-defeating copies of its NK packing, and bf16 weights for XLA."""
-    weight = bench.make_weight("int4_g128", n, k, key)
-    packed = prepack_nk(weight["q"], weight["scale"], group_size=128)
-    packs = [packed] + [jax.tree_util.tree_map(lambda a: a.copy(), packed)
-                        for _ in range(copies_for(packed.nbytes, max_copies=8) - 1)]
-    w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
-              for c in range(copies_for(k * n * 2, max_copies=4))]
-    return weight, packs, w_bf16
-
-
 def _time_launch(cfg: MgpuConfig, xs, packs, cell: str) -> float | None:
     """Median µs of the kernel under ``cfg`` over rotated weight copies; None (logged) if it fails."""
     try:
@@ -148,7 +135,7 @@ def sweep(quick: bool) -> list[dict]:
     plan = [((28672, 8192), (1, 16, 64, 128, 256, 1024)), ((8192, 8192), (1, 16, 64, 128)),
             ((8192, 28672), (1, 128)), ((4096, 4096), (1, 128))]
     for (n, k), ms in plan:
-        weight, packs, w_bf16 = _int4_operands(n, k, key)
+        weight, packs, w_bf16 = int4_operands(n, k, key)
         codes = weight["q"]
         rows_packed = (codes[0::2] | (codes[1::2] << 4)).astype(jnp.uint8)
         dequant = bench._xla_dequant_dot_fn(k, 128)
@@ -179,30 +166,13 @@ def sweep(quick: bool) -> list[dict]:
     return rows
 
 
-def ws_launches(m: int, packed) -> list[MgpuConfig]:
-    """Warp-specialized launches (2 compute warpgroups sharing x) worth timing at ``m``."""
-    bm = min(_round_up(m, 8), 128)
-    out = []
-    if bm <= 16:
-        for bn, sp, st in ((128, 8, 3), (128, 4, 4), (256, 4, 3), (256, 8, 2), (128, 16, 2)):
-            out.append(MgpuConfig(block_n=bn, block_k=256, block_m=bm, split_k=sp,
-                                  max_concurrent_steps=st, compute_wgs=2))
-    else:
-        for bn, bk, sp, st in ((256, 128, 1, 3), (256, 64, 1, 4), (256, 128, 2, 2),
-                               (128, 128, 2, 3), (256, 64, 2, 4)):
-            out.append(MgpuConfig(block_n=bn, block_k=bk, block_m=bm, split_k=sp,
-                                  max_concurrent_steps=st, compute_wgs=2))
-    return [c for c in out if not packed.n_pad % c.block_n
-            and not packed.k_pad % (c.split_k * c.block_k)]
-
-
 def ab(out: pathlib.Path, ms=(1, 16, 32, 64, 128, 256)) -> list[dict]:
     """The default launch against warp-specialized launches and wide loads, same process
     (``out``/mgpu_ab.json rewritten after each cell)."""
     rows = []
     key = jax.random.PRNGKey(0)
     for n, k in ((28672, 8192), (8192, 8192)):
-        weight, packs, w_bf16 = _int4_operands(n, k, key)
+        weight, packs, w_bf16 = int4_operands(n, k, key)
         packed = packs[0]
         for m in ms:
             xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
@@ -236,20 +206,6 @@ def ab(out: pathlib.Path, ms=(1, 16, 32, 64, 128, 256)) -> list[dict]:
     return rows
 
 
-def _record_cell(rows: list[dict], times: dict, configs: dict, cell: dict, header: str,
-                 path: pathlib.Path) -> None:
-    """Appends one record per timed candidate of a cell, logs the cell on one line and
-    rewrites ``path`` (so a run cut short keeps what it measured)."""
-    line = header
-    for name, t in times.items():
-        cfg = configs.get(name)
-        rows.append(dict(cell, name=name, time_us=t.median_us, batches_us=list(t.batches_us),
-                         config=dataclasses.asdict(cfg) if cfg else None))
-        line += f" {name} {t.median_us:6.1f} |"
-    log(line)
-    path.write_text(json.dumps(rows, indent=1))
-
-
 def group_acc_ab(out: pathlib.Path) -> list[dict]:
     """Scales applied per group to an fp32 accumulator (``group_acc``) against scaling every
     decoded weight in bf16, same launch, timed round-robin with XLA bf16; at M = 1 also 128-row
@@ -259,7 +215,7 @@ def group_acc_ab(out: pathlib.Path) -> list[dict]:
     key = jax.random.PRNGKey(0)
     plan = [((28672, 8192), (1, 4, 16, 32)), ((8192, 8192), (1, 16, 32)), ((8192, 28672), (1, 16))]
     for (n, k), ms in plan:
-        _, packs, w_bf16 = _int4_operands(n, k, key)
+        _, packs, w_bf16 = int4_operands(n, k, key)
         for m in ms:
             xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
             base = default_mgpu_config(m, packs[0])
@@ -289,233 +245,10 @@ def group_acc_ab(out: pathlib.Path) -> list[dict]:
             times = time_interleaved(cands)
             configs = {name: alts.get(name.replace("_kernel_only", "").replace("_padded_x", ""))
                        for name in times}
-            _record_cell(rows, times, configs, dict(N=n, K=k, M=m), f"{n}x{k} M={m:<4d} {base}:",
-                         out / "group_acc_ab.json")
+            record_cell(rows, times, configs, dict(N=n, K=k, M=m), f"{n}x{k} M={m:<4d} {base}:",
+                        out / "group_acc_ab.json")
         del packs, w_bf16
     return rows
-
-
-def latency_probe(out: pathlib.Path, plan=(((28672, 8192), 1), ((8192, 8192), 1)),
-                  interpret: bool = False) -> list[dict]:
-    """Where an M = 1 CTA's ~10 µs go (bench/NOTES.md, session 4, "Next" 1): the kernel alone
-    (x unpadded), timed round-robin, as is; with an empty consumer (copies and barriers only);
-    with the epilogue waiting only until shared memory is read; and with fewer, longer CTAs
-    whose tiles are all in flight at once. The variants patch this process's modules only
-    (``out``/latency_probe.json)."""
-    from jquant.pallas_kernels import w4a16_mgpu as kernel_mod
-    real_step, real_wait = kernel_mod.decode_mma_step, kernel_mod.plgpu.wait_smem_to_gmem
-
-    def empty_step(*args, **kwargs):
-        del args, kwargs
-
-    def read_only_wait(n, wait_read_only=False):
-        del wait_read_only
-        real_wait(n, wait_read_only=True)
-
-    rows = []
-    key = jax.random.PRNGKey(0)
-    for (n, k), m in plan:
-        _, packs, w_bf16 = _int4_operands(n, k, key)
-        if interpret:
-            packs = packs[:1]
-        base = default_mgpu_config(m, packs[0])
-        steps = k // base.block_k
-        alts = {"default": (base, real_step, real_wait),
-                "empty_consumer": (base, empty_step, real_wait),
-                "read_only_epilogue": (base, real_step, read_only_wait),
-                "empty_consumer_read_only": (base, empty_step, read_only_wait)}
-        for sp in (4, 2):
-            st = min(steps // sp, 8)
-            cfg = dataclasses.replace(base, split_k=sp, max_concurrent_steps=st)
-            alts[f"sp{sp}_st{st}"] = (cfg, real_step, real_wait)
-            alts[f"sp{sp}_st{st}_read_only"] = (cfg, real_step, read_only_wait)
-        xs = [jax.random.normal(jax.random.fold_in(key, c), (x_rows(m), k), jnp.bfloat16)
-              for c in range(4)]
-        cands = {}
-        for name, (cfg, step_fn, wait_fn) in alts.items():
-            kernel_mod.decode_mma_step, kernel_mod.plgpu.wait_smem_to_gmem = step_fn, wait_fn
-            try:
-                fn = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu(x, p, config=cfg, interpret=interpret))
-                jax.block_until_ready(fn(xs[0], packs[0]))   # traced and compiled under the patch
-                cands[name] = (fn, [(xs[c % 4], p) for c, p in enumerate(packs)])
-            except Exception as e:
-                log(f"  FAILED {n}x{k} M={m} {name}: {type(e).__name__}: {str(e)[:300]}")
-            finally:
-                kernel_mod.decode_mma_step, kernel_mod.plgpu.wait_smem_to_gmem = real_step, real_wait
-        cands["xla_bf16"] = (jnp.dot, [(xs[c % 4][:m], w) for c, w in enumerate(w_bf16)])
-        times = time_interleaved(cands, **(dict(warmup=1, reps=1) if interpret else {}))
-        configs = {name: alts[name][0] if name in alts else None for name in times}
-        _record_cell(rows, times, configs, dict(N=n, K=k, M=m), f"{n}x{k} M={m} kernel alone:",
-                     out / "latency_probe.json")
-        del packs, w_bf16
-    return rows
-
-
-def launch_ab(out: pathlib.Path, plan, variants, file_name: str, kernel_only=("default",),
-              interpret: bool = False) -> list[dict]:
-    """Per (scheme, N, K, M) cell of ``plan``: the default launch and ``variants(base, packed,
-    m)`` (name → MgpuConfig), whole calls (and the kernel alone for the names in
-    ``kernel_only``), timed round-robin with XLA bf16 (``out``/``file_name``, rewritten per
-    cell)."""
-    rows = []
-    key = jax.random.PRNGKey(0)
-    for scheme, n, k, m in plan:
-        weight = bench.make_weight(scheme, n, k, key)
-        packed = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"],
-                            lut="int4" if scheme.startswith("int4") else "e2m1",
-                            global_scale=weight.get("global_scale"))
-        packs = [packed] + [jax.tree_util.tree_map(lambda a: a.copy(), packed)
-                            for _ in range(copies_for(packed.nbytes, max_copies=8) - 1)]
-        w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
-                  for c in range(copies_for(k * n * 2, max_copies=4))]
-        if interpret:
-            packs, w_bf16 = packs[:1], w_bf16[:1]
-        base = default_mgpu_config(m, packed)
-        alts = {"default": base, **variants(base, packed, m)}
-        xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
-        cands = {"xla_bf16": (jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)])}
-        for name, cfg in list(alts.items()):
-            fn = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu_matmul(x, p, config=cfg,
-                                                                 interpret=interpret))
-            try:
-                jax.block_until_ready(fn(xs[0], packs[0]))
-            except Exception as e:
-                log(f"  FAILED {scheme} {n}x{k} M={m} {name} {cfg}: {type(e).__name__}: "
-                    f"{str(e)[:300]}")
-                del alts[name]
-                continue
-            cands[name] = (fn, [(xs[c % 4], p) for c, p in enumerate(packs)])
-            if name in kernel_only:
-                kern = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu(x, p, config=cfg,
-                                                                interpret=interpret))
-                cands[name + "_kernel_only"] = (kern, [(xs[c % 4], p) for c, p in enumerate(packs)])
-        times = time_interleaved(cands, **(dict(warmup=1, reps=1) if interpret else {}))
-        configs = {name: alts.get(name.replace("_kernel_only", "")) for name in times}
-        _record_cell(rows, times, configs, dict(scheme=scheme, N=n, K=k, M=m),
-                     f"{scheme} {n}x{k} M={m}:", out / file_name)
-        del packs, w_bf16
-    return rows
-
-
-WIDE_ROWS_PLAN = tuple(("int4_g128", 28672, 8192, m) for m in (1, 16, 64, 128)) + (
-    ("int4_g128", 8192, 8192, 1), ("int4_g128", 8192, 8192, 128),
-    ("int4_g128", 8192, 28672, 1), ("int4_g128", 8192, 28672, 128),
-    ("mxfp4", 28672, 8192, 1), ("nvfp4", 28672, 8192, 1))
-
-
-WS_WIDE_PLAN = (("int4_g128", 28672, 8192, 64), ("int4_g128", 28672, 8192, 128),
-                ("int4_g128", 8192, 28672, 128))
-
-
-def ws_wide_variants(base, packed, m) -> dict:
-    """The warp-specialized default (64-code steps, 32-byte rows) against 128- and 256-code
-    steps with wide rows."""
-    del packed, m
-    return {"ws_bk128_wide": dataclasses.replace(base, block_k=128, wide_rows=True,
-                                                 max_concurrent_steps=4),
-            "ws_bk256_wide": dataclasses.replace(base, block_k=256, wide_rows=True,
-                                                 max_concurrent_steps=2)}
-
-
-WS_SMALL_M_PLAN = (("int4_g128", 28672, 8192, 1), ("int4_g128", 28672, 8192, 16),
-                   ("int4_g128", 8192, 28672, 1), ("int4_g128", 8192, 8192, 1))
-
-
-def ws_small_m_variants(base, packed, m) -> dict:
-    """Warp-specialized launches at M ≤ 16 (``ws_launches``), each with 32-byte and with
-    128-byte weight rows: a copy-only warpgroup keeps the TMA queue full while the compute
-    warpgroups decode, which the one-warpgroup pipeline cannot (bench/NOTES.md, session 5)."""
-    del base
-    alts = {}
-    for cfg in ws_launches(m, packed):
-        name = f"ws_bn{cfg.block_n}_sp{cfg.split_k}_st{cfg.max_concurrent_steps}"
-        alts[name] = cfg
-        alts[name + "_wide"] = dataclasses.replace(cfg, wide_rows=True)
-    return alts
-
-
-def wide_rows_variants(base, packed, m) -> dict:
-    """The weight tile staged with 128-byte swizzle rows (``MgpuConfig.wide_rows``), as is, one
-    stage deeper, and (M ≤ 16) with 512-code steps."""
-    wide = dataclasses.replace(base, wide_rows=True)
-    alts = {"wide_rows": wide,
-            "wide_rows_st+1": dataclasses.replace(wide, max_concurrent_steps=base.max_concurrent_steps + 1)}
-    if m <= 16 and packed.k_pad % (512 * base.split_k) == 0:
-        alts["wide_rows_bk512"] = dataclasses.replace(wide, block_k=512)
-    return alts
-
-
-COPY_PROBE_LAYOUTS = {  # name: (dtype, block [rows, cols], tile cols, swizzle bytes or None)
-    "int4_bk256_swz32": (jnp.int4, (64, 256), 64, 32),       # today's weight tile
-    "int4_bk256_swz128": (jnp.int4, (64, 256), 256, 128),
-    "u8_bk256_swz128": (jnp.uint8, (64, 128), 128, 128),     # the same bytes, as uint8
-    "u8_bk256_plain": (jnp.uint8, (64, 128), None, None),
-    "u8_bn128_bk256_swz128": (jnp.uint8, (128, 128), 128, 128),
-    "u8_bk512_swz128": (jnp.uint8, (64, 256), 128, 128),
-    "int4_bk512_swz32": (jnp.int4, (64, 512), 64, 32),
-}
-
-
-def copy_probe(out: pathlib.Path, n: int = 28672, k: int = 8192, split: int = 8,
-               stages=(3, 4), interpret: bool = False) -> list[dict]:
-    """Copies only: how fast TMA streams the weight through an emit_pipeline of one-CTA-per-tile
-    launches, by smem tile shape and swizzle (box rows of 32 vs 128 bytes), with no consumer
-    (``out``/copy_probe.json)."""
-    key = jax.random.PRNGKey(0)
-    codes = jax.random.randint(key, (n, k), -8, 8, jnp.int32).astype(jnp.int4)
-    as_u8 = jax.random.randint(key, (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-    rows, cands, configs = [], {}, {}
-    for name, (dtype, block, tile_cols, swz) in COPY_PROBE_LAYOUTS.items():
-        w = codes if dtype == jnp.int4 else as_u8
-        copies = [w] if interpret else [w] + [w.copy() for _ in range(copies_for(n * k // 2, max_copies=8) - 1)]
-        transforms = (() if swz is None else
-                      (plgpu.TilingTransform((8, tile_cols)), plgpu.SwizzleTransform(swz)))
-        for st in stages:
-            steps = w.shape[1] // split // block[1]
-
-            def kernel(w_gmem, o_gmem, block=block, transforms=transforms, steps=steps):
-                ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
-                spec = plgpu.BlockSpec(block, lambda t: (ni, si * steps + t), transforms=transforms)
-                plgpu.emit_pipeline(lambda idx, w_smem: None, grid=(steps,), in_specs=[spec],
-                                    max_concurrent_steps=st)(w_gmem)
-                del o_gmem
-
-            call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((8,), jnp.float32),
-                                grid=(n // block[0], split), grid_names=("n", "s"))
-            if interpret:
-                with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-                    fn = jax.jit(lambda a, call=call: call(a))
-                    jax.block_until_ready(fn(copies[0]))
-                continue
-            fn = jax.jit(call)
-            try:
-                jax.block_until_ready(fn(copies[0]))
-            except Exception as e:
-                log(f"  FAILED copy probe {name} st{st}: {type(e).__name__}: {str(e)[:300]}")
-                continue
-            cands[f"{name}_st{st}"] = (fn, [(c,) for c in copies])
-    if interpret:
-        return rows
-    times = time_interleaved(cands)
-    _record_cell(rows, times, configs, dict(N=n, K=k, split_k=split),
-                 f"copy probe {n}x{k} sp{split}:", out / "copy_probe.json")
-    return rows
-
-
-def gpu_state(out: pathlib.Path, tag: str) -> None:
-    """nvidia-smi's clocks, power and other processes on the GPU, logged (noise hunting)."""
-    import subprocess
-    cmd = ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu,"
-           "utilization.gpu,clocks_throttle_reasons.active", "--format=csv"]
-    try:
-        text = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout
-        text += subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                                "--format=csv"], capture_output=True, text=True, timeout=20).stdout
-    except Exception as e:   # the tool may be missing
-        text = f"{type(e).__name__}: {e}"
-    log(f"gpu state {tag}: {text.strip()}")
-    with open(out / "gpu_state.txt", "a") as f:
-        f.write(f"--- {tag}\n{text}\n")
 
 
 def compile_for_sass() -> None:

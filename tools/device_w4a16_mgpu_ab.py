@@ -1,0 +1,160 @@
+"""The A/B stages of tools/device_w4a16_mgpu.py: each cell's default launch against variants,
+timed round-robin with XLA bf16, and the helpers the device script's stages share."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jquant.bench import w4a16 as bench
+from jquant.bench.timing import copies_for, time_interleaved
+from jquant.pallas_kernels.w4a16_layout import _round_up
+from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
+                                              w4a16_mgpu, w4a16_mgpu_matmul)
+
+START = time.time()
+
+
+def log(msg):
+    print(f"[{time.time() - START:7.1f}s] {msg}", flush=True)
+
+
+def int4_operands(n: int, k: int, key):
+    """A random int4 g128 weight, L2-defeating copies of its NK packing, and bf16 weights for XLA."""
+    weight = bench.make_weight("int4_g128", n, k, key)
+    packed = prepack_nk(weight["q"], weight["scale"], group_size=128)
+    packs = [packed] + [jax.tree_util.tree_map(lambda a: a.copy(), packed)
+                        for _ in range(copies_for(packed.nbytes, max_copies=8) - 1)]
+    w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
+              for c in range(copies_for(k * n * 2, max_copies=4))]
+    return weight, packs, w_bf16
+
+
+def record_cell(rows: list[dict], times: dict, configs: dict, cell: dict, header: str,
+                 path: pathlib.Path) -> None:
+    """Appends one record per timed candidate of a cell, logs the cell on one line and
+    rewrites ``path`` (so a run cut short keeps what it measured)."""
+    line = header
+    for name, t in times.items():
+        cfg = configs.get(name)
+        rows.append(dict(cell, name=name, time_us=t.median_us, batches_us=list(t.batches_us),
+                         config=dataclasses.asdict(cfg) if cfg else None))
+        line += f" {name} {t.median_us:6.1f} |"
+    log(line)
+    path.write_text(json.dumps(rows, indent=1))
+
+
+def ws_launches(m: int, packed) -> list[MgpuConfig]:
+    """Warp-specialized launches (2 compute warpgroups sharing x) worth timing at ``m``."""
+    bm = min(_round_up(m, 8), 128)
+    out = []
+    if bm <= 16:
+        for bn, sp, st in ((128, 8, 3), (128, 4, 4), (256, 4, 3), (256, 8, 2), (128, 16, 2)):
+            out.append(MgpuConfig(block_n=bn, block_k=256, block_m=bm, split_k=sp,
+                                  max_concurrent_steps=st, compute_wgs=2))
+    else:
+        for bn, bk, sp, st in ((256, 128, 1, 3), (256, 64, 1, 4), (256, 128, 2, 2),
+                               (128, 128, 2, 3), (256, 64, 2, 4)):
+            out.append(MgpuConfig(block_n=bn, block_k=bk, block_m=bm, split_k=sp,
+                                  max_concurrent_steps=st, compute_wgs=2))
+    return [c for c in out if not packed.n_pad % c.block_n
+            and not packed.k_pad % (c.split_k * c.block_k)]
+
+
+def launch_ab(out: pathlib.Path, plan, variants, file_name: str, kernel_only=("default",),
+              interpret: bool = False) -> list[dict]:
+    """Per (scheme, N, K, M) cell of ``plan``: the default launch and ``variants(base, packed,
+    m)`` (name → MgpuConfig), whole calls (and the kernel alone for the names in
+    ``kernel_only``), timed round-robin with XLA bf16 (``out``/``file_name``, rewritten per
+    cell)."""
+    rows = []
+    key = jax.random.PRNGKey(0)
+    for scheme, n, k, m in plan:
+        weight = bench.make_weight(scheme, n, k, key)
+        packed = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"],
+                            lut="int4" if scheme.startswith("int4") else "e2m1",
+                            global_scale=weight.get("global_scale"))
+        packs = [packed] + [jax.tree_util.tree_map(lambda a: a.copy(), packed)
+                            for _ in range(copies_for(packed.nbytes, max_copies=8) - 1)]
+        w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
+                  for c in range(copies_for(k * n * 2, max_copies=4))]
+        if interpret:
+            packs, w_bf16 = packs[:1], w_bf16[:1]
+        base = default_mgpu_config(m, packed)
+        alts = {"default": base, **variants(base, packed, m)}
+        xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
+        cands = {"xla_bf16": (jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)])}
+        for name, cfg in list(alts.items()):
+            fn = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu_matmul(x, p, config=cfg,
+                                                                 interpret=interpret))
+            try:
+                jax.block_until_ready(fn(xs[0], packs[0]))
+            except Exception as e:
+                log(f"  FAILED {scheme} {n}x{k} M={m} {name} {cfg}: {type(e).__name__}: "
+                    f"{str(e)[:300]}")
+                del alts[name]
+                continue
+            cands[name] = (fn, [(xs[c % 4], p) for c, p in enumerate(packs)])
+            if name in kernel_only:
+                kern = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu(x, p, config=cfg,
+                                                                interpret=interpret))
+                cands[name + "_kernel_only"] = (kern, [(xs[c % 4], p) for c, p in enumerate(packs)])
+        times = time_interleaved(cands, **(dict(warmup=1, reps=1) if interpret else {}))
+        configs = {name: alts.get(name.replace("_kernel_only", "")) for name in times}
+        record_cell(rows, times, configs, dict(scheme=scheme, N=n, K=k, M=m),
+                    f"{scheme} {n}x{k} M={m}:", out / file_name)
+        del packs, w_bf16
+    return rows
+
+
+WIDE_ROWS_PLAN = tuple(("int4_g128", 28672, 8192, m) for m in (1, 16, 64, 128)) + (
+    ("int4_g128", 8192, 8192, 1), ("int4_g128", 8192, 8192, 128),
+    ("int4_g128", 8192, 28672, 1), ("int4_g128", 8192, 28672, 128),
+    ("mxfp4", 28672, 8192, 1), ("nvfp4", 28672, 8192, 1))
+
+
+WS_WIDE_PLAN = (("int4_g128", 28672, 8192, 64), ("int4_g128", 28672, 8192, 128),
+                ("int4_g128", 8192, 28672, 128))
+
+
+def ws_wide_variants(base, packed, m) -> dict:
+    """The warp-specialized default (64-code steps, 32-byte rows) against 128- and 256-code
+    steps with wide rows."""
+    del packed, m
+    return {"ws_bk128_wide": dataclasses.replace(base, block_k=128, wide_rows=True,
+                                                 max_concurrent_steps=4),
+            "ws_bk256_wide": dataclasses.replace(base, block_k=256, wide_rows=True,
+                                                 max_concurrent_steps=2)}
+
+
+WS_SMALL_M_PLAN = (("int4_g128", 28672, 8192, 1), ("int4_g128", 28672, 8192, 16),
+                   ("int4_g128", 8192, 28672, 1), ("int4_g128", 8192, 8192, 1))
+
+
+def ws_small_m_variants(base, packed, m) -> dict:
+    """Warp-specialized launches at M ≤ 16 (``ws_launches``), each with 32-byte and with
+    128-byte weight rows: a copy-only warpgroup keeps the TMA queue full while the compute
+    warpgroups decode, which the one-warpgroup pipeline cannot (bench/NOTES.md, session 5)."""
+    del base
+    alts = {}
+    for cfg in ws_launches(m, packed):
+        name = f"ws_bn{cfg.block_n}_sp{cfg.split_k}_st{cfg.max_concurrent_steps}"
+        alts[name] = cfg
+        alts[name + "_wide"] = dataclasses.replace(cfg, wide_rows=True)
+    return alts
+
+
+def wide_rows_variants(base, packed, m) -> dict:
+    """The weight tile staged with 128-byte swizzle rows (``MgpuConfig.wide_rows``), as is, one
+    stage deeper, and (M ≤ 16) with 512-code steps."""
+    wide = dataclasses.replace(base, wide_rows=True)
+    alts = {"wide_rows": wide,
+            "wide_rows_st+1": dataclasses.replace(wide, max_concurrent_steps=base.max_concurrent_steps + 1)}
+    if m <= 16 and packed.k_pad % (512 * base.split_k) == 0:
+        alts["wide_rows_bk512"] = dataclasses.replace(wide, block_k=512)
+    return alts

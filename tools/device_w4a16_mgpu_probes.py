@@ -1,0 +1,143 @@
+"""The probe stages of tools/device_w4a16_mgpu.py: where an M = 1 CTA's time goes (patched
+consumer and epilogue), how fast TMA streams the weight by tile shape, and the GPU's state."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jquant.bench.timing import copies_for, time_interleaved
+from jquant.pallas_kernels.w4a16_mgpu import default_mgpu_config, w4a16_mgpu, x_rows
+from tools.device_w4a16_mgpu_ab import int4_operands, log, record_cell
+
+def latency_probe(out: pathlib.Path, plan=(((28672, 8192), 1), ((8192, 8192), 1)),
+                  interpret: bool = False) -> list[dict]:
+    """Where an M = 1 CTA's time goes (bench/NOTES.md, sessions 4 and 5): the kernel alone (x
+    unpadded), timed round-robin, as is; with an empty consumer (copies and barriers only); with
+    the epilogue waiting for its store's writes too (as before session 5, not only until shared
+    memory is read); and with fewer, longer CTAs whose tiles are all in flight at once. The
+    variants patch this process's modules only (``out``/latency_probe.json)."""
+    from jquant.pallas_kernels import w4a16_mgpu as kernel_mod
+    real_step, real_wait = kernel_mod.decode_mma_step, kernel_mod.plgpu.wait_smem_to_gmem
+
+    def empty_step(*args, **kwargs):
+        del args, kwargs
+
+    def full_wait(n, wait_read_only=False):
+        del wait_read_only
+        real_wait(n, wait_read_only=False)
+
+    rows = []
+    key = jax.random.PRNGKey(0)
+    for (n, k), m in plan:
+        _, packs, w_bf16 = int4_operands(n, k, key)
+        if interpret:
+            packs = packs[:1]
+        base = default_mgpu_config(m, packs[0])
+        steps = k // base.block_k
+        alts = {"default": (base, real_step, real_wait),
+                "empty_consumer": (base, empty_step, real_wait),
+                "full_epilogue_wait": (base, real_step, full_wait),
+                "empty_consumer_full_wait": (base, empty_step, full_wait)}
+        for sp in (4, 2):
+            st = min(steps // sp, 8)
+            cfg = dataclasses.replace(base, split_k=sp, max_concurrent_steps=st)
+            alts[f"sp{sp}_st{st}"] = (cfg, real_step, real_wait)
+            alts[f"sp{sp}_st{st}_full_wait"] = (cfg, real_step, full_wait)
+        xs = [jax.random.normal(jax.random.fold_in(key, c), (x_rows(m), k), jnp.bfloat16)
+              for c in range(4)]
+        cands = {}
+        for name, (cfg, step_fn, wait_fn) in alts.items():
+            kernel_mod.decode_mma_step, kernel_mod.plgpu.wait_smem_to_gmem = step_fn, wait_fn
+            try:
+                fn = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu(x, p, config=cfg, interpret=interpret))
+                jax.block_until_ready(fn(xs[0], packs[0]))   # traced and compiled under the patch
+                cands[name] = (fn, [(xs[c % 4], p) for c, p in enumerate(packs)])
+            except Exception as e:
+                log(f"  FAILED {n}x{k} M={m} {name}: {type(e).__name__}: {str(e)[:300]}")
+            finally:
+                kernel_mod.decode_mma_step, kernel_mod.plgpu.wait_smem_to_gmem = real_step, real_wait
+        cands["xla_bf16"] = (jnp.dot, [(xs[c % 4][:m], w) for c, w in enumerate(w_bf16)])
+        times = time_interleaved(cands, **(dict(warmup=1, reps=1) if interpret else {}))
+        configs = {name: alts[name][0] if name in alts else None for name in times}
+        record_cell(rows, times, configs, dict(N=n, K=k, M=m), f"{n}x{k} M={m} kernel alone:",
+                    out / "latency_probe.json")
+        del packs, w_bf16
+    return rows
+
+
+COPY_PROBE_LAYOUTS = {  # name: (dtype, block [rows, cols], tile cols, swizzle bytes or None)
+    "int4_bk256_swz32": (jnp.int4, (64, 256), 64, 32),       # today's weight tile
+    "int4_bk256_swz128": (jnp.int4, (64, 256), 256, 128),
+    "u8_bk256_swz128": (jnp.uint8, (64, 128), 128, 128),     # the same bytes, as uint8
+    "u8_bk256_plain": (jnp.uint8, (64, 128), None, None),
+    "u8_bn128_bk256_swz128": (jnp.uint8, (128, 128), 128, 128),
+    "u8_bk512_swz128": (jnp.uint8, (64, 256), 128, 128),
+    "int4_bk512_swz32": (jnp.int4, (64, 512), 64, 32),
+}
+
+
+def copy_probe(out: pathlib.Path, n: int = 28672, k: int = 8192, split: int = 8,
+               stages=(3, 4), interpret: bool = False) -> list[dict]:
+    """Copies only: how fast TMA streams the weight through an emit_pipeline of one-CTA-per-tile
+    launches, by smem tile shape and swizzle (box rows of 32 vs 128 bytes), with no consumer
+    (``out``/copy_probe.json)."""
+    key = jax.random.PRNGKey(0)
+    codes = jax.random.randint(key, (n, k), -8, 8, jnp.int32).astype(jnp.int4)
+    as_u8 = jax.random.randint(key, (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    rows, cands, configs = [], {}, {}
+    for name, (dtype, block, tile_cols, swz) in COPY_PROBE_LAYOUTS.items():
+        w = codes if dtype == jnp.int4 else as_u8
+        copies = [w] if interpret else [w] + [w.copy() for _ in range(copies_for(n * k // 2, max_copies=8) - 1)]
+        transforms = (() if swz is None else
+                      (plgpu.TilingTransform((8, tile_cols)), plgpu.SwizzleTransform(swz)))
+        for st in stages:
+            steps = w.shape[1] // split // block[1]
+
+            def kernel(w_gmem, o_gmem, block=block, transforms=transforms, steps=steps):
+                ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+                spec = plgpu.BlockSpec(block, lambda t: (ni, si * steps + t), transforms=transforms)
+                plgpu.emit_pipeline(lambda idx, w_smem: None, grid=(steps,), in_specs=[spec],
+                                    max_concurrent_steps=st)(w_gmem)
+                del o_gmem
+
+            call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((8,), jnp.float32),
+                                grid=(n // block[0], split), grid_names=("n", "s"))
+            if interpret:
+                with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+                    fn = jax.jit(lambda a, call=call: call(a))
+                    jax.block_until_ready(fn(copies[0]))
+                continue
+            fn = jax.jit(call)
+            try:
+                jax.block_until_ready(fn(copies[0]))
+            except Exception as e:
+                log(f"  FAILED copy probe {name} st{st}: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            cands[f"{name}_st{st}"] = (fn, [(c,) for c in copies])
+    if interpret:
+        return rows
+    times = time_interleaved(cands)
+    record_cell(rows, times, configs, dict(N=n, K=k, split_k=split),
+                f"copy probe {n}x{k} sp{split}:", out / "copy_probe.json")
+    return rows
+
+
+def gpu_state(out: pathlib.Path, tag: str) -> None:
+    """nvidia-smi's clocks, power and other processes on the GPU, logged (noise hunting)."""
+    import subprocess
+    cmd = ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu,"
+           "utilization.gpu,clocks_throttle_reasons.active", "--format=csv"]
+    try:
+        text = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout
+        text += subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                "--format=csv"], capture_output=True, text=True, timeout=20).stdout
+    except Exception as e:   # the tool may be missing
+        text = f"{type(e).__name__}: {e}"
+    log(f"gpu state {tag}: {text.strip()}")
+    with open(out / "gpu_state.txt", "a") as f:
+        f.write(f"--- {tag}\n{text}\n")
