@@ -34,8 +34,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jquant.pallas_kernels.w4a16_mgpu_common import (K_CHUNK, SUB_CHUNK_GROUPS, MgpuConfig,
                                                      check_launch, decode_mma_step,
                                                      e2m1_from_signed, group_acc_fits,
-                                                     launch_partials, step_specs,
-                                                     weight_row_codes)
+                                                     launch_partials, load_weight_spans,
+                                                     step_specs, weight_row_codes)
 from jquant.pallas_kernels.w4a16_mgpu_ws import w4a16_mgpu_ws
 from jquant.pallas_kernels.w4a16_layout import (_round_up, _sort_act_order, canonical_lut,
                                                 gather_pad)
@@ -126,10 +126,12 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
             del idx
             *z_smem, total = rest
             per_group = g // K_CHUNK
+            # Loaded here, outside the groups' scopes: a 256-code span holds two groups.
+            spans = load_weight_spans(w_smem, slice(None), weight_row_codes(cfg))
             for j in range(cfg.block_k // g):
                 def group_dot(acc_ref, j=j):
                     mma(w_smem, x_smem, s_smem, z_smem, acc_ref, scaled=False,
-                        chunks=range(j * per_group, (j + 1) * per_group))
+                        chunks=range(j * per_group, (j + 1) * per_group), spans=spans)
                     return acc_ref[...]
 
                 part = pl.run_scoped(group_dot, plgpu.ACC((bn, bm), jnp.float32))

@@ -130,7 +130,7 @@ def scale_rows_per_step(block_k: int, group_size: int) -> int:
 
 def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size: int, dtype,
                     fp4: bool, wide_loads: bool, a_scratch=None, chunks=None,
-                    scaled: bool = True, row_codes: int = K_CHUNK):
+                    scaled: bool = True, row_codes: int = K_CHUNK, spans: dict | None = None):
     """One pipeline step of one warpgroup: ``acc += decode(W[rows, :]) · x_tileᵀ``.
 
     ``w_smem`` ``[bn, bk]`` int4, ``x_smem`` ``[bm, bk]``, ``s_smem`` / ``z_smem`` (or None)
@@ -142,7 +142,8 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
     (interpret mode, whose wgmma reads A only from shared memory) routes each decoded chunk
     through shared memory and waits for each wgmma. ``row_codes``: codes per swizzle row of
     ``w_smem`` (``weight_row_codes``); wider rows are loaded a row's span at a time and sliced
-    into chunks in registers."""
+    into chunks in registers; ``spans`` (``load_weight_spans``) passes them in already loaded,
+    so that calls splitting one step by ``chunks`` read each span from shared memory once."""
     g = group_size
     w_ref = w_smem.at[rows]
     wg_rows = w_ref.shape[0]
@@ -167,11 +168,13 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
     if len(chunks) == bk // K_CHUNK == 1:
         # The decoded registers of the previous step's wgmma get reused now.
         plgpu.wgmma_wait(0)
-    spans = {}
+    # A copy: spans loaded here stay inside this call (it may run in an accumulator's scope).
+    spans = {} if spans is None else dict(spans)
     for c in chunks:
         row = (c * K_CHUNK) // g if g < bk else 0
         ks = slice(c * K_CHUNK, (c + 1) * K_CHUNK)
-        # Loaded chunk by chunk (not the whole step's tile up front): fewer live registers.
+        # Loaded chunk by chunk, or a row's span at a time (not the whole step's tile up front):
+        # fewer live registers.
         if row_codes > K_CHUNK:
             span, offset = divmod(c * K_CHUNK, row_codes)
             if span not in spans:
@@ -199,6 +202,16 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
             plgpu.wgmma(acc_ref, wc, x_smem.at[:, ks].T)
             # One wgmma stays in flight while the next chunk is decoded.
             plgpu.wgmma_wait(1)
+
+
+def load_weight_spans(w_smem, rows, row_codes: int) -> dict:
+    """The weight tile's wide swizzle rows as register arrays, by span index (none for one row
+    per chunk), for ``decode_mma_step(spans=...)``."""
+    if row_codes <= K_CHUNK:
+        return {}
+    w_ref = w_smem.at[rows]
+    return {span: w_ref.at[:, pl.ds(span * row_codes, row_codes)][...]
+            for span in range(w_smem.shape[1] // row_codes)}
 
 
 def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, delay_all: bool):
@@ -237,8 +250,9 @@ def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, dela
 
 def launch_partials(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool, **kernel_kw):
     """Runs ``body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem or None, out_gmem, *scratch)`` on
-    the (N_pad / block_n, split_k, M_pad / block_m) grid and returns its fp32 ``[split_k, N_pad, M_pad]`` partials (``M_pad``: x's rows rounded up to ``block_m``); interpret mode starts every
-    buffer as NaN, so an unwritten tile shows."""
+    the (N_pad / block_n, split_k, M_pad / block_m) grid and returns its fp32 ``[split_k, N_pad,
+    M_pad]`` partials (``M_pad``: x's rows rounded up to ``block_m``); interpret mode starts
+    every buffer as NaN, so an unwritten tile shows."""
     has_zero = packed.zero is not None
 
     def kernel(x_gmem, w_gmem, s_gmem, *rest):
