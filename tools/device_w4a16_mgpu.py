@@ -33,8 +33,8 @@ from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, p
                                               w4a16_mgpu, w4a16_mgpu_matmul)
 from jquant.pallas_kernels.w4a16_mgpu_common import group_acc_fits
 from tools.device_w4a16_mgpu_ab import (WIDE_ROWS_PLAN, WS_SMALL_M_PLAN, WS_WIDE_PLAN,
-                                        int4_operands, launch_ab, log, record_cell, ws_launches,
-                                        wide_rows_variants, ws_small_m_variants,
+                                        launch_ab, log, record_cell, weight_operands,
+                                        wide_rows_variants, ws_launches, ws_small_m_variants,
                                         ws_wide_variants)
 from tools.device_w4a16_mgpu_probes import copy_probe, gpu_state, latency_probe
 
@@ -135,7 +135,7 @@ def sweep(quick: bool) -> list[dict]:
     plan = [((28672, 8192), (1, 16, 64, 128, 256, 1024)), ((8192, 8192), (1, 16, 64, 128)),
             ((8192, 28672), (1, 128)), ((4096, 4096), (1, 128))]
     for (n, k), ms in plan:
-        weight, packs, w_bf16 = int4_operands(n, k, key)
+        weight, packs, w_bf16 = weight_operands(n, k, key)
         codes = weight["q"]
         rows_packed = (codes[0::2] | (codes[1::2] << 4)).astype(jnp.uint8)
         dequant = bench._xla_dequant_dot_fn(k, 128)
@@ -172,7 +172,7 @@ def ab(out: pathlib.Path, ms=(1, 16, 32, 64, 128, 256)) -> list[dict]:
     rows = []
     key = jax.random.PRNGKey(0)
     for n, k in ((28672, 8192), (8192, 8192)):
-        weight, packs, w_bf16 = int4_operands(n, k, key)
+        weight, packs, w_bf16 = weight_operands(n, k, key)
         packed = packs[0]
         for m in ms:
             xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
@@ -215,7 +215,7 @@ def group_acc_ab(out: pathlib.Path) -> list[dict]:
     key = jax.random.PRNGKey(0)
     plan = [((28672, 8192), (1, 4, 16, 32)), ((8192, 8192), (1, 16, 32)), ((8192, 28672), (1, 16))]
     for (n, k), ms in plan:
-        _, packs, w_bf16 = int4_operands(n, k, key)
+        _, packs, w_bf16 = weight_operands(n, k, key)
         for m in ms:
             xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
             base = default_mgpu_config(m, packs[0])
@@ -304,7 +304,7 @@ def main(argv=None) -> int:
         latency_probe(out)
     if args.wide_rows:
         launch_ab(out, WIDE_ROWS_PLAN, wide_rows_variants, "wide_rows_ab.json",
-                  kernel_only=("default", "wide_rows"))
+                  kernel_only=("default", "narrow_rows"))
         gpu_state(out, "after wide rows")
     if args.ws_wide:
         launch_ab(out, WS_WIDE_PLAN, ws_wide_variants, "ws_wide_ab.json")

@@ -24,10 +24,12 @@ def log(msg):
     print(f"[{time.time() - START:7.1f}s] {msg}", flush=True)
 
 
-def int4_operands(n: int, k: int, key):
-    """A random int4 g128 weight, L2-defeating copies of its NK packing, and bf16 weights for XLA."""
-    weight = bench.make_weight("int4_g128", n, k, key)
-    packed = prepack_nk(weight["q"], weight["scale"], group_size=128)
+def weight_operands(n: int, k: int, key, scheme: str = "int4_g128"):
+    """A random ``scheme`` weight (int4 g128 unless named), L2-defeating copies of its NK
+    packing, and bf16 weights for XLA."""
+    weight = bench.make_weight(scheme, n, k, key)
+    packed = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"],
+                        lut=weight["lut"], global_scale=weight["global_scale"])
     packs = [packed] + [jax.tree_util.tree_map(lambda a: a.copy(), packed)
                         for _ in range(copies_for(packed.nbytes, max_copies=8) - 1)]
     w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
@@ -75,14 +77,8 @@ def launch_ab(out: pathlib.Path, plan, variants, file_name: str, kernel_only=("d
     rows = []
     key = jax.random.PRNGKey(0)
     for scheme, n, k, m in plan:
-        weight = bench.make_weight(scheme, n, k, key)
-        packed = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"],
-                            lut="int4" if scheme.startswith("int4") else "e2m1",
-                            global_scale=weight.get("global_scale"))
-        packs = [packed] + [jax.tree_util.tree_map(lambda a: a.copy(), packed)
-                            for _ in range(copies_for(packed.nbytes, max_copies=8) - 1)]
-        w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
-                  for c in range(copies_for(k * n * 2, max_copies=4))]
+        _, packs, w_bf16 = weight_operands(n, k, key, scheme)
+        packed = packs[0]
         if interpret:
             packs, w_bf16 = packs[:1], w_bf16[:1]
         base = default_mgpu_config(m, packed)
@@ -150,10 +146,11 @@ def ws_small_m_variants(base, packed, m) -> dict:
 
 
 def wide_rows_variants(base, packed, m) -> dict:
-    """The weight tile staged with 128-byte swizzle rows (``MgpuConfig.wide_rows``), as is, one
-    stage deeper, and (M ≤ 16) with 512-code steps."""
+    """The weight tile staged with 128-byte swizzle rows (``MgpuConfig.wide_rows``) and with
+    32-byte rows (one per 64-code chunk), and the wide one a stage deeper and (M ≤ 16) with
+    512-code steps. Since session 5 the one-warpgroup default is the wide one."""
     wide = dataclasses.replace(base, wide_rows=True)
-    alts = {"wide_rows": wide,
+    alts = {"wide_rows": wide, "narrow_rows": dataclasses.replace(base, wide_rows=False),
             "wide_rows_st+1": dataclasses.replace(wide, max_concurrent_steps=base.max_concurrent_steps + 1)}
     if m <= 16 and packed.k_pad % (512 * base.split_k) == 0:
         alts["wide_rows_bk512"] = dataclasses.replace(wide, block_k=512)

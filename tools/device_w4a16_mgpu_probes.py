@@ -12,7 +12,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.bench.timing import copies_for, time_interleaved
 from jquant.pallas_kernels.w4a16_mgpu import default_mgpu_config, w4a16_mgpu, x_rows
-from tools.device_w4a16_mgpu_ab import int4_operands, log, record_cell
+from tools.device_w4a16_mgpu_ab import log, record_cell, weight_operands
 
 def latency_probe(out: pathlib.Path, plan=(((28672, 8192), 1), ((8192, 8192), 1)),
                   interpret: bool = False) -> list[dict]:
@@ -34,7 +34,7 @@ def latency_probe(out: pathlib.Path, plan=(((28672, 8192), 1), ((8192, 8192), 1)
     rows = []
     key = jax.random.PRNGKey(0)
     for (n, k), m in plan:
-        _, packs, w_bf16 = int4_operands(n, k, key)
+        _, packs, w_bf16 = weight_operands(n, k, key)
         if interpret:
             packs = packs[:1]
         base = default_mgpu_config(m, packs[0])
