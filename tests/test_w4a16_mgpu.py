@@ -198,6 +198,23 @@ def test_kernel_lowers_for_sm90(m, cfg, lut, group):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
+@pytest.mark.parametrize("x_dtype,compute_wgs", [(jnp.bfloat16, 1), (jnp.float16, 1),
+                                                 (jnp.float16, 2)])
+def test_fp4_lowers_with_the_inline_ptx_decode(x_dtype, compute_wgs):
+    """FP4 tiles go through the inline-PTX pair decode (which interpret mode replaces by its XLA
+    twin) in both kernels and both activation dtypes."""
+    rng = np.random.default_rng(6)
+    q, s, _, _ = _weight(rng, 512, 256, 32, zeros=None)
+    packed = prepack_nk(q, s, group_size=32, lut="e2m1")
+    cfg = MgpuConfig(block_n=64 * compute_wgs, block_k=256, block_m=8, split_k=2,
+                     max_concurrent_steps=2, compute_wgs=compute_wgs, wide_rows=True)
+    xs = jnp.zeros((1, packed.k_pad), x_dtype)
+    module = jax.export.export(jax.jit(lambda x, p: w4a16_mgpu(x, p, config=cfg)),
+                               platforms=["cuda"])(xs, packed).mlir_module()
+    unscale = "mul.rn.bf16x2" if x_dtype == jnp.bfloat16 else "mul.rn.f16x2"
+    assert unscale in module and "mul.lo.u32" in module
+
+
 # ---- defaults, dispatch, bad input ---------------------------------------------------------------
 @pytest.mark.parametrize("n,k,group", [(28672, 8192, 128), (8192, 28672, 128), (1536, 576, 64),
                                        (4096, 4096, -1), (512, 1000, 256)])

@@ -3,11 +3,11 @@ against XLA bf16 (and the Triton kernels at M = 1) measured in the same process.
 
 PYTHONPATH=. python3 tools/device_w4a16_mgpu.py --out $OUT [--quick] [--skip-sweep]
     [--ab] [--group-acc-ab] [--latency-probe] [--wide-rows] [--ws-wide] [--ws-small-m]
-    [--copy-probe]
+    [--copy-probe] [--fp4-ab]
     [--skip-correctness]
 Writes mgpu_correctness.json and mgpu_sweep.json, and one JSON per extra stage (rewritten after
 each cell): mgpu_ab.json, group_acc_ab.json, latency_probe.json, wide_rows_ab.json, ws_wide_ab.json,
-ws_small_m_ab.json, copy_probe.json;
+ws_small_m_ab.json, copy_probe.json, fp4_ab.json;
 gpu_state.txt logs nvidia-smi's clocks and other processes between stages. The A/B stages live in
 device_w4a16_mgpu_ab.py, the probes in device_w4a16_mgpu_probes.py (beside this file).
 """
@@ -33,7 +33,7 @@ from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, p
                                               w4a16_mgpu, w4a16_mgpu_matmul)
 from jquant.pallas_kernels.w4a16_mgpu_common import group_acc_fits
 from tools.device_w4a16_mgpu_ab import (WIDE_ROWS_PLAN, WS_SMALL_M_PLAN, WS_WIDE_PLAN,
-                                        launch_ab, log, record_cell, weight_operands,
+                                        fp4_ab, launch_ab, log, record_cell, weight_operands,
                                         wide_rows_variants, ws_launches, ws_small_m_variants,
                                         ws_wide_variants)
 from tools.device_w4a16_mgpu_probes import copy_probe, gpu_state, latency_probe
@@ -51,6 +51,8 @@ def correctness() -> list[dict]:
         (4096, 4096, 128, "int", "f16", 200, jnp.float16, False),
         (2048, 512, 32, "e2m1", "e8m0", 1, jnp.bfloat16, False),       # MXFP4
         (2048, 512, 16, "e2m1", "e4m3", 16, jnp.bfloat16, False),      # NVFP4 (+ global scale)
+        (1024, 320, 32, "e2m1", "e8m0", 5, jnp.float16, False),        # MXFP4, fp16 decode
+        (2048, 1024, 16, "e2m1", "e4m3", 64, jnp.float16, False),      # NVFP4, fp16, WS launches
     ]
     e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
     out = []
@@ -281,6 +283,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ws-wide", action="store_true", help="wide rows in the WS kernel A/B")
     parser.add_argument("--ws-small-m", action="store_true", help="WS launches at M ≤ 16, both row widths")
     parser.add_argument("--copy-probe", action="store_true", help="TMA copy rate by tile shape")
+    parser.add_argument("--fp4-ab", action="store_true", help="int4 / MXFP4 / NVFP4 round-robin")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--sass-only", action="store_true", help="compile a few launches, nothing else")
     args = parser.parse_args(argv)
@@ -298,6 +301,9 @@ def main(argv=None) -> int:
         res = correctness()
         (out / "mgpu_correctness.json").write_text(json.dumps(res, indent=1))
         log(f"correctness {sum(r['ok'] for r in res)}/{len(res)}")
+    if args.fp4_ab:
+        fp4_ab(out)
+        gpu_state(out, "after fp4 ab")
     if args.group_acc_ab:
         group_acc_ab(out)
     if args.latency_probe:

@@ -155,3 +155,34 @@ def wide_rows_variants(base, packed, m) -> dict:
     if m <= 16 and packed.k_pad % (512 * base.split_k) == 0:
         alts["wide_rows_bk512"] = dataclasses.replace(wide, block_k=512)
     return alts
+
+
+FP4_AB_PLAN = ((28672, 8192, 1), (28672, 8192, 16), (8192, 28672, 1), (8192, 8192, 1))
+
+
+def fp4_ab(out: pathlib.Path, plan=FP4_AB_PLAN, interpret: bool = False) -> list[dict]:
+    """int4 g128, MXFP4 and NVFP4 under their default launches in one round-robin per cell, with
+    XLA bf16: the issue's "FP4 within 15 % of int4" is a ratio of two of these
+    (``out``/fp4_ab.json, rewritten per cell)."""
+    rows = []
+    key = jax.random.PRNGKey(0)
+    for n, k, m in plan:
+        xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
+        cands, configs = {}, {}
+        for scheme in ("int4_g128", "mxfp4", "nvfp4"):
+            _, packs, w_bf16 = weight_operands(n, k, key, scheme)
+            if interpret:
+                packs, w_bf16 = packs[:1], w_bf16[:1]
+            if "xla_bf16" not in cands:
+                cands["xla_bf16"] = (jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)])
+            cfg = configs[scheme] = configs[scheme + "_kernel_only"] = default_mgpu_config(m, packs[0])
+            call = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu_matmul(x, p, config=cfg,
+                                                                   interpret=interpret))
+            kern = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu(x, p, config=cfg, interpret=interpret))
+            args = [(xs[c % 4], p) for c, p in enumerate(packs)]
+            cands[scheme], cands[scheme + "_kernel_only"] = (call, args), (kern, args)
+        times = time_interleaved(cands, **(dict(warmup=1, reps=1) if interpret else {}))
+        record_cell(rows, times, configs, dict(N=n, K=k, M=m), f"{n}x{k} M={m}:",
+                    out / "fp4_ab.json")
+        del cands
+    return rows

@@ -8,9 +8,9 @@ in shared memory, so M only sets wgmma's N (8 … 256) and even M = 1 uses the t
 The TMA engine keeps ``max_concurrent_steps`` weight tiles in flight per CTA without spending
 registers, which the Triton kernels could not do for loads that do not feed a dot.
 
-FP4 (E2M1, MXFP4 / NVFP4) rides the same int4 path: code ``(s, u)`` is stored as the signed int4
-``±u`` and decoded exactly in bf16 as ``2v − clip(v, ±4)/2 − clip(v, ±6)`` (0, ½, 1, 1½, 2, 3, 4, 6;
-Mosaic GPU's own FP4 conversion is Blackwell-only). Groups of 16 / 32 pick their scale per column
+FP4 (E2M1, MXFP4 / NVFP4) uses the same tiles: each pair of codes is stored in a byte layout
+that inline PTX decodes with a multiply, a mask and a ``mul.bf16x2`` (``w4a16_mgpu_e2m1``; Mosaic
+GPU's own FP4 conversion is Blackwell-only). Groups of 16 / 32 pick their scale per column
 inside each 64-wide chunk.
 
 Grid: (N / block_n, split_k, M / block_m). Each CTA streams its K range and writes an fp32
@@ -33,20 +33,21 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.pallas_kernels.w4a16_mgpu_common import (K_CHUNK, SUB_CHUNK_GROUPS, MgpuConfig,
                                                      check_launch, decode_mma_step,
-                                                     e2m1_from_signed, group_acc_fits,
+                                                     group_acc_fits,
                                                      launch_partials, load_weight_spans,
                                                      step_specs, weight_row_codes)
+from jquant.pallas_kernels.w4a16_mgpu_e2m1 import pack_e2m1_pairs, unpack_e2m1_pairs
 from jquant.pallas_kernels.w4a16_mgpu_ws import w4a16_mgpu_ws
 from jquant.pallas_kernels.w4a16_layout import (_round_up, _sort_act_order, canonical_lut,
-                                                gather_pad)
+                                                gather_pad, lut_values)
 
 @dataclasses.dataclass(frozen=True)
 class PackedW4NK:
     """A 4-bit weight laid out for the Mosaic GPU kernel.
 
     ``data`` int4 ``[N_pad, K_pad]``: ``code − 8`` for int4 codes (exact in int4 for uint4b8 and
-    for asymmetric codes, whose zero points are shifted the same way), ``±u`` for an E2M1 code of
-    sign s and magnitude bits u (``lut="e2m1"``); ``scale``
+    for asymmetric codes, whose zero points are shifted the same way), or E2M1 codes in pairs
+    (``lut="e2m1"``, ``pack_e2m1_pairs``); ``scale``
     ``[K_pad / G, N_pad]`` (bf16, fp16 or fp32: converted to x's dtype in the kernel); ``zero``
     optional ``[K_pad / G, N_pad]``: ``zero − 8`` (int4 asymmetric), subtracted before scaling.
     ``perm``: act-order gather of x's columns; ``global_scale``: optional fp32 ``[1]`` multiplier
@@ -113,7 +114,7 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
             decode_mma_step(w_smem, x_smem, s_smem, z_smem[0] if z_smem else None, acc_ref,
                             rows=slice(None), group_size=g, dtype=xs.dtype,
                             fp4=packed.lut == "e2m1", wide_loads=cfg.wide_loads,
-                            row_codes=weight_row_codes(cfg),
+                            interpret=interpret, row_codes=weight_row_codes(cfg),
                             a_scratch=a_scratch[0] if a_scratch else None, **kw)
 
         def step(idx, w_smem, x_smem, s_smem, *z_smem, acc_ref):
@@ -209,12 +210,11 @@ def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None
     k_pad = _round_up(k, math.lcm(pad_k, g) if g < k else pad_k)
     group = g if g < k else k_pad
     n_pad = _round_up(n, pad_n)
-    codes = q.astype(jnp.int32)
-    if lut == "e2m1":
-        codes = jnp.where(codes & 8, -(codes & 7), codes & 7)
+    codes = q.astype(jnp.int32).T
+    if lut == "e2m1":   # padded codes are 0 (+0.0)
+        data = pack_e2m1_pairs(jnp.pad(codes, ((0, n_pad - n), (0, k_pad - k))))
     else:
-        codes = codes - 8
-    data = jnp.pad(codes.T, ((0, n_pad - n), (0, k_pad - k))).astype(jnp.int4)
+        data = jnp.pad(codes - 8, ((0, n_pad - n), (0, k_pad - k))).astype(jnp.int4)
 
     def per_group(values, dtype):
         rows = k_pad // group
@@ -297,9 +297,10 @@ def nk_compatible(group_size: int, k: int, lut: str = "int4") -> bool:
 
 def dequantize_nk(packed: PackedW4NK, dtype=jnp.float32) -> jax.Array:
     """The float weight ``[K_pad, N_pad]`` in stored row order, in fp32 math (padding is 0)."""
-    values = packed.data.astype(jnp.float32).T
     if packed.lut == "e2m1":
-        values = e2m1_from_signed(values)
+        values = jnp.asarray(lut_values("e2m1"))[unpack_e2m1_pairs(packed.data)].T
+    else:
+        values = packed.data.astype(jnp.float32).T
     rows = lambda t: jnp.repeat(t.astype(jnp.float32), packed.group_size, axis=0)
     if packed.zero is not None:
         values = values - rows(packed.zero)

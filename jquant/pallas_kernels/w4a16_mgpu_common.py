@@ -11,6 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.pallas_kernels.w4a16_layout import _round_up
+from jquant.pallas_kernels.w4a16_mgpu_e2m1 import decode_e2m1_pairs
 
 # wgmma consumes K in chunks of one 128-byte swizzle atom of the 16-bit B operand.
 K_CHUNK = 64
@@ -101,13 +102,6 @@ def check_launch(n_pad: int, k_pad: int, m_pad: int, group_size: int, cfg: MgpuC
     return k_split
 
 
-def e2m1_from_signed(v):
-    """The E2M1 value of a code stored as the signed integer ``±u`` (u = its magnitude bits, so
-    0..7 → 0, ½, 1, 1½, 2, 3, 4, 6): exact in any float type with ≥ 3 mantissa bits, and made of
-    ops that both XLA and the Mosaic GPU kernel run on register arrays."""
-    return 2 * v - 0.5 * jnp.clip(v, -4, 4) - jnp.clip(v, -6, 6)
-
-
 # Codes per 128-byte swizzle row of the int4 weight tile (wide_rows).
 WIDE_ROW_CODES = 256
 
@@ -129,13 +123,15 @@ def scale_rows_per_step(block_k: int, group_size: int) -> int:
 
 
 def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size: int, dtype,
-                    fp4: bool, wide_loads: bool, a_scratch=None, chunks=None,
+                    fp4: bool, wide_loads: bool, interpret: bool, a_scratch=None, chunks=None,
                     scaled: bool = True, row_codes: int = K_CHUNK, spans: dict | None = None):
     """One pipeline step of one warpgroup: ``acc += decode(W[rows, :]) · x_tileᵀ``.
 
     ``w_smem`` ``[bn, bk]`` int4, ``x_smem`` ``[bm, bk]``, ``s_smem`` / ``z_smem`` (or None)
     ``[s_rows, bn]``; ``rows`` (a slice or ``pl.ds``) picks the warpgroup's weight rows;
-    ``chunks`` (default: all) the 64-wide K chunks of the step to run; ``scaled=False`` leaves
+    ``fp4``: ``w_smem`` holds E2M1 pairs (``pack_e2m1_pairs``), decoded with inline PTX, or
+    (``interpret``) the same formula in XLA ops; ``chunks`` (default: all) the 64-wide K chunks of
+    the step to run; ``scaled=False`` leaves
     the scales out (the caller applies them to a per-group accumulator). Each chunk is decoded
     into registers while the previous chunk's wgmma runs (``wgmma_wait(1)``), so the last wgmma
     is still in flight on return: the caller releases x's slot one step late. ``a_scratch``
@@ -186,9 +182,7 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
                                    plgpu.Layout.WGMMA)
         else:
             wc = w_ref.at[:, ks][...]
-        wc = wc.astype(dtype)
-        if fp4:
-            wc = e2m1_from_signed(wc)
+        wc = decode_e2m1_pairs(wc, dtype, interpret=interpret) if fp4 else wc.astype(dtype)
         if z_smem is not None:
             wc = wc - row_of(z_smem, row)
         if scaled:
