@@ -70,18 +70,19 @@ def correctness() -> list[dict]:
         w = values * np.asarray(s, np.float32)[groups] * (gs or 1.0)
         x = rng.standard_normal((m, k)).astype(np.float32)
         ref = x.astype(np.asarray(jnp.zeros((), xdt)).dtype).astype(np.float32) @ w
-        rec = dict(k=k, n=n, group=g, zeros=zeros, scale=sdt, m=m, x=jnp.dtype(xdt).name, act=act)
+        case = dict(k=k, n=n, group=g, zeros=zeros, scale=sdt, m=m, x=jnp.dtype(xdt).name, act=act)
         base = default_mgpu_config(min(m, 128), packed)
         ws = [c for c in ws_launches(m, packed) if c.block_m == base.block_m]
-        alts = [base, dataclasses.replace(base, wide_loads=True),
-                dataclasses.replace(base, wide_rows=True)] + ws[:2]
+        # The default (128-byte rows unless warp-specialized), 32-byte rows read 8 or 2 codes
+        # per load, the WS launches with both row widths, group_acc flipped.
+        narrow = dataclasses.replace(base, wide_rows=False)
+        alts = [base, narrow, dataclasses.replace(narrow, wide_loads=True)] + ws[:2]
         alts += [dataclasses.replace(c, wide_rows=True) for c in ws[:1]]
         if group_acc_fits(packed.group_size, base.block_k, base.compute_wgs):
             alts.append(dataclasses.replace(base, group_acc=not base.group_acc))
-        for cfg in alts:
-            rec = dict(rec, wide_loads=cfg.wide_loads, wide_rows=cfg.wide_rows,
-                       compute_wgs=cfg.compute_wgs,
-                       group_acc=cfg.group_acc)
+        for cfg in dict.fromkeys(alts):
+            rec = dict(case, wide_loads=cfg.wide_loads, wide_rows=cfg.wide_rows,
+                       compute_wgs=cfg.compute_wgs, group_acc=cfg.group_acc)
             try:
                 got = jax.jit(lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg))(jnp.asarray(x, xdt), packed)
                 got = np.asarray(got, np.float32)
