@@ -64,7 +64,7 @@ def test_w4a16_run_writes_records(tmp_path):
                         impls=("auto",), interpret=True, reps=1, log=lambda s: None)
     assert [(r["scheme"], r["M"], r["op"]) for r in records] == [
         ("int4_g128", 1, "w4a16_mgpu"), ("int4_g128", 16, "w4a16_mgpu"), ("mxfp4", 1, "w4a16_mgpu"),
-        ("nf4", 1, "w4a16_gemv")]
+        ("nf4", 1, "w4a16_mgpu")]
     for r in records:
         assert r["time_us"] > 0 and set(r["baselines"]) == {"xla_bf16", "xla_dequant_dot"}
         for key in ("N", "K", "device", "jax_version", "date", "tb_per_s", "tflop_per_s",

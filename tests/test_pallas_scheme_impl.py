@@ -8,7 +8,7 @@ import pytest
 
 import jquant
 from jquant.pallas_kernels import PackedW4NK, dequantize_nk, dequantize_packed, w4a16_matmul
-from jquant.pallas_kernels.scheme_impl import _prepare, _supports, unified_w4
+from jquant.pallas_kernels.scheme_impl import _prepare, _supports, prepack_for_kernels, unified_w4
 from jquant.registry import candidate_impls
 
 
@@ -31,9 +31,8 @@ def test_kernel_layout_dequantizes_to_the_qtensor(name):
     scheme = jquant.get_scheme(name)
     qt = scheme.quantize_weight(_weight())
     packed = _prepare(scheme, qt)
-    # int4 and E2M1 go to the Mosaic GPU kernel's layout, NF4 (a lookup table) to the Triton one.
-    assert isinstance(packed, PackedW4NK) == (name in ("int4_g128", "int4_g128_asym", "int4_g32",
-                                                       "mxfp4", "nvfp4"))
+    # Every one of these groups (16 … 128 along K) fits the Mosaic GPU kernel's layout.
+    assert isinstance(packed, PackedW4NK) and packed.lut == unified_w4(qt)["lut"]
     chex.assert_trees_all_close(_unpacked(packed), qt.dequantize(jnp.float32).T, rtol=1e-6, atol=1e-6)
 
 
@@ -46,6 +45,13 @@ def test_kernel_matches_the_xla_reference(name):
     got = w4a16_matmul(x, _prepare(scheme, qt), impl="pallas", interpret=True).astype(jnp.float32)
     # The XLA path dequantizes to bf16 before its dot, the kernel multiplies in fp32: compare norms.
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2
+
+
+def test_groups_the_mosaic_kernel_cannot_step_fall_back_to_xla():
+    qt = jquant.get_scheme("nf4").quantize_weight(_weight())
+    args = dict(unified_w4(qt))
+    args["q"], args["scale"], args["group_size"] = args["q"][:192], args["scale"][:4], 48
+    assert prepack_for_kernels(args) is None
 
 
 def test_act_order_group_index_carries_over():

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 
 from jquant.bench.w4a16 import random_w4_weight
+from jquant.formats.bnb import _NF4 as NF4   # the bnb format's own table (goldens-checked)
 from jquant.pallas_kernels import (MGPU_MAX_M, MgpuConfig, PackedW4NK, default_mgpu_config,
                                    dequantize_nk, prepack, prepack_nk, reference_nk, resolve_impl,
                                    w4a16_matmul)
@@ -23,12 +24,12 @@ E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
 
 
 def _numpy_weight(q, s, z, group, g_idx=None, lut="int4", gs=None):
-    """``(q − z)·s`` (int4; z = 8 for uint4b8) or ``E2M1[q]·s·gs`` in float64, rows in the
-    checkpoint's order."""
+    """``(q − z)·s`` (int4; z = 8 for uint4b8), ``E2M1[q]·s·gs`` or ``NF4[q]·s`` in float64, rows
+    in the checkpoint's order."""
     k = q.shape[0]
     rows = np.asarray(g_idx) if g_idx is not None else np.arange(k) // (k if group == -1 else group)
-    if lut == "e2m1":
-        values = E2M1[q]
+    if lut in ("e2m1", "nf4"):
+        values = (E2M1 if lut == "e2m1" else NF4.astype(np.float64))[q]
     else:
         values = q.astype(np.float64) - (8.0 if z is None else np.asarray(z, np.float64)[rows])
     return values * np.asarray(s, np.float64)[rows] * (1.0 if gs is None else gs)
@@ -47,11 +48,11 @@ def _weight(rng, k, n, group, zeros=None, scale="bf16", act=False):
 
 # ---- layout and reference ------------------------------------------------------------------------
 @given(k=st.integers(1, 300), n=st.integers(1, 150), group=st.sampled_from([16, 32, 64, 128, -1]),
-       kind=st.sampled_from(["int4", "int4_zeros", "e2m1"]), seed=st.integers(0, 2**16))
+       kind=st.sampled_from(["int4", "int4_zeros", "e2m1", "nf4"]), seed=st.integers(0, 2**16))
 def test_nk_layout_dequantizes_exactly_any_shape(k, n, group, kind, seed):
     rng = np.random.default_rng(seed)
     zeros = "int" if kind == "int4_zeros" else None
-    lut = "e2m1" if kind == "e2m1" else "int4"
+    lut = "int4" if kind.startswith("int4") else kind
     q, s, z, _ = _weight(rng, k, n, group, zeros, scale="f32")
     packed = prepack_nk(q, s, z, group_size=group, lut=lut)
     assert packed.k_pad % 64 == 0 and packed.n_pad % 128 == 0 and packed.data.dtype == jnp.int4
@@ -59,7 +60,7 @@ def test_nk_layout_dequantizes_exactly_any_shape(k, n, group, kind, seed):
     np.testing.assert_allclose(w[:k, :n], _numpy_weight(q, s, z, group, lut=lut), rtol=1e-6,
                                atol=1e-7)
     assert not w[:, n:].any()                              # padded columns: scale 0
-    assert zeros is not None or not w[k:].any()            # padded rows: code 8 − 8 (they meet 0s)
+    assert zeros is not None or not w[k:].any()            # padded rows: scale 0
 
 
 def test_reference_matches_numpy_with_act_order_and_fp16_scales():
@@ -72,7 +73,7 @@ def test_reference_matches_numpy_with_act_order_and_fp16_scales():
 
 
 # ---- the kernel in interpret mode ----------------------------------------------------------------
-CASES = [  # k, n, group, zeros ("e2m1": FP4), scale, act-order, m, x dtype, bias, launch
+CASES = [  # k, n, group, zeros ("e2m1": FP4, "nf4"), scale, act-order, m, x dtype, bias, launch
     (512, 256, 128, None, "bf16", False, 1, jnp.bfloat16, False, None),
     (576, 200, 64, "int", "f16", False, 5, jnp.float16, True, None),      # N, K off the tiles
     (1000, 130, -1, None, "f32", False, 20,  jnp.bfloat16, False,          # per-channel, 3 M tiles
@@ -102,6 +103,11 @@ CASES = [  # k, n, group, zeros ("e2m1": FP4), scale, act-order, m, x dtype, bia
     (512, 192, 32, "e2m1", "e8m0", False, 4, jnp.bfloat16, False,         # 64-byte rows, MXFP4
      MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=2, max_concurrent_steps=2,
                 wide_rows=True)),
+    (512, 130, 64, "nf4", "f32", False, 1, jnp.bfloat16, True, None),      # NF4, default launch
+    (320, 200, 64, "nf4", "f32", True, 24, jnp.float16, False, None),      # NF4, fp16, act-order
+    (512, 256, 64, "nf4", "f32", False, 5, jnp.bfloat16, False,           # WS, NF4
+     MgpuConfig(block_n=256, block_k=128, block_m=8, split_k=1, max_concurrent_steps=2,
+                compute_wgs=2)),
 ]
 
 
@@ -109,8 +115,8 @@ CASES = [  # k, n, group, zeros ("e2m1": FP4), scale, act-order, m, x dtype, bia
 def test_kernel_matches_numpy_and_reference(case):
     k, n, group, zeros, scale, act, m, x_dtype, bias, cfg = CASES[case]
     rng = np.random.default_rng(10 + case)
-    lut = "e2m1" if zeros == "e2m1" else "int4"
-    q, s, z, g_idx = _weight(rng, k, n, group, None if lut == "e2m1" else zeros, scale, act)
+    lut = zeros if zeros in ("e2m1", "nf4") else "int4"
+    q, s, z, g_idx = _weight(rng, k, n, group, None if lut != "int4" else zeros, scale, act)
     gs = 0.03 if scale == "e4m3" else None
     packed = prepack_nk(q, s, z, group_size=group, g_idx=g_idx, lut=lut, global_scale=gs)
     x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
@@ -176,7 +182,7 @@ class TestUnderJit(chex.TestCase):
     (1, None, "int4", 128), (16, None, "int4", 128), (100, None, "int4", 128),
     (8, MgpuConfig(block_n=128, block_k=64, block_m=8, split_k=1, max_concurrent_steps=4,
                    wide_loads=True), "int4", 128),
-    (1, None, "e2m1", 32), (16, None, "e2m1", 16),
+    (1, None, "e2m1", 32), (16, None, "e2m1", 16), (1, None, "nf4", 64), (64, None, "nf4", 64),
     (128, MgpuConfig(block_n=256, block_k=128, block_m=128, split_k=1, max_concurrent_steps=3,
                      compute_wgs=2), "int4", 128),
     (1, MgpuConfig(block_n=64, block_k=512, block_m=8, split_k=1, max_concurrent_steps=2,
@@ -198,21 +204,25 @@ def test_kernel_lowers_for_sm90(m, cfg, lut, group):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
-@pytest.mark.parametrize("x_dtype,compute_wgs", [(jnp.bfloat16, 1), (jnp.float16, 1),
-                                                 (jnp.float16, 2)])
-def test_fp4_lowers_with_the_inline_ptx_decode(x_dtype, compute_wgs):
-    """FP4 tiles go through the inline-PTX pair decode (which interpret mode replaces by its XLA
-    twin) in both kernels and both activation dtypes."""
+@pytest.mark.parametrize("lut,x_dtype,compute_wgs", [
+    ("e2m1", jnp.bfloat16, 1), ("e2m1", jnp.float16, 1), ("e2m1", jnp.float16, 2),
+    ("nf4", jnp.bfloat16, 1), ("nf4", jnp.float16, 2)])
+def test_fp4_nf4_lower_with_the_inline_ptx_decode(lut, x_dtype, compute_wgs):
+    """FP4 and NF4 tiles go through their inline-PTX decodes (which interpret mode replaces by XLA
+    twins) in both kernels and both activation dtypes."""
     rng = np.random.default_rng(6)
-    q, s, _, _ = _weight(rng, 512, 256, 32, zeros=None)
-    packed = prepack_nk(q, s, group_size=32, lut="e2m1")
+    q, s, _, _ = _weight(rng, 512, 256, 64, zeros=None)
+    packed = prepack_nk(q, s, group_size=64, lut=lut)
     cfg = MgpuConfig(block_n=64 * compute_wgs, block_k=256, block_m=8, split_k=2,
                      max_concurrent_steps=2, compute_wgs=compute_wgs, wide_rows=True)
     xs = jnp.zeros((1, packed.k_pad), x_dtype)
     module = jax.export.export(jax.jit(lambda x, p: w4a16_mgpu(x, p, config=cfg)),
                                platforms=["cuda"])(xs, packed).mlir_module()
-    unscale = "mul.rn.bf16x2" if x_dtype == jnp.bfloat16 else "mul.rn.f16x2"
-    assert unscale in module and "mul.lo.u32" in module
+    if lut == "nf4":
+        assert "prmt.b32 $0, l, h, 0x5140" in module
+    else:
+        unscale = "mul.rn.bf16x2" if x_dtype == jnp.bfloat16 else "mul.rn.f16x2"
+        assert unscale in module and "mul.lo.u32" in module
 
 
 # ---- defaults, dispatch, bad input ---------------------------------------------------------------
@@ -311,12 +321,14 @@ def test_group_that_does_not_fit_the_step_is_refused():
 def test_prepack_nk_rejects_what_the_kernel_cannot_run():
     q = np.zeros((256, 64), np.uint8)
     s = np.ones((2, 64), np.float32)
-    with pytest.raises(ValueError, match="use prepack"):
-        prepack_nk(q, s, lut="nf4", group_size=128)
-    with pytest.raises(ValueError, match="group_size 16, 32, a multiple of 64"):
-        prepack_nk(q, np.ones((6, 64), np.float32), group_size=48)
+    with pytest.raises(ValueError, match="group_size 16, 32, a multiple of 64.*use prepack"):
+        prepack_nk(q, np.ones((6, 64), np.float32), lut="nf4", group_size=48)
+    with pytest.raises(ValueError, match="lut must be one of"):
+        prepack_nk(q, s, lut="nf5", group_size=128)
     with pytest.raises(ValueError, match="zero points apply to lut='int4' only"):
         prepack_nk(q, s, np.zeros((2, 64), np.uint8), lut="e2m1", group_size=128)
+    with pytest.raises(ValueError, match="zero points apply to lut='int4' only, got lut='nf4'"):
+        prepack_nk(q, s, np.zeros((2, 64), np.uint8), lut="nf4", group_size=128)
     with pytest.raises(ValueError, match=r"scale has shape \(3, 64\); expected \(2, 64\)"):
         prepack_nk(q, np.ones((3, 64), np.float32), group_size=128)
     with pytest.raises(ValueError, match="integer codes"):

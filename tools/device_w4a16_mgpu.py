@@ -3,11 +3,11 @@ against XLA bf16 (and the Triton kernels at M = 1) measured in the same process.
 
 PYTHONPATH=. python3 tools/device_w4a16_mgpu.py --out $OUT [--quick] [--skip-sweep]
     [--ab] [--group-acc-ab] [--latency-probe] [--wide-rows] [--ws-wide] [--ws-small-m]
-    [--copy-probe] [--fp4-ab]
+    [--copy-probe] [--codebook-ab]
     [--skip-correctness]
 Writes mgpu_correctness.json and mgpu_sweep.json, and one JSON per extra stage (rewritten after
 each cell): mgpu_ab.json, group_acc_ab.json, latency_probe.json, wide_rows_ab.json, ws_wide_ab.json,
-ws_small_m_ab.json, copy_probe.json, fp4_ab.json;
+ws_small_m_ab.json, copy_probe.json, codebook_ab.json;
 gpu_state.txt logs nvidia-smi's clocks and other processes between stages. The A/B stages live in
 device_w4a16_mgpu_ab.py, the probes in device_w4a16_mgpu_probes.py (beside this file).
 """
@@ -25,15 +25,17 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from jquant.bench import w4a16 as bench
+from jquant.formats.bnb import _NF4 as NF4
 from jquant.bench.timing import time_fn, time_interleaved
 from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
                                               w4a16_mgpu, w4a16_mgpu_matmul)
 from jquant.pallas_kernels.w4a16_mgpu_common import group_acc_fits
 from tools.device_w4a16_mgpu_ab import (WIDE_ROWS_PLAN, WS_SMALL_M_PLAN, WS_WIDE_PLAN,
-                                        fp4_ab, launch_ab, log, record_cell, weight_operands,
+                                        codebook_ab, launch_ab, log, record_cell, weight_operands,
                                         wide_rows_variants, ws_launches, ws_small_m_variants,
                                         ws_wide_variants)
 from tools.device_w4a16_mgpu_probes import copy_probe, gpu_state, latency_probe
@@ -41,7 +43,7 @@ from tools.device_w4a16_mgpu_probes import copy_probe, gpu_state, latency_probe
 
 def correctness() -> list[dict]:
     rng = np.random.default_rng(11)
-    cases = [  # k, n, group, zeros, scale dtype, m, x dtype, act-order
+    cases = [  # k, n, group, zeros ("e2m1" / "nf4": that code book), scale dtype, m, x dtype, act
         (1024, 320, 128, None, "bf16", 1, jnp.bfloat16, False),
         (1024, 320, 128, "int", "f16", 7, jnp.float16, False),
         (2048, 512, 64, None, "f32", 16, jnp.bfloat16, False),
@@ -53,20 +55,24 @@ def correctness() -> list[dict]:
         (2048, 512, 16, "e2m1", "e4m3", 16, jnp.bfloat16, False),      # NVFP4 (+ global scale)
         (1024, 320, 32, "e2m1", "e8m0", 5, jnp.float16, False),        # MXFP4, fp16 decode
         (2048, 1024, 16, "e2m1", "e4m3", 64, jnp.float16, False),      # NVFP4, fp16, WS launches
+        (2048, 512, 64, "nf4", "f32", 1, jnp.bfloat16, False),         # NF4
+        (1024, 320, 64, "nf4", "f32", 24, jnp.float16, True),          # NF4, fp16, act-order
+        (2048, 1024, 64, "nf4", "f32", 64, jnp.bfloat16, False),       # NF4, WS launches
     ]
-    e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
     out = []
     for k, n, g, zeros, sdt, m, xdt, act in cases:
-        fp4 = zeros == "e2m1"
-        q, s, z = bench.random_w4_weight(rng, k, n, g, zeros=None if fp4 else zeros, scale_dtype=sdt)
+        lut = zeros if zeros in ("e2m1", "nf4") else "int4"
+        q, s, z = bench.random_w4_weight(rng, k, n, g, zeros=zeros if lut == "int4" else None,
+                                         scale_dtype=sdt)
         g_idx = rng.permutation(np.arange(k) // g).astype(np.int32) if act else None
         gs = 0.05 if sdt == "e4m3" else None
-        packed = prepack_nk(q, s, z, group_size=g, g_idx=g_idx, lut="e2m1" if fp4 else "int4",
-                            global_scale=gs)
+        packed = prepack_nk(q, s, z, group_size=g, g_idx=g_idx, lut=lut, global_scale=gs)
         gg = k if g == -1 else g
         groups = (np.arange(k) // gg) if g_idx is None else g_idx
         zf = 8.0 if z is None else np.asarray(z, np.float32)[groups]
-        values = e2m1[q] if fp4 else q.astype(np.float32) - zf
+        # The code books as their format modules define them (ml_dtypes' E2M1, bnb's NF4).
+        values = (q.view(ml_dtypes.float4_e2m1fn).astype(np.float32) if lut == "e2m1"
+                  else NF4[q] if lut == "nf4" else q.astype(np.float32) - zf)
         w = values * np.asarray(s, np.float32)[groups] * (gs or 1.0)
         x = rng.standard_normal((m, k)).astype(np.float32)
         ref = x.astype(np.asarray(jnp.zeros((), xdt)).dtype).astype(np.float32) @ w
@@ -284,7 +290,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ws-wide", action="store_true", help="wide rows in the WS kernel A/B")
     parser.add_argument("--ws-small-m", action="store_true", help="WS launches at M ≤ 16, both row widths")
     parser.add_argument("--copy-probe", action="store_true", help="TMA copy rate by tile shape")
-    parser.add_argument("--fp4-ab", action="store_true", help="int4 / MXFP4 / NVFP4 round-robin")
+    parser.add_argument("--codebook-ab", action="store_true",
+                        help="int4 / MXFP4 / NVFP4 / NF4 round-robin")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--sass-only", action="store_true", help="compile a few launches, nothing else")
     args = parser.parse_args(argv)
@@ -302,9 +309,9 @@ def main(argv=None) -> int:
         res = correctness()
         (out / "mgpu_correctness.json").write_text(json.dumps(res, indent=1))
         log(f"correctness {sum(r['ok'] for r in res)}/{len(res)}")
-    if args.fp4_ab:
-        fp4_ab(out)
-        gpu_state(out, "after fp4 ab")
+    if args.codebook_ab:
+        codebook_ab(out)
+        gpu_state(out, "after code book ab")
     if args.group_acc_ab:
         group_acc_ab(out)
     if args.latency_probe:

@@ -157,19 +157,19 @@ def wide_rows_variants(base, packed, m) -> dict:
     return alts
 
 
-FP4_AB_PLAN = ((28672, 8192, 1), (28672, 8192, 16), (8192, 28672, 1), (8192, 8192, 1))
+CODEBOOK_AB_PLAN = ((28672, 8192, 1), (28672, 8192, 16), (8192, 28672, 1), (8192, 8192, 1))
 
 
-def fp4_ab(out: pathlib.Path, plan=FP4_AB_PLAN, interpret: bool = False) -> list[dict]:
-    """int4 g128, MXFP4 and NVFP4 under their default launches in one round-robin per cell, with
-    XLA bf16: the issue's "FP4 within 15 % of int4" is a ratio of two of these
-    (``out``/fp4_ab.json, rewritten per cell)."""
+def codebook_ab(out: pathlib.Path, plan=CODEBOOK_AB_PLAN, interpret: bool = False) -> list[dict]:
+    """int4 g128, MXFP4, NVFP4 and NF4 under their default launches in one round-robin per cell,
+    with XLA bf16: the issue's "FP4 / NF4 within 15 % of int4" is a ratio of two of these
+    (``out``/codebook_ab.json, rewritten per cell)."""
     rows = []
     key = jax.random.PRNGKey(0)
     for n, k, m in plan:
         xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
         cands, configs = {}, {}
-        for scheme in ("int4_g128", "mxfp4", "nvfp4"):
+        for scheme in ("int4_g128", "mxfp4", "nvfp4", "nf4"):
             _, packs, w_bf16 = weight_operands(n, k, key, scheme)
             if interpret:
                 packs, w_bf16 = packs[:1], w_bf16[:1]
@@ -183,6 +183,6 @@ def fp4_ab(out: pathlib.Path, plan=FP4_AB_PLAN, interpret: bool = False) -> list
             cands[scheme], cands[scheme + "_kernel_only"] = (call, args), (kern, args)
         times = time_interleaved(cands, **(dict(warmup=1, reps=1) if interpret else {}))
         record_cell(rows, times, configs, dict(N=n, K=k, M=m), f"{n}x{k} M={m}:",
-                    out / "fp4_ab.json")
+                    out / "codebook_ab.json")
         del cands
     return rows

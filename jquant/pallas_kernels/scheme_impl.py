@@ -2,9 +2,10 @@
 
 ``process_weights_after_loading`` turns the scheme's QTensor (``[N, K]``, groups along K) into the
 kernels' unified form (codes ``[K, N]`` 0..15, per-group multipliers, optional zero points, a code
-book) and prepacks it once: int4 and E2M1 (groups of 16, 32, 64·j or per-channel) for the Mosaic
-GPU kernel (``prepack_nk``), anything else (NF4) tile-major for the Triton kernels; ``apply`` then runs
-``w4a16_matmul``, which picks the kernel or XLA by M.
+book: int4, E2M1 or NF4) and prepacks it once for the Mosaic GPU kernel (``prepack_nk``; groups of
+16, 32, 64·j or per-channel, else the scheme keeps XLA); ``apply`` then runs ``w4a16_matmul``,
+which picks the kernel or XLA by M. (The Triton kernels' tile-major layout, ``prepack``, is slower
+on the H200 for every code book and is only built on request.)
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import jax.numpy as jnp
 from jquant.formats import nvfp4
 from jquant.formats.packing import unpack_bits
 from jquant.pallas_kernels.w4a16 import w4a16_matmul
-from jquant.pallas_kernels.w4a16_layout import PackedW4, prepack
 from jquant.pallas_kernels.w4a16_mgpu import PackedW4NK, nk_compatible, prepack_nk
 from jquant.qtensor import QTensor
 from jquant.registry import Impl, Scheme, register_impl
@@ -58,20 +58,21 @@ def _supports(scheme: Scheme, capability: int, platform: str) -> bool:
     return platform == "gpu" and capability >= HOPPER and scheme.weight_only and scheme.weight_format in _LUT
 
 
-def prepack_for_kernels(args: dict) -> PackedW4 | PackedW4NK:
-    """The layout of the fastest H200 kernel for a unified 4-bit weight (``unified_w4``'s dict)."""
+def prepack_for_kernels(args: dict) -> PackedW4NK | None:
+    """The Mosaic GPU kernel's layout for a unified 4-bit weight (``unified_w4``'s dict), or None
+    when its groups do not fit the kernel's steps."""
     k = args["q"].shape[0]
     if nk_compatible(args["group_size"], k, args["lut"]):
         return prepack_nk(**args)
-    return prepack(**args)
+    return None
 
 
-def _prepare(scheme: Scheme, qweight: QTensor) -> PackedW4 | PackedW4NK | None:
+def _prepare(scheme: Scheme, qweight: QTensor) -> PackedW4NK | None:
     args = unified_w4(qweight)
     return None if args is None else prepack_for_kernels(args)
 
 
-def _run(scheme: Scheme, x: jax.Array, packed: PackedW4 | PackedW4NK, bias: jax.Array | None) -> jax.Array:
+def _run(scheme: Scheme, x: jax.Array, packed: PackedW4NK, bias: jax.Array | None) -> jax.Array:
     return w4a16_matmul(x, packed, bias=bias)
 
 

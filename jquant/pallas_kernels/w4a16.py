@@ -1,8 +1,9 @@
 """``w4a16_matmul``: ``x @ W`` for a prepacked 4-bit weight, dispatched by M and device.
 
-Two weight layouts: ``PackedW4NK`` (``prepack_nk``; int4 or E2M1 codes, groups of 16, 32, 64·j or
-per-channel) runs the Mosaic GPU kernel (``"mgpu"``, every M up to ``MGPU_MAX_M``), the fastest on
-the H200; ``PackedW4`` (``prepack``: any 4-bit code book, NF4 included) runs the Triton kernels.
+Two weight layouts: ``PackedW4NK`` (``prepack_nk``; int4, E2M1 or NF4 codes, groups of 16, 32,
+64·j or per-channel) runs the Mosaic GPU kernel (``"mgpu"``, every M up to ``MGPU_MAX_M``), the
+fastest on the H200 and what the schemes use; ``PackedW4`` (``prepack``, tile-major) runs the
+Triton kernels, kept as a measured alternative.
 
 Implementations (``impl``):
 * ``"mgpu"``: the Mosaic GPU kernel (Hopper, ``PackedW4NK`` only).

@@ -8,10 +8,11 @@ in shared memory, so M only sets wgmma's N (8 … 256) and even M = 1 uses the t
 The TMA engine keeps ``max_concurrent_steps`` weight tiles in flight per CTA without spending
 registers, which the Triton kernels could not do for loads that do not feed a dot.
 
-FP4 (E2M1, MXFP4 / NVFP4) uses the same tiles: each pair of codes is stored in a byte layout
-that inline PTX decodes with a multiply, a mask and a ``mul.bf16x2`` (``w4a16_mgpu_e2m1``; Mosaic
-GPU's own FP4 conversion is Blackwell-only). Groups of 16 / 32 pick their scale per column
-inside each 64-wide chunk.
+FP4 (E2M1, MXFP4 / NVFP4) and NF4 use the same tiles, decoded by inline PTX
+(``w4a16_mgpu_decode``; Mosaic GPU's own FP4 conversion is Blackwell-only): each pair of E2M1
+codes is stored in a byte layout that a multiply, a mask and a ``mul.bf16x2`` decode; NF4 codes
+are looked up four at a time in a 16-entry table with ``prmt``. Groups of 16 / 32 pick their
+scale per column inside each 64-wide chunk.
 
 Grid: (N / block_n, split_k, M / block_m). Each CTA streams its K range and writes an fp32
 ``[block_n, block_m]`` partial; XLA sums the split-K partials and transposes (tiny for small M).
@@ -28,6 +29,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -36,7 +38,8 @@ from jquant.pallas_kernels.w4a16_mgpu_common import (K_CHUNK, SUB_CHUNK_GROUPS, 
                                                      group_acc_fits,
                                                      launch_partials, load_weight_spans,
                                                      step_specs, weight_row_codes)
-from jquant.pallas_kernels.w4a16_mgpu_e2m1 import pack_e2m1_pairs, unpack_e2m1_pairs
+from jquant.pallas_kernels.w4a16_mgpu_decode import (pack_e2m1_pairs, signed_int4,
+                                                     unpack_e2m1_pairs)
 from jquant.pallas_kernels.w4a16_mgpu_ws import w4a16_mgpu_ws
 from jquant.pallas_kernels.w4a16_layout import (_round_up, _sort_act_order, canonical_lut,
                                                 gather_pad, lut_values)
@@ -47,7 +50,7 @@ class PackedW4NK:
 
     ``data`` int4 ``[N_pad, K_pad]``: ``code − 8`` for int4 codes (exact in int4 for uint4b8 and
     for asymmetric codes, whose zero points are shifted the same way), or E2M1 codes in pairs
-    (``lut="e2m1"``, ``pack_e2m1_pairs``); ``scale``
+    (``lut="e2m1"``, ``pack_e2m1_pairs``), or table codes as they are (``lut="nf4"``); ``scale``
     ``[K_pad / G, N_pad]`` (bf16, fp16 or fp32: converted to x's dtype in the kernel); ``zero``
     optional ``[K_pad / G, N_pad]``: ``zero − 8`` (int4 asymmetric), subtracted before scaling.
     ``perm``: act-order gather of x's columns; ``global_scale``: optional fp32 ``[1]`` multiplier
@@ -113,7 +116,7 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
         def mma(w_smem, x_smem, s_smem, z_smem, acc_ref, **kw):
             decode_mma_step(w_smem, x_smem, s_smem, z_smem[0] if z_smem else None, acc_ref,
                             rows=slice(None), group_size=g, dtype=xs.dtype,
-                            fp4=packed.lut == "e2m1", wide_loads=cfg.wide_loads,
+                            lut=packed.lut, wide_loads=cfg.wide_loads,
                             interpret=interpret, row_codes=weight_row_codes(cfg),
                             a_scratch=a_scratch[0] if a_scratch else None, **kw)
 
@@ -184,7 +187,8 @@ def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None
                pad_k: int = K_CHUNK, pad_n: int = 128) -> PackedW4NK:
     """Lays 4-bit codes ``q`` ``[K, N]`` (0..15) out for the Mosaic GPU kernel: ``[N_pad, K_pad]``
     signed int4, scales and zeros ``[K_pad / G, N_pad]``. ``lut``: ``"int4"`` (value ``code − 8``,
-    or ``code − zero``) or ``"e2m1"`` (FP4; no zeros, optional ``global_scale``). Padded columns
+    or ``code − zero``), ``"e2m1"`` (FP4; optional ``global_scale``) or ``"nf4"`` (a table; both
+    without zeros). Padded columns
     have scale 0, so they are exactly 0; padded rows meet the zero columns ``gather_pad``
     appends to x."""
     lut = canonical_lut(lut)
@@ -195,9 +199,9 @@ def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None
     k, n = q.shape
     g = k if group_size in (None, -1) or group_size >= k else int(group_size)
     if not nk_compatible(group_size, k, lut):
-        raise ValueError(f"prepack_nk takes lut 'int4' or 'e2m1' with group_size 16, 32, a multiple "
-                         f"of 64 or -1 (per channel); got lut={lut!r}, group_size={group_size}: "
-                         "use prepack (the Triton kernels' layout) for it")
+        raise ValueError(f"prepack_nk takes group_size 16, 32, a multiple of 64 or -1 (per "
+                         f"channel); got lut={lut!r}, group_size={group_size}: use prepack (the "
+                         "Triton kernels' layout) for it")
     if zero is not None and lut != "int4":
         raise ValueError(f"zero points apply to lut='int4' only, got lut={lut!r}")
     n_groups = -(-k // g)
@@ -211,10 +215,14 @@ def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None
     group = g if g < k else k_pad
     n_pad = _round_up(n, pad_n)
     codes = q.astype(jnp.int32).T
-    if lut == "e2m1":   # padded codes are 0 (+0.0)
-        data = pack_e2m1_pairs(jnp.pad(codes, ((0, n_pad - n), (0, k_pad - k))))
+    pad = ((0, n_pad - n), (0, k_pad - k))   # padded codes decode to 0
+    if lut == "e2m1":
+        data = pack_e2m1_pairs(jnp.pad(codes, pad))
+    elif lut == "nf4":
+        zero_code = int(np.flatnonzero(lut_values(lut) == 0)[0])
+        data = signed_int4(jnp.pad(codes & 0xF, pad, constant_values=zero_code))
     else:
-        data = jnp.pad(codes - 8, ((0, n_pad - n), (0, k_pad - k))).astype(jnp.int4)
+        data = jnp.pad(codes - 8, pad).astype(jnp.int4)
 
     def per_group(values, dtype):
         rows = k_pad // group
@@ -287,20 +295,21 @@ def w4a16_mgpu_matmul(x2: jax.Array, packed: PackedW4NK, bias=None, *,
 
 
 def nk_compatible(group_size: int, k: int, lut: str = "int4") -> bool:
-    """Whether a weight fits the kernel: int4 or E2M1 codes, per-channel or groups of 16, 32 or
-    multiples of 64 (NF4 needs a table: the Triton kernels run it)."""
-    if canonical_lut(lut) not in ("int4", "e2m1"):
-        return False
+    """Whether a weight fits the kernel: any code book (int4, E2M1, NF4), per-channel or groups
+    of 16, 32 or multiples of 64."""
+    canonical_lut(lut)   # raises for an unknown code book; every known one fits
     return (group_size in (None, -1) or group_size >= k or group_size % K_CHUNK == 0
             or group_size in SUB_CHUNK_GROUPS)
 
 
 def dequantize_nk(packed: PackedW4NK, dtype=jnp.float32) -> jax.Array:
     """The float weight ``[K_pad, N_pad]`` in stored row order, in fp32 math (padding is 0)."""
-    if packed.lut == "e2m1":
-        values = jnp.asarray(lut_values("e2m1"))[unpack_e2m1_pairs(packed.data)].T
-    else:
+    if packed.lut == "int4":
         values = packed.data.astype(jnp.float32).T
+    else:
+        codes = (unpack_e2m1_pairs(packed.data) if packed.lut == "e2m1"
+                 else packed.data.astype(jnp.int32) & 0xF)
+        values = jnp.asarray(lut_values(packed.lut))[codes].T
     rows = lambda t: jnp.repeat(t.astype(jnp.float32), packed.group_size, axis=0)
     if packed.zero is not None:
         values = values - rows(packed.zero)

@@ -11,7 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.pallas_kernels.w4a16_layout import _round_up
-from jquant.pallas_kernels.w4a16_mgpu_e2m1 import decode_e2m1_pairs
+from jquant.pallas_kernels.w4a16_mgpu_decode import decode_codes
 
 # wgmma consumes K in chunks of one 128-byte swizzle atom of the 16-bit B operand.
 K_CHUNK = 64
@@ -123,14 +123,14 @@ def scale_rows_per_step(block_k: int, group_size: int) -> int:
 
 
 def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size: int, dtype,
-                    fp4: bool, wide_loads: bool, interpret: bool, a_scratch=None, chunks=None,
+                    lut: str, wide_loads: bool, interpret: bool, a_scratch=None, chunks=None,
                     scaled: bool = True, row_codes: int = K_CHUNK, spans: dict | None = None):
     """One pipeline step of one warpgroup: ``acc += decode(W[rows, :]) · x_tileᵀ``.
 
     ``w_smem`` ``[bn, bk]`` int4, ``x_smem`` ``[bm, bk]``, ``s_smem`` / ``z_smem`` (or None)
     ``[s_rows, bn]``; ``rows`` (a slice or ``pl.ds``) picks the warpgroup's weight rows;
-    ``fp4``: ``w_smem`` holds E2M1 pairs (``pack_e2m1_pairs``), decoded with inline PTX, or
-    (``interpret``) the same formula in XLA ops; ``chunks`` (default: all) the 64-wide K chunks of
+    ``lut``: the code book of ``w_smem`` (``decode_codes``: E2M1 and tables are decoded with
+    inline PTX, or in interpret mode with XLA twins); ``chunks`` (default: all) the 64-wide K chunks of
     the step to run; ``scaled=False`` leaves
     the scales out (the caller applies them to a per-group accumulator). Each chunk is decoded
     into registers while the previous chunk's wgmma runs (``wgmma_wait(1)``), so the last wgmma
@@ -182,7 +182,7 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
                                    plgpu.Layout.WGMMA)
         else:
             wc = w_ref.at[:, ks][...]
-        wc = decode_e2m1_pairs(wc, dtype, interpret=interpret) if fp4 else wc.astype(dtype)
+        wc = decode_codes(wc, dtype, lut=lut, interpret=interpret)
         if z_smem is not None:
             wc = wc - row_of(z_smem, row)
         if scaled:

@@ -44,7 +44,7 @@ def w4a16_mgpu_ws(xs: jax.Array, packed, *, config: MgpuConfig,
             *z_smem, carry = rest_refs
             del idx
             decode_mma_step(w_smem, x_smem, s_smem, z_smem[0] if z_smem else None, carry,
-                            rows=rows, group_size=g, dtype=xs.dtype, fp4=packed.lut == "e2m1",
+                            rows=rows, group_size=g, dtype=xs.dtype, lut=packed.lut,
                             wide_loads=cfg.wide_loads, interpret=interpret,
                             row_codes=weight_row_codes(cfg),
                             a_scratch=a_scratch[0].at[wg] if a_scratch else None)

@@ -1,0 +1,212 @@
+"""4-bit codes → wgmma's 16-bit A registers in the Mosaic GPU W4A16 kernel, for the code books
+that Mosaic GPU cannot convert itself (its int4 → bf16 path serves int4): E2M1 and any
+16-entry table (NF4).
+
+In wgmma's register layout each 32-bit register of the int4 tile holds two adjacent K positions
+(one byte of shared memory), and its decoded twin one bf16x2 / f16x2 register. Both decodes are
+inline PTX on those registers (``plgpu.inline_mgpu``); interpret mode cannot run PTX and uses
+an XLA twin of each.
+
+**E2M1** (FP4), three instructions per pair. Hopper has no FP4 conversion, so a pair of codes is
+stored as the byte ``rot(code_k) << 4 | rot(code_k+1)``, where ``rot`` rotates the nibble
+``s e1 e0 m`` left by one bit to ``e1 e0 m s``. One 32-bit multiply by ``2^1 + 2^11 + 2^21 +
+2^31`` then places four shifted copies of the byte without overlap (no carries), and a mask keeps,
+in each bf16 half, the sign at bit 15 and ``e1 e0 m`` at bits 8..6: the bf16 number
+``E2M1 · 2^-126``, exact for every code (subnormal for 0 and ½, like E2M1's own). One
+``mul.bf16x2`` by ``2^126`` gives the value. fp16 puts ``e1 e0 m`` at bits 11..9 (``E2M1 · 2^-14``)
+with two multiplies and masks. The constants came from a search over byte layouts.
+
+**Tables** (NF4, or any 16 values), six instructions per pair. Codes are stored as they are. Two
+registers (four codes, one per selector nibble) are looked up at once with ``prmt``, which picks
+bytes out of a pair of registers by 3-bit indices: the low bytes of the 16 table entries sit in
+four immediates, so two ``prmt`` look up entries 0–7 and 8–15 and a third picks per code by its
+bit 3; the same for the high bytes; two more interleave low and high bytes into two bf16x2
+registers (the scheme of CUTLASS's int4 → fp8 conversion, taken to 16-bit entries).
+
+``tests/test_w4a16_mgpu_decode.py`` runs both formulas on every input (256 bytes; 65536 pairs of
+bytes, with ``prmt`` emulated in numpy) against ml_dtypes and the table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jquant.pallas_kernels.w4a16_layout import lut_values
+
+# ---- E2M1 --------------------------------------------------------------------------------------
+# bf16: one multiply places sign and magnitude of both codes; the mask keeps them.
+BF16_PLACE, BF16_MASK, BF16_UNSCALE = 0x80200802, 0x81C081C0, 2.0 ** 126
+# fp16: magnitudes and signs need different shifts.
+F16_PLACE_MAG, F16_MASK_MAG = 0x01000010, 0x0E000E00
+F16_PLACE_SIGN, F16_MASK_SIGN = 0x80000800, 0x80008000
+F16_UNSCALE = 2.0 ** 14
+
+
+def _rotate_nibble(c):
+    return ((c << 1) | (c >> 3)) & 0xF
+
+
+def pack_e2m1_pairs(codes):
+    """Standard E2M1 codes ``[..., K]`` (0..15, K even) → the kernel's stored nibbles as signed
+    int4 values: position 2j holds ``rot(code[2j+1])`` (low nibble of the pair's byte), 2j+1
+    holds ``rot(code[2j])``."""
+    c = jnp.asarray(codes).astype(jnp.int32) & 0xF
+    if c.shape[-1] % 2:
+        raise ValueError(f"codes must have an even last axis (pairs of K), got shape {c.shape}")
+    pairs = c.reshape(*c.shape[:-1], -1, 2)
+    return signed_int4(_rotate_nibble(pairs[..., ::-1]).reshape(c.shape))
+
+
+def unpack_e2m1_pairs(data):
+    """Inverse of ``pack_e2m1_pairs``: stored int4 ``[..., K]`` → standard E2M1 codes (int32)."""
+    nib = jnp.asarray(data).astype(jnp.int32) & 0xF
+    pairs = nib.reshape(*nib.shape[:-1], -1, 2)[..., ::-1]
+    return (((pairs >> 1) | (pairs << 3)) & 0xF).reshape(nib.shape)
+
+
+def signed_int4(nibbles):
+    """Nibbles 0..15 → the int4 array with those bit patterns."""
+    return jnp.where(nibbles >= 8, nibbles - 16, nibbles).astype(jnp.int4)
+
+
+def decode_e2m1_pairs_jnp(w, dtype):
+    """The E2M1 decode's integer formula in XLA ops: stored int4 ``[..., K]`` → values in
+    ``dtype``. Interpret mode's path. XLA on CPU flushes subnormals, so the last step,
+    ``bits × 2^126`` (``2^14``), reads the placed bits (sign, ``e1 e0 m``) instead."""
+    nib = w.astype(jnp.int32) & 0xF
+    pairs = nib.reshape(*nib.shape[:-1], -1, 2)
+    byte = (pairs[..., 0] | (pairs[..., 1] << 4)).astype(jnp.uint32)
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        bits, mag_shift = (byte * np.uint32(BF16_PLACE)) & np.uint32(BF16_MASK), 6
+    else:
+        bits = (((byte * np.uint32(F16_PLACE_MAG)) & np.uint32(F16_MASK_MAG))
+                | ((byte * np.uint32(F16_PLACE_SIGN)) & np.uint32(F16_MASK_SIGN)))
+        mag_shift = 9
+    halves = jnp.stack([bits & 0xFFFF, bits >> 16], axis=-1)
+    e, m = (halves >> (mag_shift + 1)) & 3, (halves >> mag_shift) & 1
+    # 2^(e-1)·(1 + m/2), or m/2 for e = 0 (no table: a kernel may not capture arrays).
+    magnitude = jnp.where(e == 0, m, (1 << e) * (2 + m) // 2).astype(jnp.float32) * 0.5
+    values = jnp.where(halves >> 15 == 1, -magnitude, magnitude).astype(dtype)
+    return values.reshape(w.shape)
+
+
+_E2M1_PTX = {
+    # $1: the pair's byte, zero-extended; $0: two bf16 / fp16 values.
+    jnp.dtype(jnp.bfloat16): f"""{{
+    .reg .b32 t, u;
+    mul.lo.u32 t, $1, {BF16_PLACE:#x};
+    and.b32 t, t, {BF16_MASK:#x};
+    mov.b32 u, 0x7E807E80;
+    mul.rn.bf16x2 $0, t, u;
+    }}""",
+    jnp.dtype(jnp.float16): f"""{{
+    .reg .b32 m, s, u;
+    mul.lo.u32 m, $1, {F16_PLACE_MAG:#x};
+    mul.lo.u32 s, $1, {F16_PLACE_SIGN:#x};
+    and.b32 s, s, {F16_MASK_SIGN:#x};
+    lop3.b32 m, m, {F16_MASK_MAG:#x}, s, 0xEA;
+    mov.b32 u, 0x74007400;
+    mul.rn.f16x2 $0, m, u;
+    }}""",
+}
+
+
+# ---- 16-entry tables ---------------------------------------------------------------------------
+def table_words(values, dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The 16 ``values`` in ``dtype`` as the decode's immediates: their low bytes and high bytes,
+    four per 32-bit word (entry 4j + i in byte i of word j)."""
+    bits = np.asarray(values, np.float32).astype(jnp.dtype(dtype)).view(np.uint16).astype(np.uint32)
+    if bits.shape != (16,):
+        raise ValueError(f"a code book has 16 values, got shape {bits.shape}")
+    words = lambda b: tuple(int(sum(int(b[4 * j + i]) << (8 * i) for i in range(4)))
+                            for j in range(4))
+    return words(bits & 0xFF), words(bits >> 8)
+
+
+def _table_ptx(values, dtype) -> str:
+    # $2, $3: two registers' bytes (codes c0 c1, c2 c3), zero-extended; w holds c0..c3 in its
+    # four nibbles. idx: their low 3 bits; hsel: byte i from the 0-7 lookup (i) or the 8-15 one
+    # (i + 4) by bit 3. $0 / $1: (c0, c1) and (c2, c3) as 16-bit pairs.
+    lo, hi = table_words(values, dtype)
+    return f"""{{
+    .reg .b32 w, idx, hsel, pl, nl, ph, nh, l, h;
+    mad.lo.u32 w, $3, 256, $2;
+    and.b32 idx, w, 0x7777;
+    shr.u32 hsel, w, 1;
+    lop3.b32 hsel, hsel, 0x4444, 0x3210, 0xEA;
+    prmt.b32 pl, {lo[0]:#x}, {lo[1]:#x}, idx;
+    prmt.b32 nl, {lo[2]:#x}, {lo[3]:#x}, idx;
+    prmt.b32 l, pl, nl, hsel;
+    prmt.b32 ph, {hi[0]:#x}, {hi[1]:#x}, idx;
+    prmt.b32 nh, {hi[2]:#x}, {hi[3]:#x}, idx;
+    prmt.b32 h, ph, nh, hsel;
+    prmt.b32 $0, l, h, 0x5140;
+    prmt.b32 $1, l, h, 0x7362;
+    }}"""
+
+
+def decode_table_jnp(w, values, dtype):
+    """Interpret mode's table decode: stored int4 codes ``[..., K]`` → ``values[code]`` in
+    ``dtype`` (a chain of selects: a kernel may not capture arrays)."""
+    nib = w.astype(jnp.int32) & 0xF
+    out = jnp.zeros(w.shape, jnp.float32)
+    for code, value in enumerate(np.asarray(values, np.float32).astype(jnp.dtype(dtype))):
+        out = jnp.where(nib == code, float(value), out)
+    return out.astype(dtype)
+
+
+# ---- both, in the kernel ---------------------------------------------------------------------------
+def _inline_decode(w, dtype, asm: str, regs_per_call: int):
+    """Runs ``asm`` on ``w``'s registers (int4 ``[rows, K]`` in wgmma's register layout, two codes
+    per register), ``regs_per_call`` zero-extended bytes in and as many 16-bit pairs out."""
+    # Imported here: the MLIR bindings are only needed where the kernel is lowered.
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=plgpu.ShapeDtypeStruct(w.shape, dtype, plgpu.Layout.WGMMA))
+    def decode(_, arr):
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+        out_ty = ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(dtype))
+        result_ty = i32 if regs_per_call == 1 else llvm.StructType.get_literal([i32] * regs_per_call)
+        constraints = ",".join(["=r"] * regs_per_call + ["r"] * regs_per_call)
+        indices = [idx for idx, _ in np.ndenumerate(arr.registers)]
+        regs = np.empty_like(arr.registers)
+        for start in range(0, len(indices), regs_per_call):
+            group = indices[start:start + regs_per_call]
+            inputs = []
+            for idx in group:
+                reg = arr.registers[idx]
+                if ir.VectorType(reg.type).shape != [2]:
+                    raise NotImplementedError(f"the decode expects 2 codes per register, got {reg.type}")
+                inputs.append(arith.extui(i32, mgpu_utils.bitcast(reg, i8)))
+            inputs += inputs[-1:] * (regs_per_call - len(inputs))   # an odd last group
+            out = llvm.inline_asm(result_ty, inputs, asm, constraints)
+            for i, idx in enumerate(group):
+                word = out if regs_per_call == 1 else llvm.extractvalue(i32, out, [i])
+                regs[idx] = mgpu_utils.bitcast(word, out_ty)
+        return mgpu.FragmentedArray(_registers=regs, _layout=arr.layout, _is_signed=None)
+
+    return decode(w)
+
+
+def decode_codes(w, dtype, *, lut: str, interpret: bool):
+    """The tile's stored 4-bit codes → values in ``dtype`` (bf16 / fp16), inside the kernel:
+    ``lut`` ``"int4"`` (``code − 8`` stored as int4: Mosaic GPU's conversion), ``"e2m1"``
+    (``pack_e2m1_pairs``) or a table (``lut_values(lut)``, codes as stored: NF4)."""
+    if lut == "int4":
+        return w.astype(dtype)
+    if lut == "e2m1":
+        if interpret:
+            return decode_e2m1_pairs_jnp(w, dtype)
+        return _inline_decode(w, dtype, _E2M1_PTX[jnp.dtype(dtype)], 1)
+    values = lut_values(lut)
+    if interpret:
+        return decode_table_jnp(w, values, dtype)
+    return _inline_decode(w, dtype, _table_ptx(values, dtype), 2)
