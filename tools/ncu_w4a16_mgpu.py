@@ -2,11 +2,13 @@
 
 ncu --clock-control none --kernel-name regex:mosaic_gpu --section SpeedOfLight --section Occupancy \
     --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    --section ComputeWorkloadAnalysis --section InstructionStats \
     --csv --page details python3 tools/ncu_w4a16_mgpu.py > ncu.csv
 
-Prints, in launch order, which launch is which (ncu's rows follow the same order). The profile
-in bench/results/h200_2026-12-01c/ncu_m1.csv was taken with a chunk-major variant as its launch 1
-(commit "Experiment: chunk-major …"), since reverted.
+Prints, in launch order, which launch is which (ncu's rows follow the same order): each code
+book's default launch at M = 1 on 28672×8192 (the decodes differ in instructions and pipes:
+ComputeWorkloadAnalysis shows each pipe's share), then int4 on 8192×8192 and at M = 128.
+bench/results/h200_2026-12-01c/ncu_m1.csv was taken with an older list of launches.
 """
 
 from __future__ import annotations
@@ -17,16 +19,13 @@ import jax
 import jax.numpy as jnp
 
 from jquant.bench import w4a16 as bench
-from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
-                                              w4a16_mgpu, x_rows)
+from jquant.pallas_kernels.w4a16_mgpu import default_mgpu_config, prepack_nk, w4a16_mgpu, x_rows
 
 LAUNCHES = [  # (N, K, scheme, M, config or None for the default)
     (28672, 8192, "int4_g128", 1, None),
-    (28672, 8192, "int4_g128", 1, MgpuConfig(block_n=64, block_k=256, block_m=8, split_k=1,
-                                             max_concurrent_steps=4)),
-    (28672, 8192, "int4_g128", 1, MgpuConfig(block_n=128, block_k=256, block_m=8, split_k=4,
-                                             max_concurrent_steps=4)),
     (28672, 8192, "mxfp4", 1, None),
+    (28672, 8192, "nvfp4", 1, None),
+    (28672, 8192, "nf4", 1, None),
     (8192, 8192, "int4_g128", 1, None),
     (28672, 8192, "int4_g128", 128, None),
 ]
