@@ -35,13 +35,14 @@ from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, p
                                               w4a16_mgpu, w4a16_mgpu_matmul)
 from jquant.pallas_kernels.w4a16_mgpu_common import group_acc_fits
 from tools.device_w4a16_mgpu_ab import (WIDE_ROWS_PLAN, WS_SMALL_M_PLAN, WS_WIDE_PLAN,
-                                        codebook_ab, launch_ab, log, record_cell, weight_operands,
+                                        CODEBOOK_AB_PLAN, codebook_ab, launch_ab, log, record_cell, weight_operands,
                                         wide_rows_variants, ws_launches, ws_small_m_variants,
                                         ws_wide_variants)
 from tools.device_w4a16_mgpu_probes import copy_probe, gpu_state, latency_probe
 
 
-def correctness() -> list[dict]:
+def correctness(luts=("int4", "e2m1", "nf4")) -> list[dict]:
+    """Every launch variant of each case whose code book is in ``luts``, against numpy."""
     rng = np.random.default_rng(11)
     cases = [  # k, n, group, zeros ("e2m1" / "nf4": that code book), scale dtype, m, x dtype, act
         (1024, 320, 128, None, "bf16", 1, jnp.bfloat16, False),
@@ -62,6 +63,8 @@ def correctness() -> list[dict]:
     out = []
     for k, n, g, zeros, sdt, m, xdt, act in cases:
         lut = zeros if zeros in ("e2m1", "nf4") else "int4"
+        if lut not in luts:
+            continue
         q, s, z = bench.random_w4_weight(rng, k, n, g, zeros=zeros if lut == "int4" else None,
                                          scale_dtype=sdt)
         g_idx = rng.permutation(np.arange(k) // g).astype(np.int32) if act else None
@@ -266,11 +269,11 @@ def compile_for_sass() -> None:
     kernel; the SASS dump needs nvdisasm, which the H200 machine lacks)."""
     key = jax.random.PRNGKey(0)
     n, k = 4096, 4096
-    for scheme in ("int4_g128", "mxfp4"):
+    for scheme in ("int4_g128", "mxfp4", "nf4"):
         weight = bench.make_weight(scheme, n, k, key)
-        lut = "e2m1" if scheme == "mxfp4" else "int4"
-        packed = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"], lut=lut)
-        for m in ((1,) if lut == "e2m1" else (1, 128)):
+        packed = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"],
+                            lut=weight["lut"])
+        for m in ((1, 128) if scheme == "int4_g128" else (1,)):
             x = jax.random.normal(key, (m, k), jnp.bfloat16)
             for cfg in [default_mgpu_config(m, packed)] + ws_launches(m, packed)[:1]:
                 fn = jax.jit(lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg))
@@ -293,6 +296,8 @@ def main(argv=None) -> int:
     parser.add_argument("--codebook-ab", action="store_true",
                         help="int4 / MXFP4 / NVFP4 / NF4 round-robin")
     parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument("--luts", default="int4,e2m1,nf4", help="code books the correctness stage runs")
+    parser.add_argument("--ab-cells", default=None, help="NxKxM list for --codebook-ab, e.g. 8192x8192x1")
     parser.add_argument("--sass-only", action="store_true", help="compile a few launches, nothing else")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
@@ -306,11 +311,13 @@ def main(argv=None) -> int:
         copy_probe(out)
         gpu_state(out, "after copy probe")
     if not args.skip_correctness:
-        res = correctness()
+        res = correctness(tuple(args.luts.split(",")))
         (out / "mgpu_correctness.json").write_text(json.dumps(res, indent=1))
         log(f"correctness {sum(r['ok'] for r in res)}/{len(res)}")
     if args.codebook_ab:
-        codebook_ab(out)
+        cells = (tuple(tuple(int(v) for v in c.split("x")) for c in args.ab_cells.split(","))
+                 if args.ab_cells else CODEBOOK_AB_PLAN)
+        codebook_ab(out, cells)
         gpu_state(out, "after code book ab")
     if args.group_acc_ab:
         group_acc_ab(out)
