@@ -219,7 +219,7 @@ def test_fp4_nf4_lower_with_the_inline_ptx_decode(lut, x_dtype, compute_wgs):
     module = jax.export.export(jax.jit(lambda x, p: w4a16_mgpu(x, p, config=cfg)),
                                platforms=["cuda"])(xs, packed).mlir_module()
     if lut == "nf4":
-        assert "prmt.b32 $0, l, h, 0x5140" in module and "prmt.b32 pl, $4, $5, idx" in module
+        assert "prmt.b32 $0, l, h, 0x5140" in module
     else:
         unscale = "mul.rn.bf16x2" if x_dtype == jnp.bfloat16 else "mul.rn.f16x2"
         assert unscale in module and "mul.lo.u32" in module

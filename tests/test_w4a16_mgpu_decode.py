@@ -98,10 +98,9 @@ def _prmt(a, b, sel):
     return out
 
 
-def _run_table_ptx(asm, r0, r1, constants):
-    """Executes the table decode's PTX (``_TABLE_PTX``: mad, and, shr, lop3, prmt) line by line,
-    with ``r0``, ``r1`` as $2, $3 and ``constants`` from $4 on."""
-    regs = {"$2": r0, "$3": r1, **{f"${4 + i}": np.uint64(c) for i, c in enumerate(constants)}}
+def _run_table_ptx(asm, r0, r1):
+    """Executes the table decode's PTX (``_table_ptx``: mad, and, shr, lop3, prmt) line by line."""
+    regs = {"$2": r0, "$3": r1}
     val = lambda t: regs[t] if t in regs else np.uint64(int(t, 16) if t.startswith("0x") else int(t))
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
@@ -130,8 +129,7 @@ def _run_table_ptx(asm, r0, r1, constants):
 def test_table_ptx_decodes_every_pair_of_bytes(dtype):
     """All 65536 (byte, byte) inputs of one PTX call: 4 codes → 4 table entries, bit-exact."""
     b0, b1 = (a.ravel().astype(np.uint64) for a in np.meshgrid(np.arange(256), np.arange(256)))
-    lo, hi = decode.table_words(NF4, dtype)
-    out0, out1 = _run_table_ptx(decode._TABLE_PTX, b0, b1, lo + hi)
+    out0, out1 = _run_table_ptx(decode._table_ptx(NF4, dtype), b0, b1)
     codes = np.stack([b0 & 15, b0 >> 4, b1 & 15, b1 >> 4], -1).astype(np.int64)
     got = np.stack([out0 & 0xFFFF, out0 >> 16, out1 & 0xFFFF, out1 >> 16], -1).astype(np.uint16)
     want = NF4.astype(jnp.dtype(dtype))[codes]

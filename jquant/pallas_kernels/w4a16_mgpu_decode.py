@@ -127,26 +127,26 @@ def table_words(values, dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return words(bits & 0xFF), words(bits >> 8)
 
 
-# $2, $3: two registers' bytes (codes c0 c1, c2 c3), zero-extended; w holds c0..c3 in its four
-# nibbles. idx: their low 3 bits; hsel: byte i from the 0-7 lookup (i) or the 8-15 one (i + 4)
-# by bit 3. $4..$7 / $8..$11: the table's low / high bytes (``table_words``), passed as registers:
-# prmt takes its data from registers only, and immediates there made ptxas rebuild each of them
-# for every call (H200 ncu: 12 instead of 8 instructions per pair). $0 / $1: (c0, c1), (c2, c3).
-_TABLE_PTX = """{
+def _table_ptx(values, dtype) -> str:
+    # $2, $3: two registers' bytes (codes c0 c1, c2 c3), zero-extended; w holds c0..c3 in its
+    # four nibbles. idx: their low 3 bits; hsel: byte i from the 0-7 lookup (i) or the 8-15 one
+    # (i + 4) by bit 3. $0 / $1: (c0, c1) and (c2, c3) as 16-bit pairs.
+    lo, hi = table_words(values, dtype)
+    return f"""{{
     .reg .b32 w, idx, hsel, pl, nl, ph, nh, l, h;
     mad.lo.u32 w, $3, 256, $2;
     and.b32 idx, w, 0x7777;
     shr.u32 hsel, w, 1;
     lop3.b32 hsel, hsel, 0x4444, 0x3210, 0xEA;
-    prmt.b32 pl, $4, $5, idx;
-    prmt.b32 nl, $6, $7, idx;
+    prmt.b32 pl, {lo[0]:#x}, {lo[1]:#x}, idx;
+    prmt.b32 nl, {lo[2]:#x}, {lo[3]:#x}, idx;
     prmt.b32 l, pl, nl, hsel;
-    prmt.b32 ph, $8, $9, idx;
-    prmt.b32 nh, $10, $11, idx;
+    prmt.b32 ph, {hi[0]:#x}, {hi[1]:#x}, idx;
+    prmt.b32 nh, {hi[2]:#x}, {hi[3]:#x}, idx;
     prmt.b32 h, ph, nh, hsel;
     prmt.b32 $0, l, h, 0x5140;
     prmt.b32 $1, l, h, 0x7362;
-    }"""
+    }}"""
 
 
 def decode_table_jnp(w, values, dtype):
@@ -160,10 +160,9 @@ def decode_table_jnp(w, values, dtype):
 
 
 # ---- both, in the kernel ---------------------------------------------------------------------------
-def _inline_decode(w, dtype, asm: str, regs_per_call: int, constants: tuple[int, ...] = ()):
+def _inline_decode(w, dtype, asm: str, regs_per_call: int):
     """Runs ``asm`` on ``w``'s registers (int4 ``[rows, K]`` in wgmma's register layout, two codes
-    per register): ``regs_per_call`` zero-extended bytes in, then ``constants`` (32-bit, one SSA
-    value each, shared by every call), and as many 16-bit pairs out."""
+    per register), ``regs_per_call`` zero-extended bytes in and as many 16-bit pairs out."""
     # Imported here: the MLIR bindings are only needed where the kernel is lowered.
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
@@ -176,9 +175,7 @@ def _inline_decode(w, dtype, asm: str, regs_per_call: int, constants: tuple[int,
         i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
         out_ty = ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(dtype))
         result_ty = i32 if regs_per_call == 1 else llvm.StructType.get_literal([i32] * regs_per_call)
-        constraints = ",".join(["=r"] * regs_per_call + ["r"] * (regs_per_call + len(constants)))
-        consts = [arith.constant(i32, ir.IntegerAttr.get(i32, v - (v >> 31 << 32)))
-                  for v in constants]
+        constraints = ",".join(["=r"] * regs_per_call + ["r"] * regs_per_call)
         indices = [idx for idx, _ in np.ndenumerate(arr.registers)]
         regs = np.empty_like(arr.registers)
         for start in range(0, len(indices), regs_per_call):
@@ -190,7 +187,7 @@ def _inline_decode(w, dtype, asm: str, regs_per_call: int, constants: tuple[int,
                     raise NotImplementedError(f"the decode expects 2 codes per register, got {reg.type}")
                 inputs.append(arith.extui(i32, mgpu_utils.bitcast(reg, i8)))
             inputs += inputs[-1:] * (regs_per_call - len(inputs))   # an odd last group
-            out = llvm.inline_asm(result_ty, inputs + consts, asm, constraints)
+            out = llvm.inline_asm(result_ty, inputs, asm, constraints)
             for i, idx in enumerate(group):
                 word = out if regs_per_call == 1 else llvm.extractvalue(i32, out, [i])
                 regs[idx] = mgpu_utils.bitcast(word, out_ty)
@@ -212,5 +209,4 @@ def decode_codes(w, dtype, *, lut: str, interpret: bool):
     values = lut_values(lut)
     if interpret:
         return decode_table_jnp(w, values, dtype)
-    lo, hi = table_words(values, dtype)
-    return _inline_decode(w, dtype, _TABLE_PTX, 2, constants=lo + hi)
+    return _inline_decode(w, dtype, _table_ptx(values, dtype), 2)
