@@ -23,7 +23,7 @@ def _unpacked(packed):
     return w if packed.perm is None else jnp.zeros_like(w).at[packed.perm].set(w)
 
 
-SCHEMES = ["int4_g128", "int4_g128_asym", "int4_g32", "mxfp4", "nvfp4", "nf4", "nf4_dq"]
+SCHEMES = ["int4_g128", "int4_g128_asym", "int4_g32", "mxfp4", "nvfp4", "nf4", "nf4_dq", "fp4_bnb"]
 
 
 @pytest.mark.parametrize("name", SCHEMES)
@@ -36,7 +36,7 @@ def test_kernel_layout_dequantizes_to_the_qtensor(name):
     chex.assert_trees_all_close(_unpacked(packed), qt.dequantize(jnp.float32).T, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["int4_g128_asym", "int4_g32", "nvfp4", "nf4_dq"])
+@pytest.mark.parametrize("name", ["int4_g128_asym", "int4_g32", "nvfp4", "nf4_dq", "fp4_bnb"])
 def test_kernel_matches_the_xla_reference(name):
     scheme = jquant.get_scheme(name)
     qt = scheme.quantize_weight(_weight())

@@ -17,7 +17,8 @@ from jquant.pallas_kernels import (PackedW4, TuningConfig, dequantize_packed, lu
                                    reference, resolve_impl, w4a16_matmul)
 from jquant.bench.w4a16 import random_w4_weight
 from jquant.pallas_kernels import w4a16 as dispatch
-from jquant.pallas_kernels.w4a16_layout import NF4_VALUES, unpack_codes
+from jquant.formats.bnb import _FP4 as FP4_BNB_VALUES, _NF4 as NF4_VALUES   # goldens-checked
+from jquant.pallas_kernels.w4a16_layout import unpack_codes
 
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
@@ -26,7 +27,8 @@ def _numpy_matmul(x, q, s, z, lut, group, gs=None, zero_point=None):
     """Independent dequant in the checkpoint's own row order: w = (LUT[q] - z)·s·gs, then x @ w."""
     k = q.shape[0]
     table = {"int4": np.arange(16, dtype=np.float64), "e2m1": E2M1.astype(np.float64),
-             "nf4": np.asarray(NF4_VALUES, np.float64)}[lut]
+             "nf4": np.asarray(NF4_VALUES, np.float64),
+             "fp4_bnb": np.asarray(FP4_BNB_VALUES, np.float64)}[lut]
     g = k if group == -1 else group
     rows = np.arange(k) // g
     scale = np.asarray(s, np.float64)[rows]
@@ -45,7 +47,8 @@ def _rel_err(out, ref):
 @pytest.mark.parametrize("lut,group,asym,scale_kind,gs", [
     ("int4", 128, False, "f16", None), ("int4", 64, True, "bf16", None),
     ("int4", -1, False, "f32", None), ("e2m1", 32, False, "e8m0", None),
-    ("e2m1", 16, False, "e4m3", 0.25), ("nf4", 64, False, "f32", None)])
+    ("e2m1", 16, False, "e4m3", 0.25), ("nf4", 64, False, "f32", None),
+    ("fp4_bnb", 64, False, "f32", None)])
 def test_reference_matches_numpy(lut, group, asym, scale_kind, gs):
     rng = np.random.default_rng(1)
     k, n = 256, 96
@@ -105,6 +108,7 @@ KERNEL_CASES = [
     ("e2m1", 32, False, "e8m0", False, None, 256, 130),
     ("e2m1", 16, False, "e4m3", False, 0.02, 192, 64),
     ("nf4", 64, False, "f32", False, None, 256, 80),
+    ("fp4_bnb", 64, False, "f32", False, None, 256, 80),
 ]
 
 

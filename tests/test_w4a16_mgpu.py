@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 
 from jquant.bench.w4a16 import random_w4_weight
-from jquant.formats.bnb import _NF4 as NF4   # the bnb format's own table (goldens-checked)
+from jquant.formats.bnb import _FP4 as FP4_BNB, _NF4 as NF4   # bnb's own tables (goldens-checked)
 from jquant.pallas_kernels import (MGPU_MAX_M, MgpuConfig, PackedW4NK, default_mgpu_config,
                                    dequantize_nk, prepack, prepack_nk, reference_nk, resolve_impl,
                                    w4a16_matmul)
@@ -24,12 +24,12 @@ E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
 
 
 def _numpy_weight(q, s, z, group, g_idx=None, lut="int4", gs=None):
-    """``(q − z)·s`` (int4; z = 8 for uint4b8), ``E2M1[q]·s·gs`` or ``NF4[q]·s`` in float64, rows
-    in the checkpoint's order."""
+    """``(q − z)·s`` (int4; z = 8 for uint4b8), ``E2M1[q]·s·gs`` or ``TABLE[q]·s`` (NF4, bnb FP4)
+    in float64, rows in the checkpoint's order."""
     k = q.shape[0]
     rows = np.asarray(g_idx) if g_idx is not None else np.arange(k) // (k if group == -1 else group)
-    if lut in ("e2m1", "nf4"):
-        values = (E2M1 if lut == "e2m1" else NF4.astype(np.float64))[q]
+    if lut != "int4":
+        values = {"e2m1": E2M1, "nf4": NF4, "fp4_bnb": FP4_BNB}[lut].astype(np.float64)[q]
     else:
         values = q.astype(np.float64) - (8.0 if z is None else np.asarray(z, np.float64)[rows])
     return values * np.asarray(s, np.float64)[rows] * (1.0 if gs is None else gs)
@@ -48,7 +48,8 @@ def _weight(rng, k, n, group, zeros=None, scale="bf16", act=False):
 
 # ---- layout and reference ------------------------------------------------------------------------
 @given(k=st.integers(1, 300), n=st.integers(1, 150), group=st.sampled_from([16, 32, 64, 128, -1]),
-       kind=st.sampled_from(["int4", "int4_zeros", "e2m1", "nf4"]), seed=st.integers(0, 2**16))
+       kind=st.sampled_from(["int4", "int4_zeros", "e2m1", "nf4", "fp4_bnb"]),
+       seed=st.integers(0, 2**16))
 def test_nk_layout_dequantizes_exactly_any_shape(k, n, group, kind, seed):
     rng = np.random.default_rng(seed)
     zeros = "int" if kind == "int4_zeros" else None
@@ -73,7 +74,8 @@ def test_reference_matches_numpy_with_act_order_and_fp16_scales():
 
 
 # ---- the kernel in interpret mode ----------------------------------------------------------------
-CASES = [  # k, n, group, zeros ("e2m1": FP4, "nf4"), scale, act-order, m, x dtype, bias, launch
+CASES = [  # k, n, group, zeros (or a code book: "e2m1", "nf4", "fp4_bnb"), scale, act-order, m,
+           # x dtype, bias, launch
     (512, 256, 128, None, "bf16", False, 1, jnp.bfloat16, False, None),
     (576, 200, 64, "int", "f16", False, 5, jnp.float16, True, None),      # N, K off the tiles
     (1000, 130, -1, None, "f32", False, 20,  jnp.bfloat16, False,          # per-channel, 3 M tiles
@@ -105,6 +107,7 @@ CASES = [  # k, n, group, zeros ("e2m1": FP4, "nf4"), scale, act-order, m, x dty
                 wide_rows=True)),
     (512, 130, 64, "nf4", "f32", False, 1, jnp.bfloat16, True, None),      # NF4, default launch
     (320, 200, 64, "nf4", "f32", True, 24, jnp.float16, False, None),      # NF4, fp16, act-order
+    (384, 100, 64, "fp4_bnb", "f32", False, 2, jnp.float16, False, None),  # bnb FP4, fp16
     (512, 256, 64, "nf4", "f32", False, 5, jnp.bfloat16, False,           # WS, NF4
      MgpuConfig(block_n=256, block_k=128, block_m=8, split_k=1, max_concurrent_steps=2,
                 compute_wgs=2)),
@@ -115,7 +118,7 @@ CASES = [  # k, n, group, zeros ("e2m1": FP4, "nf4"), scale, act-order, m, x dty
 def test_kernel_matches_numpy_and_reference(case):
     k, n, group, zeros, scale, act, m, x_dtype, bias, cfg = CASES[case]
     rng = np.random.default_rng(10 + case)
-    lut = zeros if zeros in ("e2m1", "nf4") else "int4"
+    lut = zeros if zeros in ("e2m1", "nf4", "fp4_bnb") else "int4"
     q, s, z, g_idx = _weight(rng, k, n, group, None if lut != "int4" else zeros, scale, act)
     gs = 0.03 if scale == "e4m3" else None
     packed = prepack_nk(q, s, z, group_size=group, g_idx=g_idx, lut=lut, global_scale=gs)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jquant.formats.bnb import _NF4 as NF4
+from jquant.formats.bnb import _FP4 as FP4_BNB, _NF4 as NF4
 from jquant.pallas_kernels import w4a16_mgpu_decode as decode
 
 CODES = np.arange(16, dtype=np.uint8)
@@ -125,14 +125,15 @@ def _run_table_ptx(asm, r0, r1):
     return regs["$0"], regs["$1"]
 
 
+@pytest.mark.parametrize("table", [NF4, FP4_BNB], ids=["nf4", "fp4_bnb"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_table_ptx_decodes_every_pair_of_bytes(dtype):
+def test_table_ptx_decodes_every_pair_of_bytes(dtype, table):
     """All 65536 (byte, byte) inputs of one PTX call: 4 codes → 4 table entries, bit-exact."""
     b0, b1 = (a.ravel().astype(np.uint64) for a in np.meshgrid(np.arange(256), np.arange(256)))
-    out0, out1 = _run_table_ptx(decode._table_ptx(NF4, dtype), b0, b1)
+    out0, out1 = _run_table_ptx(decode._table_ptx(table, dtype), b0, b1)
     codes = np.stack([b0 & 15, b0 >> 4, b1 & 15, b1 >> 4], -1).astype(np.int64)
     got = np.stack([out0 & 0xFFFF, out0 >> 16, out1 & 0xFFFF, out1 >> 16], -1).astype(np.uint16)
-    want = NF4.astype(jnp.dtype(dtype))[codes]
+    want = table.astype(jnp.dtype(dtype))[codes]
     np.testing.assert_array_equal(got.view(jnp.dtype(dtype)), want)
 
 

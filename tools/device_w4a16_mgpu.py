@@ -29,8 +29,8 @@ import ml_dtypes
 import numpy as np
 
 from jquant.bench import w4a16 as bench
-from jquant.formats.bnb import _NF4 as NF4
 from jquant.bench.timing import time_fn, time_interleaved
+from jquant.formats import bnb
 from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
                                               w4a16_mgpu, w4a16_mgpu_matmul)
 from jquant.pallas_kernels.w4a16_mgpu_common import group_acc_fits
@@ -41,10 +41,10 @@ from tools.device_w4a16_mgpu_ab import (WIDE_ROWS_PLAN, WS_SMALL_M_PLAN, WS_WIDE
 from tools.device_w4a16_mgpu_probes import copy_probe, gpu_state, latency_probe
 
 
-def correctness(luts=("int4", "e2m1", "nf4")) -> list[dict]:
+def correctness(luts=("int4", "e2m1", "nf4", "fp4_bnb")) -> list[dict]:
     """Every launch variant of each case whose code book is in ``luts``, against numpy."""
     rng = np.random.default_rng(11)
-    cases = [  # k, n, group, zeros ("e2m1" / "nf4": that code book), scale dtype, m, x dtype, act
+    cases = [  # k, n, group, zeros (or a code book: "e2m1", "nf4", "fp4_bnb"), scale, m, x dtype, act
         (1024, 320, 128, None, "bf16", 1, jnp.bfloat16, False),
         (1024, 320, 128, "int", "f16", 7, jnp.float16, False),
         (2048, 512, 64, None, "f32", 16, jnp.bfloat16, False),
@@ -59,10 +59,11 @@ def correctness(luts=("int4", "e2m1", "nf4")) -> list[dict]:
         (2048, 512, 64, "nf4", "f32", 1, jnp.bfloat16, False),         # NF4
         (1024, 320, 64, "nf4", "f32", 24, jnp.float16, True),          # NF4, fp16, act-order
         (2048, 1024, 64, "nf4", "f32", 64, jnp.bfloat16, False),       # NF4, WS launches
+        (1024, 320, 64, "fp4_bnb", "f32", 3, jnp.bfloat16, False),     # bnb FP4 (a table too)
     ]
     out = []
     for k, n, g, zeros, sdt, m, xdt, act in cases:
-        lut = zeros if zeros in ("e2m1", "nf4") else "int4"
+        lut = zeros if zeros in ("e2m1", "nf4", "fp4_bnb") else "int4"
         if lut not in luts:
             continue
         q, s, z = bench.random_w4_weight(rng, k, n, g, zeros=zeros if lut == "int4" else None,
@@ -73,9 +74,9 @@ def correctness(luts=("int4", "e2m1", "nf4")) -> list[dict]:
         gg = k if g == -1 else g
         groups = (np.arange(k) // gg) if g_idx is None else g_idx
         zf = 8.0 if z is None else np.asarray(z, np.float32)[groups]
-        # The code books as their format modules define them (ml_dtypes' E2M1, bnb's NF4).
+        # The code books as their format modules define them (ml_dtypes' E2M1, bnb's tables).
         values = (q.view(ml_dtypes.float4_e2m1fn).astype(np.float32) if lut == "e2m1"
-                  else NF4[q] if lut == "nf4" else q.astype(np.float32) - zf)
+                  else q.astype(np.float32) - zf if lut == "int4" else bnb.code_table(lut)[q])
         w = values * np.asarray(s, np.float32)[groups] * (gs or 1.0)
         x = rng.standard_normal((m, k)).astype(np.float32)
         ref = x.astype(np.asarray(jnp.zeros((), xdt)).dtype).astype(np.float32) @ w
@@ -296,7 +297,8 @@ def main(argv=None) -> int:
     parser.add_argument("--codebook-ab", action="store_true",
                         help="int4 / MXFP4 / NVFP4 / NF4 round-robin")
     parser.add_argument("--skip-correctness", action="store_true")
-    parser.add_argument("--luts", default="int4,e2m1,nf4", help="code books the correctness stage runs")
+    parser.add_argument("--luts", default="int4,e2m1,nf4,fp4_bnb",
+                        help="code books the correctness stage runs")
     parser.add_argument("--ab-cells", default=None, help="NxKxM list for --codebook-ab, e.g. 8192x8192x1")
     parser.add_argument("--sass-only", action="store_true", help="compile a few launches, nothing else")
     args = parser.parse_args(argv)

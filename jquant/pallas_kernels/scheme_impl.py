@@ -2,7 +2,7 @@
 
 ``process_weights_after_loading`` turns the scheme's QTensor (``[N, K]``, groups along K) into the
 kernels' unified form (codes ``[K, N]`` 0..15, per-group multipliers, optional zero points, a code
-book: int4, E2M1 or NF4) and prepacks it once for the Mosaic GPU kernel (``prepack_nk``; groups of
+book: int4, E2M1, or a bitsandbytes table) and prepacks it once for the Mosaic GPU kernel (``prepack_nk``; groups of
 16, 32, 64·j or per-channel, else the scheme keeps XLA); ``apply`` then runs ``w4a16_matmul``,
 which picks the kernel or XLA by M. (The Triton kernels' tile-major layout, ``prepack``, is slower
 on the H200 for every code book and is only built on request.)
@@ -21,7 +21,8 @@ from jquant.qtensor import QTensor
 from jquant.registry import Impl, Scheme, register_impl
 
 HOPPER = 90
-_LUT = {"int4": "int4", "uint4": "int4", "mxfp4": "e2m1", "nvfp4": "e2m1", "nf4": "nf4"}
+_LUT = {"int4": "int4", "uint4": "int4", "mxfp4": "e2m1", "nvfp4": "e2m1", "nf4": "nf4",
+        "fp4_bnb": "fp4_bnb"}
 
 
 def unified_w4(qt: QTensor) -> dict | None:
@@ -30,7 +31,7 @@ def unified_w4(qt: QTensor) -> dict | None:
     if qt.fmt not in _LUT or qt.ndim != 2:
         return None
     n, k = qt.shape
-    if qt.fmt == "nf4":
+    if qt.fmt in ("nf4", "fp4_bnb"):
         blocksize = qt.block[0]
         if k % blocksize or isinstance(qt.scale, QTensor) and qt.scale.fmt != "bnb_dynamic8":
             return None

@@ -27,24 +27,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Names of the code books the kernels decode arithmetically (no table lookups on the GPU).
-LUTS = ("int4", "e2m1", "nf4")
-_LUT_ALIASES = {"int4": "int4", "uint4": "int4", "e2m1": "e2m1", "fp4": "e2m1", "mxfp4": "e2m1",
-                "nvfp4": "e2m1", "nf4": "nf4"}
+from jquant.formats import bnb, mx
 
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-              -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-              0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-              0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+# The code books of the kernels: integers, OCP E2M1, and bitsandbytes' two tables (NF4 and its
+# own FP4, which is not E2M1).
+LUTS = ("int4", "e2m1", "nf4", "fp4_bnb")
+_LUT_ALIASES = {"int4": "int4", "uint4": "int4", "e2m1": "e2m1", "fp4": "e2m1", "mxfp4": "e2m1",
+                "nvfp4": "e2m1", "nf4": "nf4", "fp4_bnb": "fp4_bnb"}
 
 
 def lut_values(lut: str) -> np.ndarray:
-    """The 16 float32 values code ``0..15`` stands for under ``lut``."""
+    """The 16 float32 values code ``0..15`` stands for under ``lut`` (the format modules' own)."""
     lut = canonical_lut(lut)
     if lut == "int4":
         return np.arange(16, dtype=np.float32)
-    return np.asarray(E2M1_VALUES if lut == "e2m1" else NF4_VALUES, dtype=np.float32)
+    if lut == "e2m1":
+        return mx.E2M1_VALUES.copy()
+    return bnb.code_table(lut)
 
 
 def canonical_lut(lut) -> str:

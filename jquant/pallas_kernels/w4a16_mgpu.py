@@ -50,7 +50,8 @@ class PackedW4NK:
 
     ``data`` int4 ``[N_pad, K_pad]``: ``code − 8`` for int4 codes (exact in int4 for uint4b8 and
     for asymmetric codes, whose zero points are shifted the same way), or E2M1 codes in pairs
-    (``lut="e2m1"``, ``pack_e2m1_pairs``), or table codes as they are (``lut="nf4"``); ``scale``
+    (``lut="e2m1"``, ``pack_e2m1_pairs``), or table codes as they are (``"nf4"``, ``"fp4_bnb"``);
+    ``scale``
     ``[K_pad / G, N_pad]`` (bf16, fp16 or fp32: converted to x's dtype in the kernel); ``zero``
     optional ``[K_pad / G, N_pad]``: ``zero − 8`` (int4 asymmetric), subtracted before scaling.
     ``perm``: act-order gather of x's columns; ``global_scale``: optional fp32 ``[1]`` multiplier
@@ -187,8 +188,8 @@ def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None
                pad_k: int = K_CHUNK, pad_n: int = 128) -> PackedW4NK:
     """Lays 4-bit codes ``q`` ``[K, N]`` (0..15) out for the Mosaic GPU kernel: ``[N_pad, K_pad]``
     signed int4, scales and zeros ``[K_pad / G, N_pad]``. ``lut``: ``"int4"`` (value ``code − 8``,
-    or ``code − zero``), ``"e2m1"`` (FP4; optional ``global_scale``) or ``"nf4"`` (a table; both
-    without zeros). Padded columns
+    or ``code − zero``), ``"e2m1"`` (FP4; optional ``global_scale``) or a table (``"nf4"``,
+    ``"fp4_bnb"``; both without zeros). Padded columns
     have scale 0, so they are exactly 0; padded rows meet the zero columns ``gather_pad``
     appends to x."""
     lut = canonical_lut(lut)
@@ -216,13 +217,13 @@ def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None
     n_pad = _round_up(n, pad_n)
     codes = q.astype(jnp.int32).T
     pad = ((0, n_pad - n), (0, k_pad - k))   # padded codes decode to 0
-    if lut == "e2m1":
+    if lut == "int4":
+        data = jnp.pad(codes - 8, pad).astype(jnp.int4)
+    elif lut == "e2m1":
         data = pack_e2m1_pairs(jnp.pad(codes, pad))
-    elif lut == "nf4":
+    else:   # a table (NF4, bnb FP4): the codes as they are
         zero_code = int(np.flatnonzero(lut_values(lut) == 0)[0])
         data = signed_int4(jnp.pad(codes & 0xF, pad, constant_values=zero_code))
-    else:
-        data = jnp.pad(codes - 8, pad).astype(jnp.int4)
 
     def per_group(values, dtype):
         rows = k_pad // group
@@ -295,8 +296,8 @@ def w4a16_mgpu_matmul(x2: jax.Array, packed: PackedW4NK, bias=None, *,
 
 
 def nk_compatible(group_size: int, k: int, lut: str = "int4") -> bool:
-    """Whether a weight fits the kernel: any code book (int4, E2M1, NF4), per-channel or groups
-    of 16, 32 or multiples of 64."""
+    """Whether a weight fits the kernel: any code book (``LUTS``), per-channel or groups of 16, 32
+    or multiples of 64."""
     canonical_lut(lut)   # raises for an unknown code book; every known one fits
     return (group_size in (None, -1) or group_size >= k or group_size % K_CHUNK == 0
             or group_size in SUB_CHUNK_GROUPS)

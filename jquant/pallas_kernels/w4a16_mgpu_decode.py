@@ -199,7 +199,7 @@ def _inline_decode(w, dtype, asm: str, regs_per_call: int):
 def decode_codes(w, dtype, *, lut: str, interpret: bool):
     """The tile's stored 4-bit codes → values in ``dtype`` (bf16 / fp16), inside the kernel:
     ``lut`` ``"int4"`` (``code − 8`` stored as int4: Mosaic GPU's conversion), ``"e2m1"``
-    (``pack_e2m1_pairs``) or a table (``lut_values(lut)``, codes as stored: NF4)."""
+    (``pack_e2m1_pairs``) or a table (``lut_values(lut)``, codes as stored: NF4, bnb FP4)."""
     if lut == "int4":
         return w.astype(dtype)
     if lut == "e2m1":

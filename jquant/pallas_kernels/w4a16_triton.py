@@ -36,7 +36,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jquant.pallas_kernels.w4a16_layout import NF4_VALUES, PackedW4, dequantize_packed
+from jquant.pallas_kernels.w4a16_layout import PackedW4, dequantize_packed, lut_values
 
 MODES = ("gemv", "mma")
 GEMV_MAX_ROWS = 8          # the gemv kernel keeps one [P, BN] accumulator per row of x
@@ -112,7 +112,7 @@ def _decode_plane(u, u_hi, i: int, lut: str):
         return jax.lax.bitcast_convert_type(
             jax.lax.bitcast_convert_type(magnitude, jnp.uint32) | sign, jnp.float32), 1.0
     code = _shift(u, -4 * i)
-    level = list(NF4_VALUES)
+    level = [float(v) for v in lut_values(lut)]
     for bit in range(4):   # pairs (2j, 2j+1) differ in bit 0, then pairs of pairs in bit 1, ...
         on = (code & np.uint32(1 << bit)) != 0
         level = [jnp.where(on, np.float32(hi), np.float32(lo)) if bit == 0 else jnp.where(on, hi, lo)
