@@ -34,17 +34,17 @@ from jquant.formats import bnb
 from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
                                               w4a16_mgpu, w4a16_mgpu_matmul)
 from jquant.pallas_kernels.w4a16_mgpu_common import group_acc_fits
-from tools.device_w4a16_mgpu_ab import (WIDE_ROWS_PLAN, WS_SMALL_M_PLAN, WS_WIDE_PLAN,
-                                        CODEBOOK_AB_PLAN, codebook_ab, launch_ab, log, record_cell, weight_operands,
-                                        wide_rows_variants, ws_launches, ws_small_m_variants,
-                                        ws_wide_variants)
+from tools.device_w4a16_mgpu_ab import (CODEBOOK_AB_PLAN, WIDE_ROWS_PLAN, WS_SMALL_M_PLAN,
+                                        WS_WIDE_PLAN, codebook_ab, launch_ab, log, record_cell,
+                                        weight_operands, wide_rows_variants, ws_launches,
+                                        ws_small_m_variants, ws_wide_variants)
 from tools.device_w4a16_mgpu_probes import copy_probe, gpu_state, latency_probe
 
 
 def correctness(luts=("int4", "e2m1", "nf4", "fp4_bnb")) -> list[dict]:
     """Every launch variant of each case whose code book is in ``luts``, against numpy."""
     rng = np.random.default_rng(11)
-    cases = [  # k, n, group, zeros (or a code book: "e2m1", "nf4", "fp4_bnb"), scale, m, x dtype, act
+    cases = [  # k, n, group, zeros (or a code book: e2m1, nf4, fp4_bnb), scale, m, x dtype, act
         (1024, 320, 128, None, "bf16", 1, jnp.bfloat16, False),
         (1024, 320, 128, "int", "f16", 7, jnp.float16, False),
         (2048, 512, 64, None, "f32", 16, jnp.bfloat16, False),
@@ -299,7 +299,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--luts", default="int4,e2m1,nf4,fp4_bnb",
                         help="code books the correctness stage runs")
-    parser.add_argument("--ab-cells", default=None, help="NxKxM list for --codebook-ab, e.g. 8192x8192x1")
+    parser.add_argument("--ab-cells", default=None,
+                        help="NxKxM list for --codebook-ab, e.g. 8192x8192x1")
     parser.add_argument("--sass-only", action="store_true", help="compile a few launches, nothing else")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)

@@ -2,10 +2,11 @@
 
 ``process_weights_after_loading`` turns the scheme's QTensor (``[N, K]``, groups along K) into the
 kernels' unified form (codes ``[K, N]`` 0..15, per-group multipliers, optional zero points, a code
-book: int4, E2M1, or a bitsandbytes table) and prepacks it once for the Mosaic GPU kernel (``prepack_nk``; groups of
-16, 32, 64·j or per-channel, else the scheme keeps XLA); ``apply`` then runs ``w4a16_matmul``,
-which picks the kernel or XLA by M. (The Triton kernels' tile-major layout, ``prepack``, is slower
-on the H200 for every code book and is only built on request.)
+book: int4, E2M1 or a bitsandbytes table) and prepacks it once for the Mosaic GPU kernel
+(``prepack_nk``; groups of 16, 32, 64·j or per-channel, else the scheme keeps XLA); ``apply`` then
+runs ``w4a16_matmul``, which picks the kernel or XLA by M. (The Triton kernels' tile-major layout,
+``prepack``, measured slower on the H200's large shapes for every code book; it is only built on
+request.)
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ registers, which the Triton kernels could not do for loads that do not feed a do
 
 FP4 (E2M1, MXFP4 / NVFP4) and NF4 use the same tiles, decoded by inline PTX
 (``w4a16_mgpu_decode``; Mosaic GPU's own FP4 conversion is Blackwell-only): each pair of E2M1
-codes is stored in a byte layout that a multiply, a mask and a ``mul.bf16x2`` decode; NF4 codes
-are looked up four at a time in a 16-entry table with ``prmt``. Groups of 16 / 32 pick their
+codes is stored in a byte layout that a multiply, a mask and a ``mul.bf16x2`` decode; table
+codes (NF4, bitsandbytes FP4) are looked up four at a time with ``prmt``. Groups of 16 / 32 pick their
 scale per column inside each 64-wide chunk.
 
 Grid: (N / block_n, split_k, M / block_m). Each CTA streams its K range and writes an fp32
@@ -51,10 +51,9 @@ class PackedW4NK:
     ``data`` int4 ``[N_pad, K_pad]``: ``code − 8`` for int4 codes (exact in int4 for uint4b8 and
     for asymmetric codes, whose zero points are shifted the same way), or E2M1 codes in pairs
     (``lut="e2m1"``, ``pack_e2m1_pairs``), or table codes as they are (``"nf4"``, ``"fp4_bnb"``);
-    ``scale``
-    ``[K_pad / G, N_pad]`` (bf16, fp16 or fp32: converted to x's dtype in the kernel); ``zero``
-    optional ``[K_pad / G, N_pad]``: ``zero − 8`` (int4 asymmetric), subtracted before scaling.
-    ``perm``: act-order gather of x's columns; ``global_scale``: optional fp32 ``[1]`` multiplier
+    ``scale`` ``[K_pad / G, N_pad]`` (bf16, fp16 or fp32: converted to x's dtype in the kernel);
+    ``zero`` optional ``[K_pad / G, N_pad]``: ``zero − 8`` (int4 asymmetric), subtracted before
+    scaling. ``perm``: act-order gather of x's columns; ``global_scale``: optional fp32 ``[1]`` multiplier
     (NVFP4). ``group_size`` in stored rows.
     """
 
@@ -189,9 +188,8 @@ def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None
     """Lays 4-bit codes ``q`` ``[K, N]`` (0..15) out for the Mosaic GPU kernel: ``[N_pad, K_pad]``
     signed int4, scales and zeros ``[K_pad / G, N_pad]``. ``lut``: ``"int4"`` (value ``code − 8``,
     or ``code − zero``), ``"e2m1"`` (FP4; optional ``global_scale``) or a table (``"nf4"``,
-    ``"fp4_bnb"``; both without zeros). Padded columns
-    have scale 0, so they are exactly 0; padded rows meet the zero columns ``gather_pad``
-    appends to x."""
+    ``"fp4_bnb"``; both without zeros). Padded columns have scale 0, so they are exactly 0;
+    padded rows meet the zero columns ``gather_pad`` appends to x."""
     lut = canonical_lut(lut)
     q = jnp.asarray(q)
     if q.ndim != 2 or 0 in q.shape or not jnp.issubdtype(q.dtype, jnp.integer):

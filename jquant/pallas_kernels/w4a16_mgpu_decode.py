@@ -159,7 +159,7 @@ def decode_table_jnp(w, values, dtype):
     return out.astype(dtype)
 
 
-# ---- both, in the kernel ---------------------------------------------------------------------------
+# ---- both, in the kernel ------------------------------------------------------------------------
 def _inline_decode(w, dtype, asm: str, regs_per_call: int):
     """Runs ``asm`` on ``w``'s registers (int4 ``[rows, K]`` in wgmma's register layout, two codes
     per register), ``regs_per_call`` zero-extended bytes in and as many 16-bit pairs out."""
@@ -174,7 +174,8 @@ def _inline_decode(w, dtype, asm: str, regs_per_call: int):
     def decode(_, arr):
         i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
         out_ty = ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(dtype))
-        result_ty = i32 if regs_per_call == 1 else llvm.StructType.get_literal([i32] * regs_per_call)
+        result_ty = (i32 if regs_per_call == 1
+                     else llvm.StructType.get_literal([i32] * regs_per_call))
         constraints = ",".join(["=r"] * regs_per_call + ["r"] * regs_per_call)
         indices = [idx for idx, _ in np.ndenumerate(arr.registers)]
         regs = np.empty_like(arr.registers)
@@ -184,7 +185,8 @@ def _inline_decode(w, dtype, asm: str, regs_per_call: int):
             for idx in group:
                 reg = arr.registers[idx]
                 if ir.VectorType(reg.type).shape != [2]:
-                    raise NotImplementedError(f"the decode expects 2 codes per register, got {reg.type}")
+                    raise NotImplementedError(
+                        f"the decode expects 2 codes per register, got {reg.type}")
                 inputs.append(arith.extui(i32, mgpu_utils.bitcast(reg, i8)))
             inputs += inputs[-1:] * (regs_per_call - len(inputs))   # an odd last group
             out = llvm.inline_asm(result_ty, inputs, asm, constraints)
