@@ -152,3 +152,8 @@ def test_table_twin_matches_the_table(dtype):
     got = decode.decode_table_jnp(decode.signed_int4(jnp.asarray(codes)), NF4, dtype)
     assert got.dtype == dtype
     np.testing.assert_array_equal(np.asarray(got), NF4.astype(jnp.dtype(dtype))[codes])
+
+
+def test_decode_refuses_a_non_16_bit_dtype():
+    with pytest.raises(TypeError, match=r"bf16 or fp16 .* float32 for codes of shape \(2, 64\)"):
+        decode.decode_codes(jnp.zeros((2, 64), jnp.int4), jnp.float32, lut="nf4", interpret=True)

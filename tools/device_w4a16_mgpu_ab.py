@@ -24,16 +24,16 @@ def log(msg):
     print(f"[{time.time() - START:7.1f}s] {msg}", flush=True)
 
 
-def weight_operands(n: int, k: int, key, scheme: str = "int4_g128"):
+def weight_operands(n: int, k: int, key, scheme: str = "int4_g128", with_bf16: bool = True):
     """A random ``scheme`` weight (int4 g128 unless named), L2-defeating copies of its NK
-    packing, and bf16 weights for XLA."""
+    packing, and (``with_bf16``; else []) bf16 weights for XLA."""
     weight = bench.make_weight(scheme, n, k, key)
     packed = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"],
                         lut=weight["lut"], global_scale=weight["global_scale"])
     packs = [packed] + [jax.tree_util.tree_map(lambda a: a.copy(), packed)
                         for _ in range(copies_for(packed.nbytes, max_copies=8) - 1)]
     w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
-              for c in range(copies_for(k * n * 2, max_copies=4))]
+              for c in range(copies_for(k * n * 2, max_copies=4) if with_bf16 else 0)]
     return weight, packs, w_bf16
 
 
@@ -170,10 +170,11 @@ def codebook_ab(out: pathlib.Path, plan=CODEBOOK_AB_PLAN, interpret: bool = Fals
         xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
         cands, configs = {}, {}
         for scheme in ("int4_g128", "mxfp4", "nvfp4", "nf4"):
-            _, packs, w_bf16 = weight_operands(n, k, key, scheme)
+            first = "xla_bf16" not in cands   # one XLA baseline per cell
+            _, packs, w_bf16 = weight_operands(n, k, key, scheme, with_bf16=first)
             if interpret:
                 packs, w_bf16 = packs[:1], w_bf16[:1]
-            if "xla_bf16" not in cands:
+            if first:
                 cands["xla_bf16"] = (jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)])
             cfg = configs[scheme] = configs[scheme + "_kernel_only"] = default_mgpu_config(m, packs[0])
             call = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu_matmul(x, p, config=cfg,

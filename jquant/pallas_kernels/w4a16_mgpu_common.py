@@ -130,9 +130,9 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
     ``w_smem`` ``[bn, bk]`` int4, ``x_smem`` ``[bm, bk]``, ``s_smem`` / ``z_smem`` (or None)
     ``[s_rows, bn]``; ``rows`` (a slice or ``pl.ds``) picks the warpgroup's weight rows;
     ``lut``: the code book of ``w_smem`` (``decode_codes``: E2M1 and tables are decoded with
-    inline PTX, or in interpret mode with XLA twins); ``chunks`` (default: all) the 64-wide K chunks of
-    the step to run; ``scaled=False`` leaves
-    the scales out (the caller applies them to a per-group accumulator). Each chunk is decoded
+    inline PTX, or in interpret mode with XLA twins); ``chunks`` (default: all) the 64-wide K
+    chunks of the step to run; ``scaled=False`` leaves the scales out (the caller applies them to
+    a per-group accumulator). Each chunk is decoded
     into registers while the previous chunk's wgmma runs (``wgmma_wait(1)``), so the last wgmma
     is still in flight on return: the caller releases x's slot one step late. ``a_scratch``
     (interpret mode, whose wgmma reads A only from shared memory) routes each decoded chunk

@@ -202,6 +202,9 @@ def decode_codes(w, dtype, *, lut: str, interpret: bool):
     """The tile's stored 4-bit codes → values in ``dtype`` (bf16 / fp16), inside the kernel:
     ``lut`` ``"int4"`` (``code − 8`` stored as int4: Mosaic GPU's conversion), ``"e2m1"``
     (``pack_e2m1_pairs``) or a table (``lut_values(lut)``, codes as stored: NF4, bnb FP4)."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise TypeError(f"codes decode to bf16 or fp16 (wgmma's 16-bit operand), got dtype "
+                        f"{jnp.dtype(dtype)} for codes of shape {tuple(w.shape)}")
     if lut == "int4":
         return w.astype(dtype)
     if lut == "e2m1":
