@@ -79,8 +79,7 @@ CASES = [  # k, n, group, zeros (or a code book: "e2m1", "nf4", "fp4_bnb"), scal
     (512, 256, 128, None, "bf16", False, 1, jnp.bfloat16, False, None),
     (576, 200, 64, "int", "f16", False, 5, jnp.float16, True, None),      # N, K off the tiles
     (1000, 130, -1, None, "f32", False, 20,  jnp.bfloat16, False,          # per-channel, 3 M tiles
-     MgpuConfig(block_n=64, block_k=64, block_m=8, split_k=1, max_concurrent_steps=3,
-                wide_loads=True)),
+     MgpuConfig(block_n=64, block_k=64, block_m=8, split_k=1, max_concurrent_steps=3)),
     (512, 128, 128, None, "bf16", True, 16, jnp.bfloat16, True,           # act-order, split-K 2
      MgpuConfig(block_n=128, block_k=128, block_m=16, split_k=2, max_concurrent_steps=2)),
     (1024, 64, 256, "int", "bf16", False, 3, jnp.float16, False,          # groups span 2 steps
@@ -116,12 +115,25 @@ CASES = [  # k, n, group, zeros (or a code book: "e2m1", "nf4", "fp4_bnb"), scal
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_kernel_matches_numpy_and_reference(case):
+    _check_case(case, word_order=True)
+
+
+# zeros and fp16, MXFP4, NVFP4 with 64-byte rows, NF4, WS with NF4
+@pytest.mark.parametrize("case", [1, 5, 12, 13, 16])
+def test_kernel_reads_weights_in_k_order(case):
+    """Weights stored in K order (a byte load per pair of codes) give the same results."""
+    _check_case(case, word_order=False)
+
+
+def _check_case(case, word_order):
     k, n, group, zeros, scale, act, m, x_dtype, bias, cfg = CASES[case]
     rng = np.random.default_rng(10 + case)
     lut = zeros if zeros in ("e2m1", "nf4", "fp4_bnb") else "int4"
     q, s, z, g_idx = _weight(rng, k, n, group, None if lut != "int4" else zeros, scale, act)
     gs = 0.03 if scale == "e4m3" else None
-    packed = prepack_nk(q, s, z, group_size=group, g_idx=g_idx, lut=lut, global_scale=gs)
+    packed = prepack_nk(q, s, z, group_size=group, g_idx=g_idx, lut=lut, global_scale=gs,
+                        word_order=word_order)
+    assert packed.word_order == word_order
     x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
     b = jnp.asarray(rng.standard_normal(n), jnp.float32) if bias else None
     # Interpret mode starts every output buffer as NaN, so a tile the kernel never wrote shows.
@@ -183,8 +195,8 @@ class TestUnderJit(chex.TestCase):
 # ---- lowering for the GPU (what interpret mode cannot check) --------------------------------------
 @pytest.mark.parametrize("m,cfg,lut,group", [
     (1, None, "int4", 128), (16, None, "int4", 128), (100, None, "int4", 128),
-    (8, MgpuConfig(block_n=128, block_k=64, block_m=8, split_k=1, max_concurrent_steps=4,
-                   wide_loads=True), "int4", 128),
+    (8, MgpuConfig(block_n=128, block_k=64, block_m=8, split_k=1, max_concurrent_steps=4),
+     "int4", 128),
     (1, None, "e2m1", 32), (16, None, "e2m1", 16), (1, None, "nf4", 64), (64, None, "nf4", 64),
     (128, MgpuConfig(block_n=256, block_k=128, block_m=128, split_k=1, max_concurrent_steps=3,
                      compute_wgs=2), "int4", 128),
@@ -207,15 +219,18 @@ def test_kernel_lowers_for_sm90(m, cfg, lut, group):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
-@pytest.mark.parametrize("lut,x_dtype,compute_wgs", [
-    ("e2m1", jnp.bfloat16, 1), ("e2m1", jnp.float16, 1), ("e2m1", jnp.float16, 2),
-    ("nf4", jnp.bfloat16, 1), ("nf4", jnp.float16, 2)])
-def test_fp4_nf4_lower_with_the_inline_ptx_decode(lut, x_dtype, compute_wgs):
-    """FP4 and NF4 tiles go through their inline-PTX decodes (which interpret mode replaces by XLA
-    twins) in both kernels and both activation dtypes."""
+@pytest.mark.parametrize("lut,x_dtype,compute_wgs,word_order", [
+    ("e2m1", jnp.bfloat16, 1, True), ("e2m1", jnp.float16, 1, True),
+    ("e2m1", jnp.float16, 2, True), ("nf4", jnp.bfloat16, 1, True), ("nf4", jnp.float16, 2, True),
+    ("int4", jnp.bfloat16, 1, True), ("int4", jnp.float16, 2, True),
+    ("e2m1", jnp.bfloat16, 1, False), ("nf4", jnp.float16, 2, False)])
+def test_decodes_lower_with_their_inline_ptx(lut, x_dtype, compute_wgs, word_order):
+    """The inline-PTX decodes (which interpret mode replaces by XLA twins) are in the lowered
+    kernels, both kernels, both activation dtypes, both weight orders; int4 in K order is Mosaic
+    GPU's own conversion."""
     rng = np.random.default_rng(6)
     q, s, _, _ = _weight(rng, 512, 256, 64, zeros=None)
-    packed = prepack_nk(q, s, group_size=64, lut=lut)
+    packed = prepack_nk(q, s, group_size=64, lut=lut, word_order=word_order)
     cfg = MgpuConfig(block_n=64 * compute_wgs, block_k=256, block_m=8, split_k=2,
                      max_concurrent_steps=2, compute_wgs=compute_wgs, wide_rows=True)
     xs = jnp.zeros((1, packed.k_pad), x_dtype)
@@ -223,6 +238,10 @@ def test_fp4_nf4_lower_with_the_inline_ptx_decode(lut, x_dtype, compute_wgs):
                                platforms=["cuda"])(xs, packed).mlir_module()
     if lut == "nf4":
         assert "prmt.b32 $0, l, h, 0x5140" in module
+        assert ("prmt.b32 $3, l, h, 0x7362" in module) == word_order   # 4 registers a call
+        assert ("prmt.b32 pl, $5, $6, idx" in module) == word_order    # the table as operands
+    elif lut == "int4":
+        assert "lop3.b32 t, $4, 0x000f000f, m, 0x6a" in module
     else:
         unscale = "mul.rn.bf16x2" if x_dtype == jnp.bfloat16 else "mul.rn.f16x2"
         assert unscale in module and "mul.lo.u32" in module
@@ -246,7 +265,7 @@ def test_default_configs_are_valid_launches(n, k, group, m):
                              and cfg.block_k % g == 0)
     # One-warpgroup launches stage the weight in 128-byte rows (the warp-specialized ones step
     # 64 codes at a time, where there is one row width only).
-    assert cfg.wide_rows == (cfg.compute_wgs == 1) and not cfg.wide_loads
+    assert cfg.wide_rows == (cfg.compute_wgs == 1)
 
 
 def test_dispatch_by_device_and_m(monkeypatch):
@@ -296,7 +315,6 @@ def test_layout_and_impl_mismatches_are_errors():
     (MgpuConfig(block_n=64, compute_wgs=2), "block_n=64 must be a multiple of 64·compute_wgs"),
     (MgpuConfig(block_k=64, group_acc=True), "group_acc needs .* dividing block_k=64"),
     (MgpuConfig(block_n=128, compute_wgs=2, group_acc=True), "group_acc needs one compute warpgroup"),
-    (MgpuConfig(wide_rows=True, wide_loads=True), "wide_rows and wide_loads .* pick one"),
 ])
 def test_bad_launches_name_the_parameter(cfg, match):
     rng = np.random.default_rng(7)

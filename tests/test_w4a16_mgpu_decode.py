@@ -1,6 +1,7 @@
-"""The Mosaic GPU kernel's inline-PTX decodes, run on every input in numpy: E2M1 pairs against
-ml_dtypes, 16-entry tables (NF4) through an emulation of ``prmt``; their interpret-mode twins; the
-E2M1 pack / unpack round trip."""
+"""The Mosaic GPU kernel's inline-PTX decodes, run in numpy: E2M1 pairs against ml_dtypes on every
+byte, 16-entry tables (NF4) through an emulation of the PTX on every pair of bytes, the word-order
+decodes (8 codes per register) through the same emulation; their interpret-mode twins; the E2M1
+pack / unpack and word-order round trips."""
 
 import hypothesis.strategies as st
 import jax.numpy as jnp
@@ -98,31 +99,56 @@ def _prmt(a, b, sel):
     return out
 
 
-def _run_table_ptx(asm, r0, r1):
-    """Executes the table decode's PTX (``_table_ptx``: mad, and, shr, lop3, prmt) line by line."""
-    regs = {"$2": r0, "$3": r1}
+_HALF = {"bf16x2": ml_dtypes.bfloat16, "f16x2": np.float16}
+
+
+def _half_op(op, a, b, kind):
+    """A bf16x2 / f16x2 op on uint64 arrays of packed pairs: each half in fp32, rounded once
+    (exact for the decodes' operands: products of 16-bit values, sums of integers < 2^8)."""
+    dt = _HALF[kind]
+    out = np.zeros(np.broadcast(a, b).shape, np.uint64)
+    for shift in (0, 16):
+        x, y = ((v >> np.uint64(shift)) & np.uint64(0xFFFF) for v in (a, b))
+        x, y = (v.astype(np.uint16).view(dt).astype(np.float32) for v in (x, y))
+        r = op(x, y).astype(dt).view(np.uint16).astype(np.uint64)
+        out |= r << np.uint64(shift)
+    return out
+
+
+def _run_ptx(asm, **inputs):
+    """Executes a decode's PTX (the ops ``w4a16_mgpu_decode`` emits) line by line on uint64
+    arrays holding 32-bit values; ``inputs`` name its operands (``r2=...`` for ``$2``)."""
+    regs = {f"${name[1:]}": np.asarray(v, np.uint64) for name, v in inputs.items()}
     val = lambda t: regs[t] if t in regs else np.uint64(int(t, 16) if t.startswith("0x") else int(t))
+    m32 = lambda v: v % np.uint64(2**32)
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
-        if not line or line[0] in "{}." :
+        if not line or line[0] in "{}.":
             continue
         op, args = line.split(None, 1)
         d, *src = [t.strip() for t in args.split(",")]
         x = [val(t) for t in src]
-        if op == "mad.lo.u32":
-            regs[d] = (x[0] * x[1] + x[2]) % 2**32
+        kind = op.rsplit(".", 1)[-1]
+        if op == "mov.b32":
+            regs[d] = x[0]
+        elif op == "mad.lo.u32":
+            regs[d] = m32(x[0] * x[1] + x[2])
+        elif op == "mul.lo.u32":
+            regs[d] = m32(x[0] * x[1])
         elif op == "and.b32":
             regs[d] = x[0] & x[1]
         elif op == "shr.u32":
             regs[d] = x[0] >> x[1]
         elif op == "lop3.b32":
-            assert src[3] == "0xEA"   # (a & b) | c
-            regs[d] = (x[0] & x[1]) | x[2]
+            regs[d] = {"0xEA": (x[0] & x[1]) | x[2], "0x6a": (x[0] & x[1]) ^ x[2]}[src[3]]
         elif op == "prmt.b32":
             regs[d] = _prmt(x[0], x[1], x[2])
+        elif op.startswith(("sub.rn.", "mul.rn.")):
+            fn = np.subtract if op.startswith("sub") else np.multiply
+            regs[d] = _half_op(fn, x[0], x[1], kind)
         else:
             raise AssertionError(f"op {op} has no emulation")
-    return regs["$0"], regs["$1"]
+    return regs
 
 
 @pytest.mark.parametrize("table", [NF4, FP4_BNB], ids=["nf4", "fp4_bnb"])
@@ -130,7 +156,8 @@ def _run_table_ptx(asm, r0, r1):
 def test_table_ptx_decodes_every_pair_of_bytes(dtype, table):
     """All 65536 (byte, byte) inputs of one PTX call: 4 codes → 4 table entries, bit-exact."""
     b0, b1 = (a.ravel().astype(np.uint64) for a in np.meshgrid(np.arange(256), np.arange(256)))
-    out0, out1 = _run_table_ptx(decode._table_ptx(table, dtype), b0, b1)
+    regs = _run_ptx(decode._table_ptx(table, dtype), r2=b0, r3=b1)
+    out0, out1 = regs["$0"], regs["$1"]
     codes = np.stack([b0 & 15, b0 >> 4, b1 & 15, b1 >> 4], -1).astype(np.int64)
     got = np.stack([out0 & 0xFFFF, out0 >> 16, out1 & 0xFFFF, out1 >> 16], -1).astype(np.uint16)
     want = table.astype(jnp.dtype(dtype))[codes]
@@ -157,3 +184,70 @@ def test_table_twin_matches_the_table(dtype):
 def test_decode_refuses_a_non_16_bit_dtype():
     with pytest.raises(TypeError, match=r"bf16 or fp16 .* float32 for codes of shape \(2, 64\)"):
         decode.decode_codes(jnp.zeros((2, 64), jnp.int4), jnp.float32, lut="nf4", interpret=True)
+
+
+# ---- word order: 8 codes per 32-bit register ----------------------------------------------------
+LUTS = ["int4", "e2m1", "nf4", "fp4_bnb"]
+
+
+def _values(lut, codes, dtype):
+    """What each code means: int4 codes are stored values (code − 8) already."""
+    if lut == "int4":
+        return codes.astype(np.float32)
+    table = {"e2m1": VALUES, "nf4": NF4, "fp4_bnb": FP4_BNB}[lut]
+    return np.asarray(table, np.float32).astype(jnp.dtype(dtype)).astype(np.float32)[codes]
+
+
+def _stored_words(lut, codes):
+    """``codes`` ``[rows, 32]`` (int4 values, or codes 0..15) → the stored block's four 32-bit
+    words (thread c's word is c), as the kernel's shared memory holds them."""
+    stored = (decode.pack_e2m1_pairs(codes) if lut == "e2m1"
+              else decode.signed_int4(jnp.asarray(codes) & 0xF))
+    nib = np.asarray(decode.to_word_order(stored, lut)).astype(np.int64) & 0xF
+    nib = nib.reshape(-1, 4, 8).astype(np.uint64)
+    return np.sum(nib << (np.uint64(4) * np.arange(8, dtype=np.uint64)), axis=-1, dtype=np.uint64)
+
+
+@pytest.mark.parametrize("lut", LUTS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_word_ptx_gives_wgmma_registers(lut, dtype):
+    """Thread c's word, decoded by the PTX, is wgmma's registers of that thread: output q holds
+    the block's K columns 8q + 2c and 8q + 2c + 1, for every code at every position."""
+    rng = np.random.default_rng(7)
+    lo = -8 if lut == "int4" else 0
+    # Every code at every position (a code per row, rolled), then random rows.
+    ramp = (np.arange(16)[:, None] + np.arange(32)[None, :]) % 16 + lo
+    codes = np.concatenate([ramp, rng.integers(lo, lo + 16, (4000, 32))])
+    words = _stored_words(lut, codes)
+    want = _values(lut, codes, dtype)
+    operands = {f"r{5 + i}": v for i, v in enumerate(decode.word_ptx_operands(lut, dtype))}
+    for c in range(4):
+        regs = _run_ptx(decode.word_ptx(lut, dtype), r4=words[:, c], **operands)
+        for q in range(4):
+            got = np.stack([regs[f"${q}"] & 0xFFFF, regs[f"${q}"] >> 16], -1).astype(np.uint16)
+            got = got.view(jnp.dtype(dtype)).astype(np.float32)
+            _assert_same_values(got, want[:, [8 * q + 2 * c, 8 * q + 2 * c + 1]])
+
+
+@pytest.mark.parametrize("lut", LUTS)
+def test_word_order_round_trip_and_bad_k(lut):
+    codes = jnp.asarray(np.random.default_rng(8).integers(-8, 8, (3, 96)), jnp.int4)
+    stored = decode.to_word_order(codes, lut)
+    assert stored.dtype == jnp.int4 and not np.array_equal(np.asarray(stored), np.asarray(codes))
+    np.testing.assert_array_equal(np.asarray(decode.from_word_order(stored, lut)),
+                                  np.asarray(codes))
+    assert sorted(decode.word_order_sources(lut)) == list(range(32))
+    with pytest.raises(ValueError, match=r"blocks of 32 codes.*\(3, 48\)"):
+        decode.to_word_order(codes[:, :48], lut)
+
+
+@pytest.mark.parametrize("lut", LUTS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_word_twin_matches_the_byte_decode(lut, dtype):
+    """Interpret mode's word decode is the K-order decode of the same codes."""
+    codes = np.random.default_rng(9).integers(0, 16, (8, 64))
+    stored = (decode.pack_e2m1_pairs(codes) if lut == "e2m1"
+              else decode.signed_int4(jnp.asarray(codes)))
+    want = decode.decode_codes(stored, dtype, lut=lut, interpret=True)
+    got = decode.decode_words(decode.to_word_order(stored, lut), dtype, lut=lut, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

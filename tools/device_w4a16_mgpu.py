@@ -3,11 +3,12 @@ against XLA bf16 (and the Triton kernels at M = 1) measured in the same process.
 
 PYTHONPATH=. python3 tools/device_w4a16_mgpu.py --out $OUT [--quick] [--skip-sweep]
     [--ab] [--group-acc-ab] [--latency-probe] [--wide-rows] [--ws-wide] [--ws-small-m]
-    [--copy-probe] [--codebook-ab]
+    [--copy-probe] [--codebook-ab] [--word-order-ab] [--small-m-launch-ab]
     [--skip-correctness]
 Writes mgpu_correctness.json and mgpu_sweep.json, and one JSON per extra stage (rewritten after
 each cell): mgpu_ab.json, group_acc_ab.json, latency_probe.json, wide_rows_ab.json, ws_wide_ab.json,
-ws_small_m_ab.json, copy_probe.json, codebook_ab.json;
+ws_small_m_ab.json, copy_probe.json, codebook_ab.json, word_order_ab.json,
+small_m_launch_ab.json;
 gpu_state.txt logs nvidia-smi's clocks and other processes between stages. The A/B stages live in
 device_w4a16_mgpu_ab.py, the probes in device_w4a16_mgpu_probes.py (beside this file).
 """
@@ -34,9 +35,11 @@ from jquant.formats import bnb
 from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
                                               w4a16_mgpu, w4a16_mgpu_matmul)
 from jquant.pallas_kernels.w4a16_mgpu_common import group_acc_fits
-from tools.device_w4a16_mgpu_ab import (CODEBOOK_AB_PLAN, WIDE_ROWS_PLAN, WS_SMALL_M_PLAN,
-                                        WS_WIDE_PLAN, codebook_ab, launch_ab, log, record_cell,
-                                        weight_operands, wide_rows_variants, ws_launches,
+from tools.device_w4a16_mgpu_ab import (CODEBOOK_AB_PLAN, SMALL_M_LAUNCH_PLAN, WIDE_ROWS_PLAN,
+                                        WORD_ORDER_AB_PLAN, WS_SMALL_M_PLAN, WS_WIDE_PLAN,
+                                        codebook_ab, launch_ab, log, record_cell,
+                                        small_m_launch_variants, weight_operands,
+                                        wide_rows_variants, word_order_ab, ws_launches,
                                         ws_small_m_variants, ws_wide_variants)
 from tools.device_w4a16_mgpu_probes import copy_probe, gpu_state, latency_probe
 
@@ -83,15 +86,15 @@ def correctness(luts=("int4", "e2m1", "nf4", "fp4_bnb")) -> list[dict]:
         case = dict(k=k, n=n, group=g, zeros=zeros, scale=sdt, m=m, x=jnp.dtype(xdt).name, act=act)
         base = default_mgpu_config(min(m, 128), packed)
         ws = [c for c in ws_launches(m, packed) if c.block_m == base.block_m]
-        # The default (128-byte rows unless warp-specialized), 32-byte rows read 8 or 2 codes
-        # per load, the WS launches with both row widths, group_acc flipped.
+        # The default (128-byte rows unless warp-specialized), 32-byte rows, the WS launches
+        # with both row widths, group_acc flipped.
         narrow = dataclasses.replace(base, wide_rows=False)
-        alts = [base, narrow, dataclasses.replace(narrow, wide_loads=True)] + ws[:2]
+        alts = [base, narrow] + ws[:2]
         alts += [dataclasses.replace(c, wide_rows=True) for c in ws[:1]]
         if group_acc_fits(packed.group_size, base.block_k, base.compute_wgs):
             alts.append(dataclasses.replace(base, group_acc=not base.group_acc))
         for cfg in dict.fromkeys(alts):
-            rec = dict(case, wide_loads=cfg.wide_loads, wide_rows=cfg.wide_rows,
+            rec = dict(case, word_order=packed.word_order, wide_rows=cfg.wide_rows,
                        compute_wgs=cfg.compute_wgs, group_acc=cfg.group_acc)
             try:
                 got = jax.jit(lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg))(jnp.asarray(x, xdt), packed)
@@ -191,13 +194,10 @@ def ab(out: pathlib.Path, ms=(1, 16, 32, 64, 128, 256)) -> list[dict]:
             xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
             base = default_mgpu_config(m, packed)
             alts = [base] + ws_launches(m, packed)
-            if m == 1:
-                alts.append(dataclasses.replace(alts[1], wide_loads=True))
             cands = {"xla_bf16": (jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)])}
             for cfg in alts:
                 label = (f"{'ws ' if cfg.compute_wgs > 1 else ''}bn{cfg.block_n} bk{cfg.block_k} "
-                         f"st{cfg.max_concurrent_steps} sp{cfg.split_k}"
-                         f"{' wide' if cfg.wide_loads else ''}")
+                         f"st{cfg.max_concurrent_steps} sp{cfg.split_k}")
                 fn = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu_matmul(x, p, config=cfg))
                 try:   # compiled alone first, so one launch that fails does not sink the cell
                     jax.block_until_ready(fn(xs[0], packs[0]))
@@ -270,16 +270,16 @@ def compile_for_sass() -> None:
     kernel; the SASS dump needs nvdisasm, which the H200 machine lacks)."""
     key = jax.random.PRNGKey(0)
     n, k = 4096, 4096
-    for scheme in ("int4_g128", "mxfp4", "nf4"):
+    for scheme, word_order in itertools.product(("int4_g128", "mxfp4", "nf4"), (True, False)):
         weight = bench.make_weight(scheme, n, k, key)
         packed = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"],
-                            lut=weight["lut"])
+                            lut=weight["lut"], word_order=word_order)
         for m in ((1, 128) if scheme == "int4_g128" else (1,)):
             x = jax.random.normal(key, (m, k), jnp.bfloat16)
             for cfg in [default_mgpu_config(m, packed)] + ws_launches(m, packed)[:1]:
                 fn = jax.jit(lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg))
                 jax.block_until_ready(fn(x, packed))
-                log(f"compiled {scheme} M={m} {cfg}")
+                log(f"compiled {scheme} word_order={word_order} M={m} {cfg}")
 
 
 def main(argv=None) -> int:
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-sweep", action="store_true")
-    parser.add_argument("--ab", action="store_true", help="default launch vs wide loads and alternatives")
+    parser.add_argument("--ab", action="store_true", help="default launch vs WS launches")
     parser.add_argument("--group-acc-ab", action="store_true", help="per-group fp32 scaling A/B")
     parser.add_argument("--latency-probe", action="store_true", help="where an M = 1 CTA's time goes")
     parser.add_argument("--wide-rows", action="store_true", help="128-byte weight rows A/B")
@@ -296,11 +296,17 @@ def main(argv=None) -> int:
     parser.add_argument("--copy-probe", action="store_true", help="TMA copy rate by tile shape")
     parser.add_argument("--codebook-ab", action="store_true",
                         help="int4 / MXFP4 / NVFP4 / NF4 round-robin")
+    parser.add_argument("--word-order-ab", action="store_true",
+                        help="each code book in word order vs K order, kernel alone")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--luts", default="int4,e2m1,nf4,fp4_bnb",
                         help="code books the correctness stage runs")
     parser.add_argument("--ab-cells", default=None,
-                        help="NxKxM list for --codebook-ab, e.g. 8192x8192x1")
+                        help="NxKxM list for --codebook-ab / --word-order-ab, e.g. 8192x8192x1")
+    parser.add_argument("--schemes", default="int4_g128,mxfp4,nvfp4,nf4",
+                        help="code books --word-order-ab times")
+    parser.add_argument("--small-m-launch-ab", action="store_true",
+                        help="the M ≤ 16 default launch against its neighbours")
     parser.add_argument("--sass-only", action="store_true", help="compile a few launches, nothing else")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
@@ -313,15 +319,18 @@ def main(argv=None) -> int:
     if args.copy_probe:
         copy_probe(out)
         gpu_state(out, "after copy probe")
+    cells = (tuple(tuple(int(v) for v in c.split("x")) for c in args.ab_cells.split(","))
+             if args.ab_cells else None)
     if not args.skip_correctness:
         res = correctness(tuple(args.luts.split(",")))
         (out / "mgpu_correctness.json").write_text(json.dumps(res, indent=1))
         log(f"correctness {sum(r['ok'] for r in res)}/{len(res)}")
     if args.codebook_ab:
-        cells = (tuple(tuple(int(v) for v in c.split("x")) for c in args.ab_cells.split(","))
-                 if args.ab_cells else CODEBOOK_AB_PLAN)
-        codebook_ab(out, cells)
+        codebook_ab(out, cells or CODEBOOK_AB_PLAN)
         gpu_state(out, "after code book ab")
+    if args.word_order_ab:
+        word_order_ab(out, cells or WORD_ORDER_AB_PLAN, schemes=tuple(args.schemes.split(",")))
+        gpu_state(out, "after word order ab")
     if args.group_acc_ab:
         group_acc_ab(out)
     if args.latency_probe:
@@ -332,6 +341,9 @@ def main(argv=None) -> int:
         gpu_state(out, "after wide rows")
     if args.ws_wide:
         launch_ab(out, WS_WIDE_PLAN, ws_wide_variants, "ws_wide_ab.json")
+    if args.small_m_launch_ab:
+        launch_ab(out, SMALL_M_LAUNCH_PLAN, small_m_launch_variants, "small_m_launch_ab.json")
+        gpu_state(out, "after small-M launches")
     if args.ws_small_m:
         launch_ab(out, WS_SMALL_M_PLAN, ws_small_m_variants, "ws_small_m_ab.json")
         gpu_state(out, "after ws small m")

@@ -24,12 +24,14 @@ def log(msg):
     print(f"[{time.time() - START:7.1f}s] {msg}", flush=True)
 
 
-def weight_operands(n: int, k: int, key, scheme: str = "int4_g128", with_bf16: bool = True):
+def weight_operands(n: int, k: int, key, scheme: str = "int4_g128", with_bf16: bool = True,
+                    word_order: bool = True):
     """A random ``scheme`` weight (int4 g128 unless named), L2-defeating copies of its NK
-    packing, and (``with_bf16``; else []) bf16 weights for XLA."""
+    packing (in word order unless told), and (``with_bf16``; else []) bf16 weights for XLA."""
     weight = bench.make_weight(scheme, n, k, key)
     packed = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"],
-                        lut=weight["lut"], global_scale=weight["global_scale"])
+                        lut=weight["lut"], global_scale=weight["global_scale"],
+                        word_order=word_order)
     packs = [packed] + [jax.tree_util.tree_map(lambda a: a.copy(), packed)
                         for _ in range(copies_for(packed.nbytes, max_copies=8) - 1)]
     w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
@@ -157,6 +159,27 @@ def wide_rows_variants(base, packed, m) -> dict:
     return alts
 
 
+SMALL_M_LAUNCH_PLAN = (("int4_g128", 28672, 8192, 1), ("int4_g128", 8192, 28672, 1),
+                       ("int4_g128", 8192, 8192, 1), ("int4_g128", 28672, 8192, 16))
+
+
+def small_m_launch_variants(base, packed, m) -> dict:
+    """Around the M ≤ 16 default (64 rows, 256-code steps, 3 stages, split-K 8 at M = 1): the
+    split, the depth, the step and the x tile one notch either way, now that the decode takes
+    fewer instructions (word order)."""
+    del m
+    alts = {f"sp{sp}": dataclasses.replace(base, split_k=sp) for sp in (2, 4, 8, 16)
+            if sp != base.split_k}
+    alts.update({f"st{st}": dataclasses.replace(base, max_concurrent_steps=st) for st in (2, 4, 6)})
+    alts["bk512"] = dataclasses.replace(base, block_k=512)
+    alts["bk128"] = dataclasses.replace(base, block_k=128)
+    alts["bn128"] = dataclasses.replace(base, block_n=128)
+    alts["bm16"] = dataclasses.replace(base, block_m=16)
+    return {name: cfg for name, cfg in alts.items()
+            if not packed.k_pad % (cfg.split_k * cfg.block_k)
+            and packed.k_pad // (cfg.split_k * cfg.block_k) >= 2}
+
+
 CODEBOOK_AB_PLAN = ((28672, 8192, 1), (28672, 8192, 16), (8192, 28672, 1), (8192, 8192, 1))
 
 
@@ -187,3 +210,44 @@ def codebook_ab(out: pathlib.Path, plan=CODEBOOK_AB_PLAN, interpret: bool = Fals
                     out / "codebook_ab.json")
         del cands
     return rows
+
+
+WORD_ORDER_AB_PLAN = ((28672, 8192, 1), (28672, 8192, 16), (8192, 8192, 1), (8192, 28672, 1),
+                      (28672, 8192, 64), (28672, 8192, 128))
+
+
+def word_order_ab(out: pathlib.Path, plan=WORD_ORDER_AB_PLAN, schemes=("int4_g128", "mxfp4",
+                  "nvfp4", "nf4"), interpret: bool = False) -> list[dict]:
+    """Each code book's default launch on weights in word order (a 32-bit load and one decode
+    call per 8 codes) against K order (a byte load per pair), kernel alone, plus the word-order
+    whole call and XLA bf16, in one round-robin per cell (``out``/word_order_ab.json)."""
+    rows = []
+    key = jax.random.PRNGKey(0)
+    for n, k, m in plan:
+        xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
+        cands, configs = {}, {}
+        for scheme in schemes:
+            for word_order in (True, False):
+                first = "xla_bf16" not in cands
+                _, packs, w_bf16 = weight_operands(n, k, key, scheme, with_bf16=first,
+                                                   word_order=word_order)
+                if interpret:
+                    packs, w_bf16 = packs[:1], w_bf16[:1]
+                if first:
+                    cands["xla_bf16"] = (jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)])
+                cfg = default_mgpu_config(m, packs[0])
+                name = f"{scheme}_{'word' if word_order else 'k'}_kernel_only"
+                configs[name] = cfg
+                args = [(xs[c % 4], p) for c, p in enumerate(packs)]
+                cands[name] = (jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu(
+                    x, p, config=cfg, interpret=interpret)), args)
+                if word_order:
+                    configs[scheme] = cfg
+                    cands[scheme] = (jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu_matmul(
+                        x, p, config=cfg, interpret=interpret)), args)
+        times = time_interleaved(cands, **(dict(warmup=1, reps=1) if interpret else {}))
+        record_cell(rows, times, configs, dict(N=n, K=k, M=m), f"{n}x{k} M={m}:",
+                    out / "word_order_ab.json")
+        del cands
+    return rows
+

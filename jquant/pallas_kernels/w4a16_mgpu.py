@@ -38,7 +38,8 @@ from jquant.pallas_kernels.w4a16_mgpu_common import (K_CHUNK, SUB_CHUNK_GROUPS, 
                                                      group_acc_fits,
                                                      launch_partials, load_weight_spans,
                                                      step_specs, weight_row_codes)
-from jquant.pallas_kernels.w4a16_mgpu_decode import (pack_e2m1_pairs, signed_int4,
+from jquant.pallas_kernels.w4a16_mgpu_decode import (from_word_order, pack_e2m1_pairs,
+                                                     signed_int4, to_word_order,
                                                      unpack_e2m1_pairs)
 from jquant.pallas_kernels.w4a16_mgpu_ws import w4a16_mgpu_ws
 from jquant.pallas_kernels.w4a16_layout import (_round_up, _sort_act_order, canonical_lut,
@@ -53,8 +54,9 @@ class PackedW4NK:
     (``lut="e2m1"``, ``pack_e2m1_pairs``), or table codes as they are (``"nf4"``, ``"fp4_bnb"``);
     ``scale`` ``[K_pad / G, N_pad]`` (bf16, fp16 or fp32: converted to x's dtype in the kernel);
     ``zero`` optional ``[K_pad / G, N_pad]``: ``zero − 8`` (int4 asymmetric), subtracted before
-    scaling. ``perm``: act-order gather of x's columns; ``global_scale``: optional fp32 ``[1]`` multiplier
-    (NVFP4). ``group_size`` in stored rows.
+    scaling. ``perm``: act-order gather of x's columns; ``global_scale``: optional fp32 ``[1]``
+    multiplier (NVFP4). ``group_size`` in stored rows. ``word_order``: ``data``'s K axis is
+    permuted within blocks of 32 codes (``to_word_order``).
     """
 
     data: jax.Array
@@ -66,6 +68,7 @@ class PackedW4NK:
     k: int = 0
     n: int = 0
     group_size: int = 0
+    word_order: bool = False
 
     @property
     def n_pad(self) -> int:
@@ -85,7 +88,7 @@ class PackedW4NK:
 
 jax.tree_util.register_dataclass(
     PackedW4NK, data_fields=["data", "scale", "zero", "perm", "global_scale"],
-    meta_fields=["lut", "k", "n", "group_size"])
+    meta_fields=["lut", "k", "n", "group_size", "word_order"])
 
 
 def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
@@ -116,7 +119,7 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
         def mma(w_smem, x_smem, s_smem, z_smem, acc_ref, **kw):
             decode_mma_step(w_smem, x_smem, s_smem, z_smem[0] if z_smem else None, acc_ref,
                             rows=slice(None), group_size=g, dtype=xs.dtype,
-                            lut=packed.lut, wide_loads=cfg.wide_loads,
+                            lut=packed.lut, word_order=packed.word_order,
                             interpret=interpret, row_codes=weight_row_codes(cfg),
                             a_scratch=a_scratch[0] if a_scratch else None, **kw)
 
@@ -131,7 +134,8 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
             *z_smem, total = rest
             per_group = g // K_CHUNK
             # Loaded here, outside the groups' scopes: a 256-code span holds two groups.
-            spans = load_weight_spans(w_smem, slice(None), weight_row_codes(cfg))
+            spans = load_weight_spans(w_smem, slice(None), weight_row_codes(cfg),
+                                      packed.word_order)
             for j in range(cfg.block_k // g):
                 def group_dot(acc_ref, j=j):
                     mma(w_smem, x_smem, s_smem, z_smem, acc_ref, scaled=False,
@@ -184,12 +188,13 @@ def _step_with_acc(step, acc_ref, idx, *refs):
 
 
 def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None, g_idx=None,
-               pad_k: int = K_CHUNK, pad_n: int = 128) -> PackedW4NK:
+               pad_k: int = K_CHUNK, pad_n: int = 128, word_order: bool = True) -> PackedW4NK:
     """Lays 4-bit codes ``q`` ``[K, N]`` (0..15) out for the Mosaic GPU kernel: ``[N_pad, K_pad]``
     signed int4, scales and zeros ``[K_pad / G, N_pad]``. ``lut``: ``"int4"`` (value ``code − 8``,
     or ``code − zero``), ``"e2m1"`` (FP4; optional ``global_scale``) or a table (``"nf4"``,
     ``"fp4_bnb"``; both without zeros). Padded columns have scale 0, so they are exactly 0;
-    padded rows meet the zero columns ``gather_pad`` appends to x."""
+    padded rows meet the zero columns ``gather_pad`` appends to x. ``word_order``: K permuted
+    within blocks of 32 codes (``to_word_order``) so the kernel reads a word per thread and row."""
     lut = canonical_lut(lut)
     q = jnp.asarray(q)
     if q.ndim != 2 or 0 in q.shape or not jnp.issubdtype(q.dtype, jnp.integer):
@@ -222,6 +227,8 @@ def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None
     else:   # a table (NF4, bnb FP4): the codes as they are
         zero_code = int(np.flatnonzero(lut_values(lut) == 0)[0])
         data = signed_int4(jnp.pad(codes & 0xF, pad, constant_values=zero_code))
+    if word_order:
+        data = to_word_order(data, lut)
 
     def per_group(values, dtype):
         rows = k_pad // group
@@ -237,7 +244,8 @@ def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None
         zz = per_group(jnp.asarray(zero, jnp.float32) - 8, jnp.bfloat16)
     gs = None if global_scale is None else jnp.asarray(global_scale, jnp.float32).reshape(1)
     return PackedW4NK(data=data, scale=per_group(scale, s_dtype), zero=zz, perm=perm,
-                      global_scale=gs, lut=lut, k=k, n=n, group_size=group)
+                      global_scale=gs, lut=lut, k=k, n=n, group_size=group,
+                      word_order=word_order)
 
 
 def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
@@ -303,11 +311,12 @@ def nk_compatible(group_size: int, k: int, lut: str = "int4") -> bool:
 
 def dequantize_nk(packed: PackedW4NK, dtype=jnp.float32) -> jax.Array:
     """The float weight ``[K_pad, N_pad]`` in stored row order, in fp32 math (padding is 0)."""
+    data = from_word_order(packed.data, packed.lut) if packed.word_order else packed.data
     if packed.lut == "int4":
-        values = packed.data.astype(jnp.float32).T
+        values = data.astype(jnp.float32).T
     else:
-        codes = (unpack_e2m1_pairs(packed.data) if packed.lut == "e2m1"
-                 else packed.data.astype(jnp.int32) & 0xF)
+        codes = (unpack_e2m1_pairs(data) if packed.lut == "e2m1"
+                 else data.astype(jnp.int32) & 0xF)
         values = jnp.asarray(lut_values(packed.lut))[codes].T
     rows = lambda t: jnp.repeat(t.astype(jnp.float32), packed.group_size, axis=0)
     if packed.zero is not None:

@@ -11,7 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.pallas_kernels.w4a16_layout import _round_up
-from jquant.pallas_kernels.w4a16_mgpu_decode import decode_codes
+from jquant.pallas_kernels.w4a16_mgpu_decode import decode_codes, decode_words
 
 # wgmma consumes K in chunks of one 128-byte swizzle atom of the 16-bit B operand.
 K_CHUNK = 64
@@ -28,8 +28,6 @@ class MgpuConfig:
     block_m: activation rows per CTA (wgmma N: a multiple of 8, at most 256).
     split_k: K ranges run by separate CTAs, summed by XLA afterwards.
     max_concurrent_steps: TMA pipeline depth.
-    wide_loads: read the int4 tile 8 codes per 32-bit load (Mosaic GPU's UPCAST_4X layout) and
-      shuffle into wgmma's layout, instead of 2 codes per 8-bit load.
     wide_rows: stage the weight tile in shared memory with 128-byte swizzle rows (256 codes; a
       64-byte swizzle at block_k = 128) instead of one 32-byte row per 64-code chunk, so the TMA
       copy moves 128-byte rows, and load each 256-code span into registers at once.
@@ -47,7 +45,6 @@ class MgpuConfig:
     block_m: int = 8
     split_k: int = 1
     max_concurrent_steps: int = 4
-    wide_loads: bool = False
     wide_rows: bool = False
     compute_wgs: int = 1
     group_acc: bool = False
@@ -55,7 +52,7 @@ class MgpuConfig:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("wide_loads", "wide_rows", "group_acc"):
+            if f.name in ("wide_rows", "group_acc"):
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"MgpuConfig.{f.name} must be a positive int, got {v!r}")
@@ -93,8 +90,6 @@ def check_launch(n_pad: int, k_pad: int, m_pad: int, group_size: int, cfg: MgpuC
         problems.append(f"group_acc needs one compute warpgroup and a group_size that is a "
                         f"multiple of {K_CHUNK} dividing block_k={cfg.block_k}, got group_size="
                         f"{g}, compute_wgs={cfg.compute_wgs}")
-    if cfg.wide_rows and cfg.wide_loads:
-        problems.append("wide_rows and wide_loads are two ways to read the weight tile; pick one")
     if cfg.max_concurrent_steps < 2:
         problems.append(f"max_concurrent_steps={cfg.max_concurrent_steps} must be ≥ 2")
     if problems:
@@ -123,8 +118,9 @@ def scale_rows_per_step(block_k: int, group_size: int) -> int:
 
 
 def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size: int, dtype,
-                    lut: str, wide_loads: bool, interpret: bool, a_scratch=None, chunks=None,
-                    scaled: bool = True, row_codes: int = K_CHUNK, spans: dict | None = None):
+                    lut: str, interpret: bool, a_scratch=None, chunks=None,
+                    scaled: bool = True, row_codes: int = K_CHUNK, spans: dict | None = None,
+                    word_order: bool = False):
     """One pipeline step of one warpgroup: ``acc += decode(W[rows, :]) · x_tileᵀ``.
 
     ``w_smem`` ``[bn, bk]`` int4, ``x_smem`` ``[bm, bk]``, ``s_smem`` / ``z_smem`` (or None)
@@ -139,7 +135,9 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
     through shared memory and waits for each wgmma. ``row_codes``: codes per swizzle row of
     ``w_smem`` (``weight_row_codes``); wider rows are loaded a row's span at a time and sliced
     into chunks in registers; ``spans`` (``load_weight_spans``) passes them in already loaded,
-    so that calls splitting one step by ``chunks`` read each span from shared memory once."""
+    so that calls splitting one step by ``chunks`` read each span from shared memory once.
+    ``word_order``: ``w_smem`` holds codes in word order (``to_word_order``), read a 32-bit word
+    per thread and row at a time (UPCAST_4X) and decoded straight into wgmma's registers."""
     g = group_size
     w_ref = w_smem.at[rows]
     wg_rows = w_ref.shape[0]
@@ -174,15 +172,13 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
         if row_codes > K_CHUNK:
             span, offset = divmod(c * K_CHUNK, row_codes)
             if span not in spans:
-                spans[span] = w_ref.at[:, pl.ds(span * row_codes, row_codes)][...]
+                spans[span] = _load_codes(w_ref.at[:, pl.ds(span * row_codes, row_codes)],
+                                          word_order)
             wc = spans[span][:, offset:offset + K_CHUNK]
-        elif wide_loads:
-            # 8 codes per 32-bit shared-memory load, then register shuffles into wgmma's layout.
-            wc = plgpu.layout_cast(plgpu.load(w_ref.at[:, ks], layout=plgpu.Layout.WGMMA_UPCAST_4X),
-                                   plgpu.Layout.WGMMA)
         else:
-            wc = w_ref.at[:, ks][...]
-        wc = decode_codes(wc, dtype, lut=lut, interpret=interpret)
+            wc = _load_codes(w_ref.at[:, ks], word_order)
+        wc = (decode_words if word_order else decode_codes)(wc, dtype, lut=lut,
+                                                            interpret=interpret)
         if z_smem is not None:
             wc = wc - row_of(z_smem, row)
         if scaled:
@@ -198,13 +194,21 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
             plgpu.wgmma_wait(1)
 
 
-def load_weight_spans(w_smem, rows, row_codes: int) -> dict:
+def _load_codes(ref, word_order: bool):
+    """A weight tile's codes in registers: wgmma's layout (a byte per register), or a word per
+    register (word order)."""
+    if word_order:
+        return plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_4X)
+    return ref[...]
+
+
+def load_weight_spans(w_smem, rows, row_codes: int, word_order: bool = False) -> dict:
     """The weight tile's wide swizzle rows as register arrays, by span index (none for one row
     per chunk), for ``decode_mma_step(spans=...)``."""
     if row_codes <= K_CHUNK:
         return {}
     w_ref = w_smem.at[rows]
-    return {span: w_ref.at[:, pl.ds(span * row_codes, row_codes)][...]
+    return {span: _load_codes(w_ref.at[:, pl.ds(span * row_codes, row_codes)], word_order)
             for span in range(w_smem.shape[1] // row_codes)}
 
 

@@ -159,6 +159,132 @@ def decode_table_jnp(w, values, dtype):
     return out.astype(dtype)
 
 
+# ---- word order: a thread's 8 codes of a row in one 32-bit word ---------------------------------
+# In wgmma's register layout the 4 threads of a row hold, in each 32-code block, the pairs at
+# columns 8q + 2c, 8q + 2c + 1 (thread c, q = 0..3): 4 bytes scattered over 16. Stored in word
+# order, thread c's 4 pairs fill bytes 4c..4c+3 of the block, so one 32-bit shared-memory load
+# (Mosaic GPU's UPCAST_4X layout) reads them, where wgmma's layout takes 4 byte loads; the
+# decode's outputs are then wgmma's registers, with no shuffles. int4 also interleaves the pairs'
+# nibbles (pair q's codes at nibbles q and q + 4), so that one shift and one ``lop3`` place both
+# codes of a pair in their 16-bit halves.
+WORD_CODES = 32
+
+
+# A block in K order is [pair q, thread c, half] (column 8q + 2c + half); stored, it is
+# [thread, half, pair] (int4: pair q's codes at nibbles q and q + 4) or [thread, pair, half].
+_STORED_AXES = {"int4": (1, 2, 0), "pairs": (1, 0, 2)}
+
+
+def _stored_axes(lut: str):
+    return _STORED_AXES["int4" if lut == "int4" else "pairs"]
+
+
+def word_order_sources(lut: str) -> np.ndarray:
+    """``src[s]``: the position (in K order, within a 32-code block) that stored position ``s``
+    holds, for ``lut`` ``"int4"`` (nibble-interleaved pairs) or any pair-coded code book."""
+    return np.arange(WORD_CODES).reshape(4, 4, 2).transpose(_stored_axes(lut)).ravel()
+
+
+def to_word_order(codes, lut: str):
+    """Stored codes ``[..., K]`` in K order (K a multiple of 32) → word order."""
+    return _permute_blocks(codes, (4, 4, 2), _stored_axes(lut))
+
+
+def from_word_order(codes, lut: str):
+    """Inverse of ``to_word_order``. Reshapes and a transpose, no gather: interpret mode runs it
+    inside the kernel, which may not capture index arrays."""
+    axes = _stored_axes(lut)
+    return _permute_blocks(codes, tuple((4, 4, 2)[a] for a in axes), tuple(np.argsort(axes)))
+
+
+def _permute_blocks(codes, block_shape, axes):
+    codes = jnp.asarray(codes)
+    if codes.shape[-1] % WORD_CODES:
+        raise ValueError(f"word order permutes blocks of {WORD_CODES} codes; the last axis of "
+                         f"shape {tuple(codes.shape)} is not a multiple of {WORD_CODES}")
+    lead = codes.ndim   # where the block's own axes start
+    blocks = codes.reshape(*codes.shape[:-1], -1, *block_shape)
+    perm = (*range(lead), *(lead + a for a in axes))
+    return blocks.transpose(perm).reshape(codes.shape)
+
+
+def _int4_word_ptx(dtype) -> str:
+    # 2^7 (bf16) or 2^10 (fp16) + 8 in both halves: a nibble n under that exponent, xor 8, is
+    # 2^7 + (n ^ 8) = 2^7 + code; subtracting 2^7 + 8 leaves the stored value code − 8, exactly.
+    magic = 0x43084308 if jnp.dtype(dtype) == jnp.bfloat16 else 0x64086408
+    kind = "bf16x2" if jnp.dtype(dtype) == jnp.bfloat16 else "f16x2"
+    lines = []
+    for q in range(4):
+        src = "$4" if q == 0 else "t"
+        if q:
+            lines.append(f"shr.u32 t, $4, {4 * q};")
+        lines.append(f"lop3.b32 t, {src}, 0x000f000f, m, 0x6a;")   # (a & b) ^ c
+        lines.append(f"sub.rn.{kind} ${q}, t, m;")
+    body = "\n    ".join(lines)
+    return f"""{{
+    .reg .b32 t, m;
+    mov.b32 m, {magic:#x};
+    {body}
+    }}"""
+
+
+def _e2m1_word_ptx(dtype) -> str:
+    # Each byte zero-extended by one prmt (byte q of $4, then zeros), then the pair decode.
+    pair = _E2M1_PTX[jnp.dtype(dtype)].strip().strip("{}").strip()
+    regs, *ops = [line.strip() for line in pair.splitlines()]
+    out = [regs.replace(";", ", b;")]
+    for q in range(4):
+        out.append(f"prmt.b32 b, $4, 0, {0x4440 + q:#x};")
+        out += [op.replace("$1", "b").replace("$0", f"${q}") for op in ops]
+    return "{\n    " + "\n    ".join(out) + "\n    }"
+
+
+def _table_word_ptx() -> str:
+    # The table's 8 words come in as $5..$12 (``word_ptx_operands``). prmt reads the low 16
+    # bits of a selector: pairs 0, 1 (bytes 0, 1) from idx and hsel as they are, pairs 2, 3
+    # after a shift by 16.
+    lines = ["and.b32 idx, $4, 0x77777777;", "shr.u32 hsel, $4, 1;",
+             "lop3.b32 hsel, hsel, 0x44444444, 0x32103210, 0xEA;"]
+    for half in range(2):
+        if half:
+            lines += ["shr.u32 idx, idx, 16;", "shr.u32 hsel, hsel, 16;"]
+        lines += ["prmt.b32 pl, $5, $6, idx;",
+                  "prmt.b32 nl, $7, $8, idx;",
+                  "prmt.b32 l, pl, nl, hsel;",
+                  "prmt.b32 ph, $9, $10, idx;",
+                  "prmt.b32 nh, $11, $12, idx;",
+                  "prmt.b32 h, ph, nh, hsel;",
+                  f"prmt.b32 ${2 * half}, l, h, 0x5140;",
+                  f"prmt.b32 ${2 * half + 1}, l, h, 0x7362;"]
+    body = "\n    ".join(lines)
+    return f"""{{
+    .reg .b32 idx, hsel, pl, nl, ph, nh, l, h;
+    {body}
+    }}"""
+
+
+def word_ptx(lut: str, dtype) -> str:
+    """The inline PTX that decodes one word (8 stored codes, ``$4``, then the
+    ``word_ptx_operands``) into the four 16-bit pairs ``$0..$3`` of wgmma's registers: one per
+    8-column tile of the word's 32-code block."""
+    if lut == "int4":
+        return _int4_word_ptx(dtype)
+    if lut == "e2m1":
+        return _e2m1_word_ptx(dtype)
+    return _table_word_ptx()
+
+
+def word_ptx_operands(lut: str, dtype) -> tuple[int, ...]:
+    """The constants ``word_ptx`` takes as register operands after the word: a table's low-byte
+    and high-byte words (none for int4 and E2M1). As operands, made by an asm ``mov`` that LLVM
+    cannot fold back into an immediate, they can stay in registers for the whole kernel instead
+    of being copied in before every call (session 6's SASS: 140 such copies for NF4)."""
+    if lut in ("int4", "e2m1"):
+        return ()
+    lo, hi = table_words(lut_values(lut), dtype)
+    return lo + hi
+
+
 # ---- both, in the kernel ------------------------------------------------------------------------
 def _inline_decode(w, dtype, asm: str, regs_per_call: int):
     """Runs ``asm`` on ``w``'s registers (int4 ``[rows, K]`` in wgmma's register layout, two codes
@@ -202,9 +328,7 @@ def decode_codes(w, dtype, *, lut: str, interpret: bool):
     """The tile's stored 4-bit codes → values in ``dtype`` (bf16 / fp16), inside the kernel:
     ``lut`` ``"int4"`` (``code − 8`` stored as int4: Mosaic GPU's conversion), ``"e2m1"``
     (``pack_e2m1_pairs``) or a table (``lut_values(lut)``, codes as stored: NF4, bnb FP4)."""
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise TypeError(f"codes decode to bf16 or fp16 (wgmma's 16-bit operand), got dtype "
-                        f"{jnp.dtype(dtype)} for codes of shape {tuple(w.shape)}")
+    _check_dtype(w, dtype)
     if lut == "int4":
         return w.astype(dtype)
     if lut == "e2m1":
@@ -215,3 +339,53 @@ def decode_codes(w, dtype, *, lut: str, interpret: bool):
     if interpret:
         return decode_table_jnp(w, values, dtype)
     return _inline_decode(w, dtype, _table_ptx(values, dtype), 2)
+
+
+def _inline_word_decode(w, dtype, asm: str, operands: tuple[int, ...]):
+    """Runs ``asm`` (``word_ptx``) on each 32-bit register of ``w`` (int4 ``[rows, K]`` in
+    Mosaic GPU's UPCAST_4X layout: a thread's 8 codes of a row and 32-code block) and returns
+    ``[rows, K]`` in ``dtype`` in wgmma's layout: the word of column block j gives the registers
+    of 8-column tiles 4j..4j+3."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+                       return_type=plgpu.ShapeDtypeStruct(w.shape, dtype, plgpu.Layout.WGMMA))
+    def decode(_, arr):
+        i32 = ir.IntegerType.get_signless(32)
+        out_ty = ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(dtype))
+        result_ty = llvm.StructType.get_literal([i32] * 4)
+        regs = np.empty(fa.WGMMA_LAYOUT.registers_shape(tuple(w.shape)), dtype=object)
+        # No side effects: identical movs are one value to LLVM, which it may hoist.
+        constants = [llvm.inline_asm(i32, [], f"mov.b32 $0, {c:#x};", "=r")
+                     for c in operands]
+        for idx, reg in np.ndenumerate(arr.registers):
+            if ir.VectorType(reg.type).shape != [8]:
+                raise NotImplementedError(f"the word decode expects 8 codes per register, got "
+                                          f"{reg.type}")
+            out = llvm.inline_asm(result_ty, [mgpu_utils.bitcast(reg, i32), *constants], asm,
+                                  "=r,=r,=r,=r" + ",r" * (1 + len(constants)))
+            for q in range(4):
+                word = llvm.extractvalue(i32, out, [q])
+                regs[(idx[0], 4 * idx[1] + q, *idx[2:])] = mgpu_utils.bitcast(word, out_ty)
+        return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return decode(w)
+
+
+def decode_words(w, dtype, *, lut: str, interpret: bool):
+    """Like ``decode_codes``, for codes stored in word order (``to_word_order``) and loaded in
+    the UPCAST_4X layout: values in K order, in wgmma's layout."""
+    _check_dtype(w, dtype)
+    if interpret:
+        return decode_codes(from_word_order(w, lut), dtype, lut=lut, interpret=True)
+    return _inline_word_decode(w, dtype, word_ptx(lut, dtype), word_ptx_operands(lut, dtype))
+
+
+def _check_dtype(w, dtype):
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise TypeError(f"codes decode to bf16 or fp16 (wgmma's 16-bit operand), got dtype "
+                        f"{jnp.dtype(dtype)} for codes of shape {tuple(w.shape)}")

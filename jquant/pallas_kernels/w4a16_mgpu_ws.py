@@ -45,7 +45,7 @@ def w4a16_mgpu_ws(xs: jax.Array, packed, *, config: MgpuConfig,
             del idx
             decode_mma_step(w_smem, x_smem, s_smem, z_smem[0] if z_smem else None, carry,
                             rows=rows, group_size=g, dtype=xs.dtype, lut=packed.lut,
-                            wide_loads=cfg.wide_loads, interpret=interpret,
+                            interpret=interpret, word_order=packed.word_order,
                             row_codes=weight_row_codes(cfg),
                             a_scratch=a_scratch[0].at[wg] if a_scratch else None)
             return carry
