@@ -220,9 +220,8 @@ def test_word_ptx_gives_wgmma_registers(lut, dtype):
     codes = np.concatenate([ramp, rng.integers(lo, lo + 16, (4000, 32))])
     words = _stored_words(lut, codes)
     want = _values(lut, codes, dtype)
-    operands = {f"r{5 + i}": v for i, v in enumerate(decode.word_ptx_operands(lut, dtype))}
     for c in range(4):
-        regs = _run_ptx(decode.word_ptx(lut, dtype), r4=words[:, c], **operands)
+        regs = _run_ptx(decode.word_ptx(lut, dtype), r4=words[:, c])
         for q in range(4):
             got = np.stack([regs[f"${q}"] & 0xFFFF, regs[f"${q}"] >> 16], -1).astype(np.uint16)
             got = got.view(jnp.dtype(dtype)).astype(np.float32)

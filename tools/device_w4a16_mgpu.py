@@ -35,7 +35,8 @@ from jquant.formats import bnb
 from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
                                               w4a16_mgpu, w4a16_mgpu_matmul)
 from jquant.pallas_kernels.w4a16_mgpu_common import group_acc_fits
-from tools.device_w4a16_mgpu_ab import (CODEBOOK_AB_PLAN, SMALL_M_LAUNCH_PLAN, WIDE_ROWS_PLAN,
+from tools.device_w4a16_mgpu_ab import (CODEBOOK_AB_PLAN, SMALL_M_LAUNCH_NAMES,
+                                        SMALL_M_LAUNCH_PLAN, WIDE_ROWS_PLAN,
                                         WORD_ORDER_AB_PLAN, WS_SMALL_M_PLAN, WS_WIDE_PLAN,
                                         codebook_ab, launch_ab, log, record_cell,
                                         small_m_launch_variants, weight_operands,
@@ -342,7 +343,8 @@ def main(argv=None) -> int:
     if args.ws_wide:
         launch_ab(out, WS_WIDE_PLAN, ws_wide_variants, "ws_wide_ab.json")
     if args.small_m_launch_ab:
-        launch_ab(out, SMALL_M_LAUNCH_PLAN, small_m_launch_variants, "small_m_launch_ab.json")
+        launch_ab(out, SMALL_M_LAUNCH_PLAN, small_m_launch_variants, "small_m_launch_ab.json",
+                  kernel_only=SMALL_M_LAUNCH_NAMES)
         gpu_state(out, "after small-M launches")
     if args.ws_small_m:
         launch_ab(out, WS_SMALL_M_PLAN, ws_small_m_variants, "ws_small_m_ab.json")

@@ -180,6 +180,11 @@ def small_m_launch_variants(base, packed, m) -> dict:
             and packed.k_pad // (cfg.split_k * cfg.block_k) >= 2}
 
 
+# Every launch of the stage, timed alone as well as in whole calls.
+SMALL_M_LAUNCH_NAMES = ("default", "sp2", "sp4", "sp8", "sp16", "st2", "st4", "st6", "bk512",
+                        "bk128", "bn128", "bm16")
+
+
 CODEBOOK_AB_PLAN = ((28672, 8192, 1), (28672, 8192, 16), (8192, 28672, 1), (8192, 8192, 1))
 
 

@@ -260,7 +260,9 @@ def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
         return MgpuConfig(block_n=256, block_k=K_CHUNK, block_m=block_m, split_k=1,
                           max_concurrent_steps=6 if block_m <= 64 else 4, compute_wgs=2)
     if block_m <= 16:
-        bn, bk, stages, split = 64, 256, 3, (8 if block_m == 8 else 4)
+        # Split-K 4 (it was 8 at M ≤ 8): with the word-order decode, fewer, longer CTAs and half
+        # the partials won every M = 1 A/B on the large shapes (bench/NOTES.md, session 7).
+        bn, bk, stages, split = 64, 256, 3, 4
     elif block_m <= 64:   # 128-row tiles once they still give ~1 CTA per SM (A/B run, NOTES.md)
         bn, bk, stages, split = (128 if packed.n_pad // 128 >= 132 else 64), 128, 3, 2
     else:

@@ -177,8 +177,10 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
             wc = spans[span][:, offset:offset + K_CHUNK]
         else:
             wc = _load_codes(w_ref.at[:, ks], word_order)
-        wc = (decode_words if word_order else decode_codes)(wc, dtype, lut=lut,
-                                                            interpret=interpret)
+        if word_order:
+            wc = decode_words(wc, dtype, lut=lut, interpret=interpret)
+        else:
+            wc = decode_codes(wc, dtype, lut=lut, interpret=interpret)
         if z_smem is not None:
             wc = wc - row_of(z_smem, row)
         if scaled:

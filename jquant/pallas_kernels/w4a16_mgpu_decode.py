@@ -239,20 +239,20 @@ def _e2m1_word_ptx(dtype) -> str:
     return "{\n    " + "\n    ".join(out) + "\n    }"
 
 
-def _table_word_ptx() -> str:
-    # The table's 8 words come in as $5..$12 (``word_ptx_operands``). prmt reads the low 16
-    # bits of a selector: pairs 0, 1 (bytes 0, 1) from idx and hsel as they are, pairs 2, 3
-    # after a shift by 16.
+def _table_word_ptx(values, dtype) -> str:
+    # prmt reads the low 16 bits of a selector: pairs 0, 1 (bytes 0, 1) from idx and hsel as
+    # they are, pairs 2, 3 after a shift by 16.
+    lo, hi = table_words(values, dtype)
     lines = ["and.b32 idx, $4, 0x77777777;", "shr.u32 hsel, $4, 1;",
              "lop3.b32 hsel, hsel, 0x44444444, 0x32103210, 0xEA;"]
     for half in range(2):
         if half:
             lines += ["shr.u32 idx, idx, 16;", "shr.u32 hsel, hsel, 16;"]
-        lines += ["prmt.b32 pl, $5, $6, idx;",
-                  "prmt.b32 nl, $7, $8, idx;",
+        lines += [f"prmt.b32 pl, {lo[0]:#x}, {lo[1]:#x}, idx;",
+                  f"prmt.b32 nl, {lo[2]:#x}, {lo[3]:#x}, idx;",
                   "prmt.b32 l, pl, nl, hsel;",
-                  "prmt.b32 ph, $9, $10, idx;",
-                  "prmt.b32 nh, $11, $12, idx;",
+                  f"prmt.b32 ph, {hi[0]:#x}, {hi[1]:#x}, idx;",
+                  f"prmt.b32 nh, {hi[2]:#x}, {hi[3]:#x}, idx;",
                   "prmt.b32 h, ph, nh, hsel;",
                   f"prmt.b32 ${2 * half}, l, h, 0x5140;",
                   f"prmt.b32 ${2 * half + 1}, l, h, 0x7362;"]
@@ -264,25 +264,13 @@ def _table_word_ptx() -> str:
 
 
 def word_ptx(lut: str, dtype) -> str:
-    """The inline PTX that decodes one word (8 stored codes, ``$4``, then the
-    ``word_ptx_operands``) into the four 16-bit pairs ``$0..$3`` of wgmma's registers: one per
-    8-column tile of the word's 32-code block."""
+    """The inline PTX that decodes one word (8 stored codes, ``$4``) into the four 16-bit pairs
+    ``$0..$3`` of wgmma's registers: one per 8-column tile of the word's 32-code block."""
     if lut == "int4":
         return _int4_word_ptx(dtype)
     if lut == "e2m1":
         return _e2m1_word_ptx(dtype)
-    return _table_word_ptx()
-
-
-def word_ptx_operands(lut: str, dtype) -> tuple[int, ...]:
-    """The constants ``word_ptx`` takes as register operands after the word: a table's low-byte
-    and high-byte words (none for int4 and E2M1). As operands, made by an asm ``mov`` that LLVM
-    cannot fold back into an immediate, they can stay in registers for the whole kernel instead
-    of being copied in before every call (session 6's SASS: 140 such copies for NF4)."""
-    if lut in ("int4", "e2m1"):
-        return ()
-    lo, hi = table_words(lut_values(lut), dtype)
-    return lo + hi
+    return _table_word_ptx(lut_values(lut), dtype)
 
 
 # ---- both, in the kernel ------------------------------------------------------------------------
@@ -341,7 +329,7 @@ def decode_codes(w, dtype, *, lut: str, interpret: bool):
     return _inline_decode(w, dtype, _table_ptx(values, dtype), 2)
 
 
-def _inline_word_decode(w, dtype, asm: str, operands: tuple[int, ...]):
+def _inline_word_decode(w, dtype, asm: str):
     """Runs ``asm`` (``word_ptx``) on each 32-bit register of ``w`` (int4 ``[rows, K]`` in
     Mosaic GPU's UPCAST_4X layout: a thread's 8 codes of a row and 32-code block) and returns
     ``[rows, K]`` in ``dtype`` in wgmma's layout: the word of column block j gives the registers
@@ -359,15 +347,12 @@ def _inline_word_decode(w, dtype, asm: str, operands: tuple[int, ...]):
         out_ty = ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(dtype))
         result_ty = llvm.StructType.get_literal([i32] * 4)
         regs = np.empty(fa.WGMMA_LAYOUT.registers_shape(tuple(w.shape)), dtype=object)
-        # No side effects: identical movs are one value to LLVM, which it may hoist.
-        constants = [llvm.inline_asm(i32, [], f"mov.b32 $0, {c:#x};", "=r")
-                     for c in operands]
         for idx, reg in np.ndenumerate(arr.registers):
             if ir.VectorType(reg.type).shape != [8]:
                 raise NotImplementedError(f"the word decode expects 8 codes per register, got "
                                           f"{reg.type}")
-            out = llvm.inline_asm(result_ty, [mgpu_utils.bitcast(reg, i32), *constants], asm,
-                                  "=r,=r,=r,=r" + ",r" * (1 + len(constants)))
+            out = llvm.inline_asm(result_ty, [mgpu_utils.bitcast(reg, i32)], asm,
+                                  "=r,=r,=r,=r,r")
             for q in range(4):
                 word = llvm.extractvalue(i32, out, [q])
                 regs[(idx[0], 4 * idx[1] + q, *idx[2:])] = mgpu_utils.bitcast(word, out_ty)
@@ -382,7 +367,7 @@ def decode_words(w, dtype, *, lut: str, interpret: bool):
     _check_dtype(w, dtype)
     if interpret:
         return decode_codes(from_word_order(w, lut), dtype, lut=lut, interpret=True)
-    return _inline_word_decode(w, dtype, word_ptx(lut, dtype), word_ptx_operands(lut, dtype))
+    return _inline_word_decode(w, dtype, word_ptx(lut, dtype))
 
 
 def _check_dtype(w, dtype):
