@@ -7,6 +7,7 @@ import chex
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
@@ -64,6 +65,27 @@ def test_nk_layout_dequantizes_exactly_any_shape(k, n, group, kind, seed):
     assert zeros is not None or not w[k:].any()            # padded rows: scale 0
 
 
+@pytest.mark.parametrize("top,k", [(448.0, 8), (2.0, 0), (0.01, 0), (0.0, 0)])
+def test_e2m1_scales_carry_the_decode_unscale(top, k):
+    """E2M1 scales are stored times 2^(126 − k), inside bf16, the global scale times 2^k, so
+    the weight is unchanged; under jit too (k from traced scales)."""
+    rng = np.random.default_rng(2)
+    q = rng.integers(0, 16, (64, 128))
+    s = (rng.uniform(0.25, 1.0, (4, 128)) * top).astype(ml_dtypes.float8_e4m3fn)
+    s[0, 0] = np.float32(top)
+    for packed in (prepack_nk(q, s, group_size=16, lut="e2m1", global_scale=0.5),
+                   jax.jit(lambda s: prepack_nk(q, s, group_size=16, lut="e2m1",
+                                                global_scale=0.5))(s)):
+        assert packed.scale.dtype == jnp.bfloat16 and np.isfinite(np.asarray(packed.scale,
+                                                                              np.float32)).all()
+        np.testing.assert_array_equal(np.asarray(packed.global_scale), [0.5 * 2.0 ** k])
+        np.testing.assert_array_equal(np.asarray(packed.scale[:4, :128], np.float32),
+                                      np.ldexp(s.astype(np.float32), 126 - k))
+        w = np.asarray(dequantize_nk(packed))[:64, :128]
+        np.testing.assert_array_equal(w, _numpy_weight(q, s.astype(np.float32), None, 16,
+                                                       lut="e2m1", gs=0.5).astype(np.float32))
+
+
 def test_reference_matches_numpy_with_act_order_and_fp16_scales():
     rng = np.random.default_rng(1)
     q, s, z, g_idx = _weight(rng, 256, 72, 64, zeros="int", scale="f16", act=True)
@@ -107,6 +129,9 @@ CASES = [  # k, n, group, zeros (or a code book: "e2m1", "nf4", "fp4_bnb"), scal
     (512, 130, 64, "nf4", "f32", False, 1, jnp.bfloat16, True, None),      # NF4, default launch
     (320, 200, 64, "nf4", "f32", True, 24, jnp.float16, False, None),      # NF4, fp16, act-order
     (384, 100, 64, "fp4_bnb", "f32", False, 2, jnp.float16, False, None),  # bnb FP4, fp16
+    (512, 130, 64, "e2m1", "e8m0", False, 2, jnp.bfloat16, False,         # FP4 on a per-group
+     MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=2, max_concurrent_steps=2,  # fp32
+                group_acc=True)),                                          # accumulator
     (512, 256, 64, "nf4", "f32", False, 5, jnp.bfloat16, False,           # WS, NF4
      MgpuConfig(block_n=256, block_k=128, block_m=8, split_k=1, max_concurrent_steps=2,
                 compute_wgs=2)),
@@ -118,8 +143,8 @@ def test_kernel_matches_numpy_and_reference(case):
     _check_case(case, word_order=True)
 
 
-# zeros and fp16, MXFP4, NVFP4 with 64-byte rows, NF4, WS with NF4
-@pytest.mark.parametrize("case", [1, 5, 12, 13, 16])
+# zeros and fp16, MXFP4, MXFP4 with 64-byte rows, NF4, FP4 with group_acc, WS with NF4
+@pytest.mark.parametrize("case", [1, 5, 12, 13, 16, 17])
 def test_kernel_reads_weights_in_k_order(case):
     """Weights stored in K order (a byte load per pair of codes) give the same results."""
     _check_case(case, word_order=False)
@@ -223,16 +248,21 @@ def test_kernel_lowers_for_sm90(m, cfg, lut, group):
     ("e2m1", jnp.bfloat16, 1, True), ("e2m1", jnp.float16, 1, True),
     ("e2m1", jnp.float16, 2, True), ("nf4", jnp.bfloat16, 1, True), ("nf4", jnp.float16, 2, True),
     ("int4", jnp.bfloat16, 1, True), ("int4", jnp.float16, 2, True),
-    ("e2m1", jnp.bfloat16, 1, False), ("nf4", jnp.float16, 2, False)])
+    ("e2m1", jnp.bfloat16, 1, False), ("nf4", jnp.float16, 2, False),
+    ("e2m1", jnp.bfloat16, 0, True), ("e2m1", jnp.float16, 0, False)])   # 0: 1 WG, group_acc
 def test_decodes_lower_with_their_inline_ptx(lut, x_dtype, compute_wgs, word_order):
     """The inline-PTX decodes (which interpret mode replaces by XLA twins) are in the lowered
     kernels, both kernels, both activation dtypes, both weight orders; int4 in K order is Mosaic
-    GPU's own conversion."""
+    GPU's own conversion. E2M1 leaves its unscale to the scale multiply, except where the
+    scales go on a per-group accumulator."""
     rng = np.random.default_rng(6)
     q, s, _, _ = _weight(rng, 512, 256, 64, zeros=None)
     packed = prepack_nk(q, s, group_size=64, lut=lut, word_order=word_order)
+    group_acc = compute_wgs == 0
+    compute_wgs = max(compute_wgs, 1)
     cfg = MgpuConfig(block_n=64 * compute_wgs, block_k=256, block_m=8, split_k=2,
-                     max_concurrent_steps=2, compute_wgs=compute_wgs, wide_rows=True)
+                     max_concurrent_steps=2, compute_wgs=compute_wgs, wide_rows=True,
+                     group_acc=group_acc)
     xs = jnp.zeros((1, packed.k_pad), x_dtype)
     module = jax.export.export(jax.jit(lambda x, p: w4a16_mgpu(x, p, config=cfg)),
                                platforms=["cuda"])(xs, packed).mlir_module()
@@ -243,7 +273,7 @@ def test_decodes_lower_with_their_inline_ptx(lut, x_dtype, compute_wgs, word_ord
         assert "lop3.b32 t, $4, 0x000f000f, m, 0x6a" in module
     else:
         unscale = "mul.rn.bf16x2" if x_dtype == jnp.bfloat16 else "mul.rn.f16x2"
-        assert unscale in module and "mul.lo.u32" in module
+        assert "mul.lo.u32" in module and (unscale in module) == group_acc
 
 
 # ---- defaults, dispatch, bad input ---------------------------------------------------------------

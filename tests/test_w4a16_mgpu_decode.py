@@ -54,13 +54,43 @@ def test_ptx_uses_the_tested_constants():
     for dtype, consts in ((jnp.bfloat16, (decode.BF16_PLACE, decode.BF16_MASK)),
                           (jnp.float16, (decode.F16_PLACE_MAG, decode.F16_MASK_MAG,
                                          decode.F16_PLACE_SIGN, decode.F16_MASK_SIGN))):
-        asm = decode._E2M1_PTX[jnp.dtype(dtype)]
+        asm = decode._e2m1_ptx(dtype)
         assert all(f"{c:#x}" in asm for c in consts)
     # The unscale immediates: 2^126 in bf16 and 2^14 in fp16, in both halves.
     assert np.array([0x7E80], np.uint16).view(ml_dtypes.bfloat16)[0] == decode.BF16_UNSCALE
     assert np.array([0x7400], np.uint16).view(np.float16)[0] == decode.F16_UNSCALE
-    assert "0x7E807E80" in decode._E2M1_PTX[jnp.dtype(jnp.bfloat16)]
-    assert "0x74007400" in decode._E2M1_PTX[jnp.dtype(jnp.float16)]
+    assert "0x7e807e80" in decode._e2m1_ptx(jnp.bfloat16)
+    assert "0x74007400" in decode._e2m1_ptx(jnp.float16)
+    assert 2.0 ** decode.UNSCALE_EXP[jnp.dtype(jnp.bfloat16)] == decode.BF16_UNSCALE
+    assert 2.0 ** decode.UNSCALE_EXP[jnp.dtype(jnp.float16)] == decode.F16_UNSCALE
+    for dtype in (jnp.bfloat16, jnp.float16):   # without the unscale: no 16-bit multiply
+        assert "mul.rn" not in decode._e2m1_ptx(dtype, unscale=False)
+
+
+@pytest.mark.parametrize("dtype,exps", [(ml_dtypes.bfloat16, range(-60, 10)),
+                                        (np.float16, range(-8, 2))])
+def test_placed_bits_times_a_prescaled_scale_are_exact(dtype, exps):
+    """The decode without its unscale: the placed bits (E2M1 · 2^-U, subnormal for 0 and ½)
+    times a scale stored as s · 2^(126 − k) and brought to 2^(U − k) in the kernel give
+    E2M1 · s · 2^-k, rounded once, for every byte, E8M0 and E4M3 scales and shifts k."""
+    byte = _stored_bytes()
+    if dtype == ml_dtypes.bfloat16:
+        bits, u = (byte * decode.BF16_PLACE) % 2**32 & decode.BF16_MASK, 126
+    else:
+        bits = (((byte * decode.F16_PLACE_MAG) % 2**32 & decode.F16_MASK_MAG)
+                | ((byte * decode.F16_PLACE_SIGN) % 2**32 & decode.F16_MASK_SIGN))
+        u = 14
+    placed = _halves(bits, dtype)
+    e4m3 = np.arange(1, 127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    for s in np.concatenate([2.0 ** np.array(list(exps), np.float32), e4m3 / 64]):
+        k_min = max(int(np.ceil(np.log2(s))) - 1, 0)   # prepack's k
+        for k in (k_min, k_min + 1, k_min + 9):
+            stored = np.float32(np.ldexp(s, 126 - k))   # prepack: exact, inside bf16
+            row = np.asarray(np.ldexp(stored, u - 126), np.float32).astype(dtype)   # the kernel
+            assert np.ldexp(row.astype(np.float32), k - u) == s   # the scale survives exactly
+            got = (placed * row.astype(np.float32)).astype(dtype).astype(np.float32)
+            want = (VALUES[PAIRS] * np.float32(np.ldexp(s, -k))).astype(dtype).astype(np.float32)
+            _assert_same_values(got, want)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -208,11 +238,13 @@ def _stored_words(lut, codes):
     return np.sum(nib << (np.uint64(4) * np.arange(8, dtype=np.uint64)), axis=-1, dtype=np.uint64)
 
 
-@pytest.mark.parametrize("lut", LUTS)
+@pytest.mark.parametrize("lut,unscale", [("int4", True), ("e2m1", True), ("e2m1", False),
+                                         ("nf4", True), ("fp4_bnb", True)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_word_ptx_gives_wgmma_registers(lut, dtype):
+def test_word_ptx_gives_wgmma_registers(lut, unscale, dtype):
     """Thread c's word, decoded by the PTX, is wgmma's registers of that thread: output q holds
-    the block's K columns 8q + 2c and 8q + 2c + 1, for every code at every position."""
+    the block's K columns 8q + 2c and 8q + 2c + 1, for every code at every position (E2M1
+    without its unscale: the values times 2^-U, exactly)."""
     rng = np.random.default_rng(7)
     lo = -8 if lut == "int4" else 0
     # Every code at every position (a code per row, rolled), then random rows.
@@ -220,8 +252,10 @@ def test_word_ptx_gives_wgmma_registers(lut, dtype):
     codes = np.concatenate([ramp, rng.integers(lo, lo + 16, (4000, 32))])
     words = _stored_words(lut, codes)
     want = _values(lut, codes, dtype)
+    if not unscale:
+        want = np.ldexp(want, -decode.UNSCALE_EXP[jnp.dtype(dtype)])
     for c in range(4):
-        regs = _run_ptx(decode.word_ptx(lut, dtype), r4=words[:, c])
+        regs = _run_ptx(decode.word_ptx(lut, dtype, unscale), r4=words[:, c])
         for q in range(4):
             got = np.stack([regs[f"${q}"] & 0xFFFF, regs[f"${q}"] >> 16], -1).astype(np.uint16)
             got = got.view(jnp.dtype(dtype)).astype(np.float32)

@@ -38,7 +38,8 @@ from jquant.pallas_kernels.w4a16_mgpu_common import (K_CHUNK, SUB_CHUNK_GROUPS, 
                                                      group_acc_fits,
                                                      launch_partials, load_weight_spans,
                                                      step_specs, weight_row_codes)
-from jquant.pallas_kernels.w4a16_mgpu_decode import (from_word_order, pack_e2m1_pairs,
+from jquant.pallas_kernels.w4a16_mgpu_decode import (E2M1_SCALE_EXP, from_word_order,
+                                                     pack_e2m1_pairs,
                                                      signed_int4, to_word_order,
                                                      unpack_e2m1_pairs)
 from jquant.pallas_kernels.w4a16_mgpu_ws import w4a16_mgpu_ws
@@ -52,10 +53,11 @@ class PackedW4NK:
     ``data`` int4 ``[N_pad, K_pad]``: ``code − 8`` for int4 codes (exact in int4 for uint4b8 and
     for asymmetric codes, whose zero points are shifted the same way), or E2M1 codes in pairs
     (``lut="e2m1"``, ``pack_e2m1_pairs``), or table codes as they are (``"nf4"``, ``"fp4_bnb"``);
-    ``scale`` ``[K_pad / G, N_pad]`` (bf16, fp16 or fp32: converted to x's dtype in the kernel);
+    ``scale`` ``[K_pad / G, N_pad]`` (bf16, fp16 or fp32: converted to x's dtype in the kernel;
+    E2M1's times 2^(126 − k), ``_e2m1_prescale``);
     ``zero`` optional ``[K_pad / G, N_pad]``: ``zero − 8`` (int4 asymmetric), subtracted before
     scaling. ``perm``: act-order gather of x's columns; ``global_scale``: optional fp32 ``[1]``
-    multiplier (NVFP4). ``group_size`` in stored rows. ``word_order``: ``data``'s K axis is
+    multiplier (NVFP4's; for E2M1 always, times 2^k). ``group_size`` in stored rows. ``word_order``: ``data``'s K axis is
     permuted within blocks of 32 codes (``to_word_order``).
     """
 
@@ -128,6 +130,9 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
             mma(w_smem, x_smem, s_smem, z_smem, acc_ref)
             return acc_ref
 
+        # E2M1 scales carry 2^E2M1_SCALE_EXP (prepack_nk); this decode unscales its codes.
+        scale_factor = 2.0 ** -E2M1_SCALE_EXP if packed.lut == "e2m1" else 1.0
+
         def group_acc_step(idx, w_smem, x_smem, s_smem, *rest):
             """Per group: unscaled wgmmas into a fresh accumulator, then ``sum += s · acc``."""
             del idx
@@ -144,8 +149,8 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
 
                 part = pl.run_scoped(group_dot, plgpu.ACC((bn, bm), jnp.float32))
                 s = plgpu.load(s_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(1))
-                total = total + part * jax.lax.broadcast_in_dim(s.astype(jnp.float32),
-                                                                (bn, bm), (0,))
+                s = s.astype(jnp.float32) * scale_factor
+                total = total + part * jax.lax.broadcast_in_dim(s, (bn, bm), (0,))
             return total
 
         in_specs = step_specs(cfg, group_size=g, coords=lambda t: (ni, mi, si * steps + t),
@@ -239,6 +244,9 @@ def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None
     # e4m3 / e8m0 scales are exact in bf16 (8 exponent bits); fp16 / bf16 stay; the rest fp32.
     s_dtype = (jnp.bfloat16 if scale.dtype in (jnp.float8_e4m3fn, jnp.float8_e8m0fnu)
                else scale.dtype if scale.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32)
+    if lut == "e2m1":
+        scale, global_scale = _e2m1_prescale(scale, global_scale)
+        s_dtype = jnp.float32 if s_dtype == jnp.float16 else s_dtype   # fp16 cannot hold them
     zz = None
     if zero is not None:
         zz = per_group(jnp.asarray(zero, jnp.float32) - 8, jnp.bfloat16)
@@ -246,6 +254,18 @@ def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None
     return PackedW4NK(data=data, scale=per_group(scale, s_dtype), zero=zz, perm=perm,
                       global_scale=gs, lut=lut, k=k, n=n, group_size=group,
                       word_order=word_order)
+
+
+def _e2m1_prescale(scale, global_scale):
+    """E2M1 scales times 2^(126 − k), the global scale times 2^k (both exact), with k ≥ 0 the
+    least that keeps the largest scale ≤ 2^127, inside bf16: the kernel's FP4 decode then skips
+    its own × 2^126 and multiplies the codes' placed bits by the scale (``_e2m1_ptx``)."""
+    s = jnp.asarray(scale, jnp.float32)
+    top = jnp.max(jnp.abs(s))
+    k = jnp.maximum(jnp.ceil(jnp.log2(top)) - 1, 0).astype(jnp.int32)   # 0 for all-zero scales
+    gs = jnp.ones((1,), jnp.float32) if global_scale is None else global_scale
+    return (jnp.ldexp(s, E2M1_SCALE_EXP - k),
+            jnp.ldexp(jnp.asarray(gs, jnp.float32).reshape(1), k))
 
 
 def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
@@ -323,7 +343,10 @@ def dequantize_nk(packed: PackedW4NK, dtype=jnp.float32) -> jax.Array:
     rows = lambda t: jnp.repeat(t.astype(jnp.float32), packed.group_size, axis=0)
     if packed.zero is not None:
         values = values - rows(packed.zero)
-    w = values * rows(packed.scale)
+    scale = packed.scale
+    if packed.lut == "e2m1":   # its scales carry 2^E2M1_SCALE_EXP
+        scale = jnp.ldexp(scale.astype(jnp.float32), -E2M1_SCALE_EXP)
+    w = values * rows(scale)
     if packed.global_scale is not None:
         w = w * packed.global_scale[0]
     return w.astype(dtype)

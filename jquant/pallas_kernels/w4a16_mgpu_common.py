@@ -11,7 +11,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.pallas_kernels.w4a16_layout import _round_up
-from jquant.pallas_kernels.w4a16_mgpu_decode import decode_codes, decode_words
+from jquant.pallas_kernels.w4a16_mgpu_decode import (E2M1_SCALE_EXP, UNSCALE_EXP, decode_codes,
+                                                     decode_words)
 
 # wgmma consumes K in chunks of one 128-byte swizzle atom of the 16-bit B operand.
 K_CHUNK = 64
@@ -144,19 +145,29 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
     bk = w_smem.shape[1]
     chunks = range(bk // K_CHUNK) if chunks is None else chunks
 
-    def row_of(ref, r):
-        v = plgpu.load(ref.at[r].at[rows], layout=plgpu.Layout.WGMMA.reduce(1)).astype(dtype)
-        return jax.lax.broadcast_in_dim(v, (wg_rows, K_CHUNK), (0,))
+    # E2M1 scales carry 2^E2M1_SCALE_EXP (``prepack_nk``): the decode leaves its unscale to
+    # them (one multiply per pair fewer) where a scale multiply follows, on the GPU; elsewhere
+    # the scale rows drop the factor (in fp32, exactly).
+    skip_unscale = lut == "e2m1" and scaled and not interpret
+    scale_exp = 0
+    if lut == "e2m1":
+        scale_exp = (UNSCALE_EXP[jnp.dtype(dtype)] if skip_unscale else 0) - E2M1_SCALE_EXP
+
+    def row_of(ref, r, exp=0):
+        v = plgpu.load(ref.at[r].at[rows], layout=plgpu.Layout.WGMMA.reduce(1))
+        if exp:
+            v = v.astype(jnp.float32) * (2.0 ** exp)
+        return jax.lax.broadcast_in_dim(v.astype(dtype), (wg_rows, K_CHUNK), (0,))
 
     def chunk_scale(row):
         """The chunk's scales as a [rows, 64] array: one row of scales, or (groups of 16 / 32)
         a row per group, picked by column."""
         if g >= K_CHUNK:
-            return row_of(s_smem, row)
+            return row_of(s_smem, row, scale_exp)
         col = plgpu.broadcasted_iota(jnp.int32, (wg_rows, K_CHUNK), 1, layout=plgpu.Layout.WGMMA)
-        out = row_of(s_smem, row)
+        out = row_of(s_smem, row, scale_exp)
         for j in range(1, K_CHUNK // g):
-            out = jnp.where(col >= j * g, row_of(s_smem, row + j), out)
+            out = jnp.where(col >= j * g, row_of(s_smem, row + j, scale_exp), out)
         return out
 
     if len(chunks) == bk // K_CHUNK == 1:
@@ -177,10 +188,8 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
             wc = spans[span][:, offset:offset + K_CHUNK]
         else:
             wc = _load_codes(w_ref.at[:, ks], word_order)
-        if word_order:
-            wc = decode_words(wc, dtype, lut=lut, interpret=interpret)
-        else:
-            wc = decode_codes(wc, dtype, lut=lut, interpret=interpret)
+        decode = decode_words if word_order else decode_codes
+        wc = decode(wc, dtype, lut=lut, interpret=interpret, unscale=not skip_unscale)
         if z_smem is not None:
             wc = wc - row_of(z_smem, row)
         if scaled:

@@ -94,25 +94,28 @@ def decode_e2m1_pairs_jnp(w, dtype):
     return values.reshape(w.shape)
 
 
-_E2M1_PTX = {
-    # $1: the pair's byte, zero-extended; $0: two bf16 / fp16 values.
-    jnp.dtype(jnp.bfloat16): f"""{{
-    .reg .b32 t, u;
-    mul.lo.u32 t, $1, {BF16_PLACE:#x};
-    and.b32 t, t, {BF16_MASK:#x};
-    mov.b32 u, 0x7E807E80;
-    mul.rn.bf16x2 $0, t, u;
-    }}""",
-    jnp.dtype(jnp.float16): f"""{{
-    .reg .b32 m, s, u;
-    mul.lo.u32 m, $1, {F16_PLACE_MAG:#x};
-    mul.lo.u32 s, $1, {F16_PLACE_SIGN:#x};
-    and.b32 s, s, {F16_MASK_SIGN:#x};
-    lop3.b32 m, m, {F16_MASK_MAG:#x}, s, 0xEA;
-    mov.b32 u, 0x74007400;
-    mul.rn.f16x2 $0, m, u;
-    }}""",
-}
+def _e2m1_ptx(dtype, unscale: bool = True) -> str:
+    """$1: the pair's byte, zero-extended; $0: two bf16 / fp16 values, or (``unscale=False``)
+    their placed bits, the values times 2^-126 (bf16) or 2^-14 (fp16)."""
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        ops = [f"mul.lo.u32 t, $1, {BF16_PLACE:#x};", f"and.b32 t, t, {BF16_MASK:#x};"]
+        factor, kind = 0x7E807E80, "bf16x2"
+    else:
+        ops = [f"mul.lo.u32 m, $1, {F16_PLACE_MAG:#x};", f"mul.lo.u32 s, $1, {F16_PLACE_SIGN:#x};",
+               f"and.b32 s, s, {F16_MASK_SIGN:#x};", f"lop3.b32 t, m, {F16_MASK_MAG:#x}, s, 0xEA;"]
+        factor, kind = 0x74007400, "f16x2"
+    if unscale:
+        ops += [f"mov.b32 u, {factor:#x};", f"mul.rn.{kind} $0, t, u;"]
+    else:
+        ops.append("mov.b32 $0, t;")
+    return "{\n    .reg .b32 t, m, s, u;\n    " + "\n    ".join(ops) + "\n    }"
+
+
+# Stored E2M1 scales carry 2^126 (and the global scale 2^-k of it, ``prepack_nk``), so that a
+# decode whose scale multiply follows can skip its own × 2^126 (bf16) or × 2^14 (fp16) and
+# multiply the placed bits by the scale directly.
+E2M1_SCALE_EXP = 126
+UNSCALE_EXP = {jnp.dtype(jnp.bfloat16): 126, jnp.dtype(jnp.float16): 14}
 
 
 # ---- 16-entry tables ---------------------------------------------------------------------------
@@ -228,9 +231,9 @@ def _int4_word_ptx(dtype) -> str:
     }}"""
 
 
-def _e2m1_word_ptx(dtype) -> str:
+def _e2m1_word_ptx(dtype, unscale: bool = True) -> str:
     # Each byte zero-extended by one prmt (byte q of $4, then zeros), then the pair decode.
-    pair = _E2M1_PTX[jnp.dtype(dtype)].strip().strip("{}").strip()
+    pair = _e2m1_ptx(dtype, unscale).strip().strip("{}").strip()
     regs, *ops = [line.strip() for line in pair.splitlines()]
     out = [regs.replace(";", ", b;")]
     for q in range(4):
@@ -263,13 +266,14 @@ def _table_word_ptx(values, dtype) -> str:
     }}"""
 
 
-def word_ptx(lut: str, dtype) -> str:
+def word_ptx(lut: str, dtype, unscale: bool = True) -> str:
     """The inline PTX that decodes one word (8 stored codes, ``$4``) into the four 16-bit pairs
-    ``$0..$3`` of wgmma's registers: one per 8-column tile of the word's 32-code block."""
+    ``$0..$3`` of wgmma's registers: one per 8-column tile of the word's 32-code block
+    (``unscale``: see ``_e2m1_ptx``)."""
     if lut == "int4":
         return _int4_word_ptx(dtype)
     if lut == "e2m1":
-        return _e2m1_word_ptx(dtype)
+        return _e2m1_word_ptx(dtype, unscale)
     return _table_word_ptx(lut_values(lut), dtype)
 
 
@@ -312,17 +316,21 @@ def _inline_decode(w, dtype, asm: str, regs_per_call: int):
     return decode(w)
 
 
-def decode_codes(w, dtype, *, lut: str, interpret: bool):
+def decode_codes(w, dtype, *, lut: str, interpret: bool, unscale: bool = True):
     """The tile's stored 4-bit codes → values in ``dtype`` (bf16 / fp16), inside the kernel:
     ``lut`` ``"int4"`` (``code − 8`` stored as int4: Mosaic GPU's conversion), ``"e2m1"``
-    (``pack_e2m1_pairs``) or a table (``lut_values(lut)``, codes as stored: NF4, bnb FP4)."""
+    (``pack_e2m1_pairs``) or a table (``lut_values(lut)``, codes as stored: NF4, bnb FP4).
+    ``unscale=False`` (E2M1 on the GPU only: interpret mode's XLA flushes subnormals) leaves
+    the values times 2^-``UNSCALE_EXP[dtype]``."""
     _check_dtype(w, dtype)
     if lut == "int4":
         return w.astype(dtype)
     if lut == "e2m1":
         if interpret:
+            if not unscale:
+                raise ValueError("interpret mode decodes E2M1 to its values (unscale=True)")
             return decode_e2m1_pairs_jnp(w, dtype)
-        return _inline_decode(w, dtype, _E2M1_PTX[jnp.dtype(dtype)], 1)
+        return _inline_decode(w, dtype, _e2m1_ptx(dtype, unscale), 1)
     values = lut_values(lut)
     if interpret:
         return decode_table_jnp(w, values, dtype)
@@ -361,13 +369,14 @@ def _inline_word_decode(w, dtype, asm: str):
     return decode(w)
 
 
-def decode_words(w, dtype, *, lut: str, interpret: bool):
+def decode_words(w, dtype, *, lut: str, interpret: bool, unscale: bool = True):
     """Like ``decode_codes``, for codes stored in word order (``to_word_order``) and loaded in
     the UPCAST_4X layout: values in K order, in wgmma's layout."""
     _check_dtype(w, dtype)
     if interpret:
-        return decode_codes(from_word_order(w, lut), dtype, lut=lut, interpret=True)
-    return _inline_word_decode(w, dtype, word_ptx(lut, dtype))
+        return decode_codes(from_word_order(w, lut), dtype, lut=lut, interpret=True,
+                            unscale=unscale)
+    return _inline_word_decode(w, dtype, word_ptx(lut, dtype, unscale))
 
 
 def _check_dtype(w, dtype):
