@@ -1,16 +1,18 @@
 """W4A16 on Hopper with Mosaic GPU: TMA-pipelined weight tiles, int4 decoded into wgmma registers.
 
 ``y = x @ W`` is computed transposed, ``yᵀ = W_nk · xᵀ`` ("swap AB", as Marlin/Machete do for small
-M): the weight, stored ``[N, K]`` as signed int4 (``code − 8``), is wgmma's A operand, decoded
-from shared memory straight into registers (Mosaic GPU's int4 → bf16 conversion: two codes per
-``prmt``/``lop3``/``sub.bf16x2``), scaled per group, never written back; ``xᵀ`` is the B operand
+M): the weight, stored ``[N, K]`` as signed int4 (``code − 8``, K permuted into word order), is
+wgmma's A operand, decoded from shared memory straight into registers (a 32-bit word of 8 codes
+per thread and row, two codes per ``shr``/``lop3``/``sub.bf16x2``, ``w4a16_mgpu_decode``),
+scaled per group, never written back; ``xᵀ`` is the B operand
 in shared memory, so M only sets wgmma's N (8 … 256) and even M = 1 uses the tensor cores.
 The TMA engine keeps ``max_concurrent_steps`` weight tiles in flight per CTA without spending
 registers, which the Triton kernels could not do for loads that do not feed a dot.
 
 FP4 (E2M1, MXFP4 / NVFP4) and NF4 use the same tiles, decoded by inline PTX
 (``w4a16_mgpu_decode``; Mosaic GPU's own FP4 conversion is Blackwell-only): each pair of E2M1
-codes is stored in a byte layout that a multiply, a mask and a ``mul.bf16x2`` decode; table
+codes is stored in a byte layout that a multiply and a mask decode (the scales carry the
+last ``× 2^126``); table
 codes (NF4, bitsandbytes FP4) are looked up four at a time with ``prmt``. Groups of 16 / 32 pick their
 scale per column inside each 64-wide chunk.
 

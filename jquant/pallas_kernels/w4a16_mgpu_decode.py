@@ -1,11 +1,11 @@
-"""4-bit codes → wgmma's 16-bit A registers in the Mosaic GPU W4A16 kernel, for the code books
-that Mosaic GPU cannot convert itself (its int4 → bf16 path serves int4): E2M1 and any
-16-entry table (NF4).
+"""4-bit codes → wgmma's 16-bit A registers in the Mosaic GPU W4A16 kernel: E2M1 and any
+16-entry table (NF4), which Mosaic GPU cannot convert, and (in word order) int4.
 
 In wgmma's register layout each 32-bit register of the int4 tile holds two adjacent K positions
-(one byte of shared memory), and its decoded twin one bf16x2 / f16x2 register. Both decodes are
+(one byte of shared memory), and its decoded twin one bf16x2 / f16x2 register. The decodes are
 inline PTX on those registers (``plgpu.inline_mgpu``); interpret mode cannot run PTX and uses
-an XLA twin of each.
+an XLA twin of each. Weights in *word order* (the default, below) are read 8 codes per register
+and decoded four output registers per call; the byte decodes serve weights in K order.
 
 **E2M1** (FP4), three instructions per pair. Hopper has no FP4 conversion, so a pair of codes is
 stored as the byte ``rot(code_k) << 4 | rot(code_k+1)``, where ``rot`` rotates the nibble
@@ -13,8 +13,10 @@ stored as the byte ``rot(code_k) << 4 | rot(code_k+1)``, where ``rot`` rotates t
 2^31`` then places four shifted copies of the byte without overlap (no carries), and a mask keeps,
 in each bf16 half, the sign at bit 15 and ``e1 e0 m`` at bits 8..6: the bf16 number
 ``E2M1 · 2^-126``, exact for every code (subnormal for 0 and ½, like E2M1's own). One
-``mul.bf16x2`` by ``2^126`` gives the value. fp16 puts ``e1 e0 m`` at bits 11..9 (``E2M1 · 2^-14``)
-with two multiplies and masks. The constants came from a search over byte layouts.
+``mul.bf16x2`` by ``2^126`` gives the value, or, where a scale multiply follows, the stored
+scales carry the ``2^126`` (``E2M1_SCALE_EXP``) and that multiply is the only one. fp16 puts
+``e1 e0 m`` at bits 11..9 (``E2M1 · 2^-14``) with two multiplies and masks. The constants came
+from a search over byte layouts.
 
 **Tables** (NF4, or any 16 values), six instructions per pair. Codes are stored as they are. Two
 registers (four codes, one per selector nibble) are looked up at once with ``prmt``, which picks
