@@ -38,7 +38,7 @@ def test_bf16_constants_decode_every_byte_exactly():
     """What the PTX does: multiply, mask, then × 2^126 on the bf16 halves (numpy keeps subnormals)."""
     byte = _stored_bytes()
     bits = (byte * decode.BF16_PLACE) % 2**32 & decode.BF16_MASK
-    got = _halves(bits, ml_dtypes.bfloat16) * np.float32(decode.BF16_UNSCALE)
+    got = _halves(bits, ml_dtypes.bfloat16) * np.float32(2.0 ** decode.UNSCALE_EXP[jnp.dtype(jnp.bfloat16)])
     _assert_same_values(got, VALUES[PAIRS])
 
 
@@ -46,7 +46,7 @@ def test_fp16_constants_decode_every_byte_exactly():
     byte = _stored_bytes()
     bits = (((byte * decode.F16_PLACE_MAG) % 2**32 & decode.F16_MASK_MAG)
             | ((byte * decode.F16_PLACE_SIGN) % 2**32 & decode.F16_MASK_SIGN))
-    got = _halves(bits, np.float16) * np.float32(decode.F16_UNSCALE)
+    got = _halves(bits, np.float16) * np.float32(2.0 ** decode.UNSCALE_EXP[jnp.dtype(jnp.float16)])
     _assert_same_values(got, VALUES[PAIRS])
 
 
@@ -57,12 +57,11 @@ def test_ptx_uses_the_tested_constants():
         asm = decode._e2m1_ptx(dtype)
         assert all(f"{c:#x}" in asm for c in consts)
     # The unscale immediates: 2^126 in bf16 and 2^14 in fp16, in both halves.
-    assert np.array([0x7E80], np.uint16).view(ml_dtypes.bfloat16)[0] == decode.BF16_UNSCALE
-    assert np.array([0x7400], np.uint16).view(np.float16)[0] == decode.F16_UNSCALE
+    assert np.array([0x7E80], np.uint16).view(ml_dtypes.bfloat16)[0] == 2.0 ** 126
+    assert np.array([0x7400], np.uint16).view(np.float16)[0] == 2.0 ** 14
     assert "0x7e807e80" in decode._e2m1_ptx(jnp.bfloat16)
     assert "0x74007400" in decode._e2m1_ptx(jnp.float16)
-    assert 2.0 ** decode.UNSCALE_EXP[jnp.dtype(jnp.bfloat16)] == decode.BF16_UNSCALE
-    assert 2.0 ** decode.UNSCALE_EXP[jnp.dtype(jnp.float16)] == decode.F16_UNSCALE
+    assert decode.UNSCALE_EXP == {jnp.dtype(jnp.bfloat16): 126, jnp.dtype(jnp.float16): 14}
     for dtype in (jnp.bfloat16, jnp.float16):   # without the unscale: no 16-bit multiply
         assert "mul.rn" not in decode._e2m1_ptx(dtype, unscale=False)
 
@@ -272,6 +271,13 @@ def test_word_order_round_trip_and_bad_k(lut):
     assert sorted(decode.word_order_sources(lut)) == list(range(32))
     with pytest.raises(ValueError, match=r"blocks of 32 codes.*\(3, 48\)"):
         decode.to_word_order(codes[:, :48], lut)
+
+
+def test_word_order_takes_aliases_and_refuses_unknown_code_books():
+    np.testing.assert_array_equal(decode.word_order_sources("uint4"),
+                                  decode.word_order_sources("int4"))
+    with pytest.raises(ValueError, match="bogus"):
+        decode.to_word_order(jnp.zeros((2, 32), jnp.int4), "bogus")
 
 
 @pytest.mark.parametrize("lut", LUTS)

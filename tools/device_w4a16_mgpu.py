@@ -35,12 +35,11 @@ from jquant.formats import bnb
 from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
                                               w4a16_mgpu, w4a16_mgpu_matmul)
 from jquant.pallas_kernels.w4a16_mgpu_common import group_acc_fits
-from tools.device_w4a16_mgpu_ab import (CODEBOOK_AB_PLAN, SMALL_M_LAUNCH_NAMES,
-                                        SMALL_M_LAUNCH_PLAN, WIDE_ROWS_PLAN,
+from tools.device_w4a16_mgpu_ab import (CODEBOOK_AB_PLAN, SMALL_M_LAUNCH_PLAN, WIDE_ROWS_PLAN,
                                         WORD_ORDER_AB_PLAN, WS_SMALL_M_PLAN, WS_WIDE_PLAN,
                                         codebook_ab, launch_ab, log, record_cell,
                                         small_m_launch_variants, weight_operands,
-                                        wide_rows_variants, word_order_ab, ws_launches,
+                                        wide_rows_variants, ws_launches,
                                         ws_small_m_variants, ws_wide_variants)
 from tools.device_w4a16_mgpu_probes import copy_probe, gpu_state, latency_probe
 
@@ -305,7 +304,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ab-cells", default=None,
                         help="NxKxM list for --codebook-ab / --word-order-ab, e.g. 8192x8192x1")
     parser.add_argument("--schemes", default="int4_g128,mxfp4,nvfp4,nf4",
-                        help="code books --word-order-ab times")
+                        help="code books --codebook-ab / --word-order-ab time")
     parser.add_argument("--small-m-launch-ab", action="store_true",
                         help="the M ≤ 16 default launch against its neighbours")
     parser.add_argument("--sass-only", action="store_true", help="compile a few launches, nothing else")
@@ -327,10 +326,11 @@ def main(argv=None) -> int:
         (out / "mgpu_correctness.json").write_text(json.dumps(res, indent=1))
         log(f"correctness {sum(r['ok'] for r in res)}/{len(res)}")
     if args.codebook_ab:
-        codebook_ab(out, cells or CODEBOOK_AB_PLAN)
+        codebook_ab(out, cells or CODEBOOK_AB_PLAN, schemes=tuple(args.schemes.split(",")))
         gpu_state(out, "after code book ab")
     if args.word_order_ab:
-        word_order_ab(out, cells or WORD_ORDER_AB_PLAN, schemes=tuple(args.schemes.split(",")))
+        codebook_ab(out, cells or WORD_ORDER_AB_PLAN, schemes=tuple(args.schemes.split(",")),
+                    orders=(True, False), file_name="word_order_ab.json")
         gpu_state(out, "after word order ab")
     if args.group_acc_ab:
         group_acc_ab(out)
@@ -344,7 +344,7 @@ def main(argv=None) -> int:
         launch_ab(out, WS_WIDE_PLAN, ws_wide_variants, "ws_wide_ab.json")
     if args.small_m_launch_ab:
         launch_ab(out, SMALL_M_LAUNCH_PLAN, small_m_launch_variants, "small_m_launch_ab.json",
-                  kernel_only=SMALL_M_LAUNCH_NAMES)
+                  every_kernel_alone=True)
         gpu_state(out, "after small-M launches")
     if args.ws_small_m:
         launch_ab(out, WS_SMALL_M_PLAN, ws_small_m_variants, "ws_small_m_ab.json")

@@ -71,11 +71,11 @@ def ws_launches(m: int, packed) -> list[MgpuConfig]:
 
 
 def launch_ab(out: pathlib.Path, plan, variants, file_name: str, kernel_only=("default",),
-              interpret: bool = False) -> list[dict]:
+              interpret: bool = False, every_kernel_alone: bool = False) -> list[dict]:
     """Per (scheme, N, K, M) cell of ``plan``: the default launch and ``variants(base, packed,
     m)`` (name → MgpuConfig), whole calls (and the kernel alone for the names in
-    ``kernel_only``), timed round-robin with XLA bf16 (``out``/``file_name``, rewritten per
-    cell)."""
+    ``kernel_only``, or for every launch), timed round-robin with XLA bf16
+    (``out``/``file_name``, rewritten per cell)."""
     rows = []
     key = jax.random.PRNGKey(0)
     for scheme, n, k, m in plan:
@@ -98,7 +98,7 @@ def launch_ab(out: pathlib.Path, plan, variants, file_name: str, kernel_only=("d
                 del alts[name]
                 continue
             cands[name] = (fn, [(xs[c % 4], p) for c, p in enumerate(packs)])
-            if name in kernel_only:
+            if every_kernel_alone or name in kernel_only:
                 kern = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu(x, p, config=cfg,
                                                                 interpret=interpret))
                 cands[name + "_kernel_only"] = (kern, [(xs[c % 4], p) for c, p in enumerate(packs)])
@@ -180,60 +180,25 @@ def small_m_launch_variants(base, packed, m) -> dict:
             and packed.k_pad // (cfg.split_k * cfg.block_k) >= 2}
 
 
-# Every launch of the stage, timed alone as well as in whole calls.
-SMALL_M_LAUNCH_NAMES = ("default", "sp2", "sp4", "sp8", "sp16", "st2", "st4", "st6", "bk512",
-                        "bk128", "bn128", "bm16")
-
-
 CODEBOOK_AB_PLAN = ((28672, 8192, 1), (28672, 8192, 16), (8192, 28672, 1), (8192, 8192, 1))
 
 
-def codebook_ab(out: pathlib.Path, plan=CODEBOOK_AB_PLAN, interpret: bool = False) -> list[dict]:
-    """int4 g128, MXFP4, NVFP4 and NF4 under their default launches in one round-robin per cell,
-    with XLA bf16: the issue's "FP4 / NF4 within 15 % of int4" is a ratio of two of these
-    (``out``/codebook_ab.json, rewritten per cell)."""
-    rows = []
-    key = jax.random.PRNGKey(0)
-    for n, k, m in plan:
-        xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
-        cands, configs = {}, {}
-        for scheme in ("int4_g128", "mxfp4", "nvfp4", "nf4"):
-            first = "xla_bf16" not in cands   # one XLA baseline per cell
-            _, packs, w_bf16 = weight_operands(n, k, key, scheme, with_bf16=first)
-            if interpret:
-                packs, w_bf16 = packs[:1], w_bf16[:1]
-            if first:
-                cands["xla_bf16"] = (jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)])
-            cfg = configs[scheme] = configs[scheme + "_kernel_only"] = default_mgpu_config(m, packs[0])
-            call = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu_matmul(x, p, config=cfg,
-                                                                   interpret=interpret))
-            kern = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu(x, p, config=cfg, interpret=interpret))
-            args = [(xs[c % 4], p) for c, p in enumerate(packs)]
-            cands[scheme], cands[scheme + "_kernel_only"] = (call, args), (kern, args)
-        times = time_interleaved(cands, **(dict(warmup=1, reps=1) if interpret else {}))
-        record_cell(rows, times, configs, dict(N=n, K=k, M=m), f"{n}x{k} M={m}:",
-                    out / "codebook_ab.json")
-        del cands
-    return rows
-
-
-WORD_ORDER_AB_PLAN = ((28672, 8192, 1), (28672, 8192, 16), (8192, 8192, 1), (8192, 28672, 1),
-                      (28672, 8192, 64), (28672, 8192, 128))
-
-
-def word_order_ab(out: pathlib.Path, plan=WORD_ORDER_AB_PLAN, schemes=("int4_g128", "mxfp4",
-                  "nvfp4", "nf4"), interpret: bool = False) -> list[dict]:
-    """Each code book's default launch on weights in word order (a 32-bit load and one decode
-    call per 8 codes) against K order (a byte load per pair), kernel alone, plus the word-order
-    whole call and XLA bf16, in one round-robin per cell (``out``/word_order_ab.json)."""
+def codebook_ab(out: pathlib.Path, plan=CODEBOOK_AB_PLAN, schemes=("int4_g128", "mxfp4",
+                "nvfp4", "nf4"), orders=(True,), file_name: str = "codebook_ab.json",
+                interpret: bool = False) -> list[dict]:
+    """Each code book's default launch, whole call and kernel alone, with XLA bf16, in one
+    round-robin per cell (``out``/``file_name``, rewritten per cell): the issue's "FP4 / NF4
+    within 15 % of int4" is a ratio of two of these. ``orders``: weight orders to time (word
+    order ``True``, K order ``False``); with both, the kernels alone are named ``…_word_…`` /
+    ``…_k_…`` and the whole call is the first order's."""
     rows = []
     key = jax.random.PRNGKey(0)
     for n, k, m in plan:
         xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
         cands, configs = {}, {}
         for scheme in schemes:
-            for word_order in (True, False):
-                first = "xla_bf16" not in cands
+            for word_order in orders:
+                first = "xla_bf16" not in cands   # one XLA baseline per cell
                 _, packs, w_bf16 = weight_operands(n, k, key, scheme, with_bf16=first,
                                                    word_order=word_order)
                 if interpret:
@@ -241,18 +206,23 @@ def word_order_ab(out: pathlib.Path, plan=WORD_ORDER_AB_PLAN, schemes=("int4_g12
                 if first:
                     cands["xla_bf16"] = (jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)])
                 cfg = default_mgpu_config(m, packs[0])
-                name = f"{scheme}_{'word' if word_order else 'k'}_kernel_only"
-                configs[name] = cfg
                 args = [(xs[c % 4], p) for c, p in enumerate(packs)]
+                order = "" if len(orders) == 1 else "_word" if word_order else "_k"
+                name = f"{scheme}{order}_kernel_only"
+                configs[name] = cfg
                 cands[name] = (jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu(
                     x, p, config=cfg, interpret=interpret)), args)
-                if word_order:
+                if word_order == orders[0]:
                     configs[scheme] = cfg
                     cands[scheme] = (jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu_matmul(
                         x, p, config=cfg, interpret=interpret)), args)
         times = time_interleaved(cands, **(dict(warmup=1, reps=1) if interpret else {}))
         record_cell(rows, times, configs, dict(N=n, K=k, M=m), f"{n}x{k} M={m}:",
-                    out / "word_order_ab.json")
+                    out / file_name)
         del cands
     return rows
 
+
+# Word order against K order (session 7).
+WORD_ORDER_AB_PLAN = ((28672, 8192, 1), (28672, 8192, 16), (8192, 8192, 1), (8192, 28672, 1),
+                      (28672, 8192, 64), (28672, 8192, 128))

@@ -12,9 +12,8 @@ registers, which the Triton kernels could not do for loads that do not feed a do
 FP4 (E2M1, MXFP4 / NVFP4) and NF4 use the same tiles, decoded by inline PTX
 (``w4a16_mgpu_decode``; Mosaic GPU's own FP4 conversion is Blackwell-only): each pair of E2M1
 codes is stored in a byte layout that a multiply and a mask decode (the scales carry the
-last ``× 2^126``); table
-codes (NF4, bitsandbytes FP4) are looked up four at a time with ``prmt``. Groups of 16 / 32 pick their
-scale per column inside each 64-wide chunk.
+last ``× 2^126``); table codes (NF4, bitsandbytes FP4) are looked up with ``prmt``. Groups of
+16 / 32 pick their scale per column inside each 64-wide chunk.
 
 Grid: (N / block_n, split_k, M / block_m). Each CTA streams its K range and writes an fp32
 ``[block_n, block_m]`` partial; XLA sums the split-K partials and transposes (tiny for small M).
@@ -41,9 +40,8 @@ from jquant.pallas_kernels.w4a16_mgpu_common import (K_CHUNK, SUB_CHUNK_GROUPS, 
                                                      launch_partials, load_weight_spans,
                                                      step_specs, weight_row_codes)
 from jquant.pallas_kernels.w4a16_mgpu_decode import (E2M1_SCALE_EXP, from_word_order,
-                                                     pack_e2m1_pairs,
-                                                     signed_int4, to_word_order,
-                                                     unpack_e2m1_pairs)
+                                                     pack_e2m1_pairs, signed_int4,
+                                                     to_word_order, unpack_e2m1_pairs)
 from jquant.pallas_kernels.w4a16_mgpu_ws import w4a16_mgpu_ws
 from jquant.pallas_kernels.w4a16_layout import (_round_up, _sort_act_order, canonical_lut,
                                                 gather_pad, lut_values)
@@ -55,12 +53,12 @@ class PackedW4NK:
     ``data`` int4 ``[N_pad, K_pad]``: ``code − 8`` for int4 codes (exact in int4 for uint4b8 and
     for asymmetric codes, whose zero points are shifted the same way), or E2M1 codes in pairs
     (``lut="e2m1"``, ``pack_e2m1_pairs``), or table codes as they are (``"nf4"``, ``"fp4_bnb"``);
+    ``word_order``: its K axis permuted within blocks of 32 codes (``to_word_order``).
     ``scale`` ``[K_pad / G, N_pad]`` (bf16, fp16 or fp32: converted to x's dtype in the kernel;
-    E2M1's times 2^(126 − k), ``_e2m1_prescale``);
-    ``zero`` optional ``[K_pad / G, N_pad]``: ``zero − 8`` (int4 asymmetric), subtracted before
-    scaling. ``perm``: act-order gather of x's columns; ``global_scale``: optional fp32 ``[1]``
-    multiplier (NVFP4's; for E2M1 always, times 2^k). ``group_size`` in stored rows. ``word_order``: ``data``'s K axis is
-    permuted within blocks of 32 codes (``to_word_order``).
+    E2M1's times 2^(126 − k), ``_e2m1_prescale``); ``zero`` optional ``[K_pad / G, N_pad]``:
+    ``zero − 8`` (int4 asymmetric), subtracted before scaling. ``perm``: act-order gather of x's
+    columns; ``global_scale``: optional fp32 ``[1]`` multiplier (NVFP4's; for E2M1 always, times
+    2^k). ``group_size`` in stored rows.
     """
 
     data: jax.Array

@@ -37,15 +37,30 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jquant.pallas_kernels.w4a16_layout import lut_values
+from jquant.pallas_kernels.w4a16_layout import canonical_lut, lut_values
 
 # ---- E2M1 --------------------------------------------------------------------------------------
 # bf16: one multiply places sign and magnitude of both codes; the mask keeps them.
-BF16_PLACE, BF16_MASK, BF16_UNSCALE = 0x80200802, 0x81C081C0, 2.0 ** 126
+BF16_PLACE, BF16_MASK = 0x80200802, 0x81C081C0
 # fp16: magnitudes and signs need different shifts.
 F16_PLACE_MAG, F16_MASK_MAG = 0x01000010, 0x0E000E00
 F16_PLACE_SIGN, F16_MASK_SIGN = 0x80000800, 0x80008000
-F16_UNSCALE = 2.0 ** 14
+# The placed bits are the values times 2^-UNSCALE_EXP. Stored E2M1 scales carry 2^E2M1_SCALE_EXP
+# (and the global scale the 2^-k that keeps them in bf16, ``prepack_nk``), so a decode whose
+# scale multiply follows skips its own unscale and multiplies the placed bits by the scale.
+UNSCALE_EXP = {jnp.dtype(jnp.bfloat16): 126, jnp.dtype(jnp.float16): 14}
+E2M1_SCALE_EXP = 126
+
+
+def _ptx(registers: str, ops: list[str]) -> str:
+    """An inline-PTX block declaring ``registers`` and running ``ops``."""
+    return "{\n    .reg .b32 " + registers + ";\n    " + "\n    ".join(ops) + "\n    }"
+
+
+def _pair_bits(value: float, dtype) -> int:
+    """``value`` in ``dtype`` in both halves of a 32-bit register."""
+    half = int(np.asarray(value, np.float32).astype(jnp.dtype(dtype)).view(np.uint16))
+    return half << 16 | half
 
 
 def _rotate_nibble(c):
@@ -96,28 +111,25 @@ def decode_e2m1_pairs_jnp(w, dtype):
     return values.reshape(w.shape)
 
 
-def _e2m1_ptx(dtype, unscale: bool = True) -> str:
-    """$1: the pair's byte, zero-extended; $0: two bf16 / fp16 values, or (``unscale=False``)
-    their placed bits, the values times 2^-126 (bf16) or 2^-14 (fp16)."""
+def _e2m1_ops(dtype, unscale: bool, src: str, dst: str) -> list[str]:
+    """``src``: a pair's byte, zero-extended; ``dst``: two bf16 / fp16 values, or
+    (``unscale=False``) their placed bits, the values times 2^-``UNSCALE_EXP``. Uses t, m, s, u."""
     if jnp.dtype(dtype) == jnp.bfloat16:
-        ops = [f"mul.lo.u32 t, $1, {BF16_PLACE:#x};", f"and.b32 t, t, {BF16_MASK:#x};"]
-        factor, kind = 0x7E807E80, "bf16x2"
+        ops = [f"mul.lo.u32 t, {src}, {BF16_PLACE:#x};", f"and.b32 t, t, {BF16_MASK:#x};"]
     else:
-        ops = [f"mul.lo.u32 m, $1, {F16_PLACE_MAG:#x};", f"mul.lo.u32 s, $1, {F16_PLACE_SIGN:#x};",
-               f"and.b32 s, s, {F16_MASK_SIGN:#x};", f"lop3.b32 t, m, {F16_MASK_MAG:#x}, s, 0xEA;"]
-        factor, kind = 0x74007400, "f16x2"
-    if unscale:
-        ops += [f"mov.b32 u, {factor:#x};", f"mul.rn.{kind} $0, t, u;"]
-    else:
-        ops.append("mov.b32 $0, t;")
-    return "{\n    .reg .b32 t, m, s, u;\n    " + "\n    ".join(ops) + "\n    }"
+        ops = [f"mul.lo.u32 m, {src}, {F16_PLACE_MAG:#x};",
+               f"mul.lo.u32 s, {src}, {F16_PLACE_SIGN:#x};", f"and.b32 s, s, {F16_MASK_SIGN:#x};",
+               f"lop3.b32 t, m, {F16_MASK_MAG:#x}, s, 0xEA;"]
+    if not unscale:
+        return ops + [f"mov.b32 {dst}, t;"]
+    kind = "bf16x2" if jnp.dtype(dtype) == jnp.bfloat16 else "f16x2"
+    factor = _pair_bits(2.0 ** UNSCALE_EXP[jnp.dtype(dtype)], dtype)
+    return ops + [f"mov.b32 u, {factor:#x};", f"mul.rn.{kind} {dst}, t, u;"]
 
 
-# Stored E2M1 scales carry 2^126 (and the global scale 2^-k of it, ``prepack_nk``), so that a
-# decode whose scale multiply follows can skip its own × 2^126 (bf16) or × 2^14 (fp16) and
-# multiply the placed bits by the scale directly.
-E2M1_SCALE_EXP = 126
-UNSCALE_EXP = {jnp.dtype(jnp.bfloat16): 126, jnp.dtype(jnp.float16): 14}
+def _e2m1_ptx(dtype, unscale: bool = True) -> str:
+    """One register's pair: ``$1`` its byte, ``$0`` the two values (``_e2m1_ops``)."""
+    return _ptx("t, m, s, u", _e2m1_ops(dtype, unscale, "$1", "$0"))
 
 
 # ---- 16-entry tables ---------------------------------------------------------------------------
@@ -132,26 +144,31 @@ def table_words(values, dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return words(bits & 0xFF), words(bits >> 8)
 
 
+_TABLE_REGISTERS = "w, idx, hsel, pl, nl, ph, nh, l, h"
+
+
+def _table_lookup_ops(values, dtype, dst0: str, dst1: str) -> list[str]:
+    """Four codes, whose low 3 bits are the low 16 bits of ``idx`` and whose byte choices (i
+    from the 0-7 lookup, i + 4 from the 8-15 one, by bit 3) are those of ``hsel`` → ``dst0`` /
+    ``dst1``: two 16-bit pairs."""
+    lo, hi = table_words(values, dtype)
+    return [f"prmt.b32 pl, {lo[0]:#x}, {lo[1]:#x}, idx;",
+            f"prmt.b32 nl, {lo[2]:#x}, {lo[3]:#x}, idx;",
+            "prmt.b32 l, pl, nl, hsel;",
+            f"prmt.b32 ph, {hi[0]:#x}, {hi[1]:#x}, idx;",
+            f"prmt.b32 nh, {hi[2]:#x}, {hi[3]:#x}, idx;",
+            "prmt.b32 h, ph, nh, hsel;",
+            f"prmt.b32 {dst0}, l, h, 0x5140;",
+            f"prmt.b32 {dst1}, l, h, 0x7362;"]
+
+
 def _table_ptx(values, dtype) -> str:
     # $2, $3: two registers' bytes (codes c0 c1, c2 c3), zero-extended; w holds c0..c3 in its
-    # four nibbles. idx: their low 3 bits; hsel: byte i from the 0-7 lookup (i) or the 8-15 one
-    # (i + 4) by bit 3. $0 / $1: (c0, c1) and (c2, c3) as 16-bit pairs.
-    lo, hi = table_words(values, dtype)
-    return f"""{{
-    .reg .b32 w, idx, hsel, pl, nl, ph, nh, l, h;
-    mad.lo.u32 w, $3, 256, $2;
-    and.b32 idx, w, 0x7777;
-    shr.u32 hsel, w, 1;
-    lop3.b32 hsel, hsel, 0x4444, 0x3210, 0xEA;
-    prmt.b32 pl, {lo[0]:#x}, {lo[1]:#x}, idx;
-    prmt.b32 nl, {lo[2]:#x}, {lo[3]:#x}, idx;
-    prmt.b32 l, pl, nl, hsel;
-    prmt.b32 ph, {hi[0]:#x}, {hi[1]:#x}, idx;
-    prmt.b32 nh, {hi[2]:#x}, {hi[3]:#x}, idx;
-    prmt.b32 h, ph, nh, hsel;
-    prmt.b32 $0, l, h, 0x5140;
-    prmt.b32 $1, l, h, 0x7362;
-    }}"""
+    # four nibbles. $0 / $1: (c0, c1) and (c2, c3) as 16-bit pairs.
+    return _ptx(_TABLE_REGISTERS, ["mad.lo.u32 w, $3, 256, $2;", "and.b32 idx, w, 0x7777;",
+                                   "shr.u32 hsel, w, 1;",
+                                   "lop3.b32 hsel, hsel, 0x4444, 0x3210, 0xEA;"]
+                + _table_lookup_ops(values, dtype, "$0", "$1"))
 
 
 def decode_table_jnp(w, values, dtype):
@@ -181,7 +198,7 @@ _STORED_AXES = {"int4": (1, 2, 0), "pairs": (1, 0, 2)}
 
 
 def _stored_axes(lut: str):
-    return _STORED_AXES["int4" if lut == "int4" else "pairs"]
+    return _STORED_AXES["int4" if canonical_lut(lut) == "int4" else "pairs"]
 
 
 def word_order_sources(lut: str) -> np.ndarray:
@@ -216,56 +233,33 @@ def _permute_blocks(codes, block_shape, axes):
 def _int4_word_ptx(dtype) -> str:
     # 2^7 (bf16) or 2^10 (fp16) + 8 in both halves: a nibble n under that exponent, xor 8, is
     # 2^7 + (n ^ 8) = 2^7 + code; subtracting 2^7 + 8 leaves the stored value code − 8, exactly.
-    magic = 0x43084308 if jnp.dtype(dtype) == jnp.bfloat16 else 0x64086408
-    kind = "bf16x2" if jnp.dtype(dtype) == jnp.bfloat16 else "f16x2"
-    lines = []
+    bf16 = jnp.dtype(dtype) == jnp.bfloat16
+    ops = [f"mov.b32 m, {_pair_bits(136.0 if bf16 else 1032.0, dtype):#x};"]
     for q in range(4):
-        src = "$4" if q == 0 else "t"
         if q:
-            lines.append(f"shr.u32 t, $4, {4 * q};")
-        lines.append(f"lop3.b32 t, {src}, 0x000f000f, m, 0x6a;")   # (a & b) ^ c
-        lines.append(f"sub.rn.{kind} ${q}, t, m;")
-    body = "\n    ".join(lines)
-    return f"""{{
-    .reg .b32 t, m;
-    mov.b32 m, {magic:#x};
-    {body}
-    }}"""
+            ops.append(f"shr.u32 t, $4, {4 * q};")
+        ops += [f"lop3.b32 t, {'t' if q else '$4'}, 0x000f000f, m, 0x6a;",   # (a & b) ^ c
+                f"sub.rn.{'bf16x2' if bf16 else 'f16x2'} ${q}, t, m;"]
+    return _ptx("t, m", ops)
 
 
 def _e2m1_word_ptx(dtype, unscale: bool = True) -> str:
     # Each byte zero-extended by one prmt (byte q of $4, then zeros), then the pair decode.
-    pair = _e2m1_ptx(dtype, unscale).strip().strip("{}").strip()
-    regs, *ops = [line.strip() for line in pair.splitlines()]
-    out = [regs.replace(";", ", b;")]
+    ops = []
     for q in range(4):
-        out.append(f"prmt.b32 b, $4, 0, {0x4440 + q:#x};")
-        out += [op.replace("$1", "b").replace("$0", f"${q}") for op in ops]
-    return "{\n    " + "\n    ".join(out) + "\n    }"
+        ops += [f"prmt.b32 b, $4, 0, {0x4440 + q:#x};", *_e2m1_ops(dtype, unscale, "b", f"${q}")]
+    return _ptx("t, m, s, u, b", ops)
 
 
 def _table_word_ptx(values, dtype) -> str:
     # prmt reads the low 16 bits of a selector: pairs 0, 1 (bytes 0, 1) from idx and hsel as
     # they are, pairs 2, 3 after a shift by 16.
-    lo, hi = table_words(values, dtype)
-    lines = ["and.b32 idx, $4, 0x77777777;", "shr.u32 hsel, $4, 1;",
-             "lop3.b32 hsel, hsel, 0x44444444, 0x32103210, 0xEA;"]
-    for half in range(2):
-        if half:
-            lines += ["shr.u32 idx, idx, 16;", "shr.u32 hsel, hsel, 16;"]
-        lines += [f"prmt.b32 pl, {lo[0]:#x}, {lo[1]:#x}, idx;",
-                  f"prmt.b32 nl, {lo[2]:#x}, {lo[3]:#x}, idx;",
-                  "prmt.b32 l, pl, nl, hsel;",
-                  f"prmt.b32 ph, {hi[0]:#x}, {hi[1]:#x}, idx;",
-                  f"prmt.b32 nh, {hi[2]:#x}, {hi[3]:#x}, idx;",
-                  "prmt.b32 h, ph, nh, hsel;",
-                  f"prmt.b32 ${2 * half}, l, h, 0x5140;",
-                  f"prmt.b32 ${2 * half + 1}, l, h, 0x7362;"]
-    body = "\n    ".join(lines)
-    return f"""{{
-    .reg .b32 idx, hsel, pl, nl, ph, nh, l, h;
-    {body}
-    }}"""
+    ops = ["and.b32 idx, $4, 0x77777777;", "shr.u32 hsel, $4, 1;",
+           "lop3.b32 hsel, hsel, 0x44444444, 0x32103210, 0xEA;",
+           *_table_lookup_ops(values, dtype, "$0", "$1"),
+           "shr.u32 idx, idx, 16;", "shr.u32 hsel, hsel, 16;",
+           *_table_lookup_ops(values, dtype, "$2", "$3")]
+    return _ptx(_TABLE_REGISTERS, ops)
 
 
 def word_ptx(lut: str, dtype, unscale: bool = True) -> str:
