@@ -144,7 +144,7 @@ def table_words(values, dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return words(bits & 0xFF), words(bits >> 8)
 
 
-_TABLE_REGISTERS = "w, idx, hsel, pl, nl, ph, nh, l, h"
+_TABLE_REGISTERS = "idx, hsel, pl, nl, ph, nh, l, h"
 
 
 def _table_lookup_ops(values, dtype, dst0: str, dst1: str) -> list[str]:
@@ -165,10 +165,10 @@ def _table_lookup_ops(values, dtype, dst0: str, dst1: str) -> list[str]:
 def _table_ptx(values, dtype) -> str:
     # $2, $3: two registers' bytes (codes c0 c1, c2 c3), zero-extended; w holds c0..c3 in its
     # four nibbles. $0 / $1: (c0, c1) and (c2, c3) as 16-bit pairs.
-    return _ptx(_TABLE_REGISTERS, ["mad.lo.u32 w, $3, 256, $2;", "and.b32 idx, w, 0x7777;",
-                                   "shr.u32 hsel, w, 1;",
-                                   "lop3.b32 hsel, hsel, 0x4444, 0x3210, 0xEA;"]
-                + _table_lookup_ops(values, dtype, "$0", "$1"))
+    ops = ["mad.lo.u32 w, $3, 256, $2;", "and.b32 idx, w, 0x7777;", "shr.u32 hsel, w, 1;",
+           "lop3.b32 hsel, hsel, 0x4444, 0x3210, 0xEA;",
+           *_table_lookup_ops(values, dtype, "$0", "$1")]
+    return _ptx("w, " + _TABLE_REGISTERS, ops)
 
 
 def decode_table_jnp(w, values, dtype):
