@@ -4,11 +4,11 @@ against XLA bf16 (and the Triton kernels at M = 1) measured in the same process.
 PYTHONPATH=. python3 tools/device_w4a16_mgpu.py --out $OUT [--quick] [--skip-sweep]
     [--ab] [--group-acc-ab] [--latency-probe] [--wide-rows] [--ws-wide] [--ws-small-m]
     [--copy-probe] [--codebook-ab] [--word-order-ab] [--small-m-launch-ab]
-    [--skip-correctness]
+    [--final-output-ab] [--skip-correctness]
 Writes mgpu_correctness.json and mgpu_sweep.json, and one JSON per extra stage (rewritten after
 each cell): mgpu_ab.json, group_acc_ab.json, latency_probe.json, wide_rows_ab.json, ws_wide_ab.json,
 ws_small_m_ab.json, copy_probe.json, codebook_ab.json, word_order_ab.json,
-small_m_launch_ab.json;
+small_m_launch_ab.json, final_output_ab.json;
 gpu_state.txt logs nvidia-smi's clocks and other processes between stages. The A/B stages live in
 device_w4a16_mgpu_ab.py, the probes in device_w4a16_mgpu_probes.py (beside this file).
 """
@@ -35,9 +35,10 @@ from jquant.formats import bnb
 from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
                                               w4a16_mgpu, w4a16_mgpu_matmul)
 from jquant.pallas_kernels.w4a16_mgpu_common import group_acc_fits
-from tools.device_w4a16_mgpu_ab import (CODEBOOK_AB_PLAN, SMALL_M_LAUNCH_PLAN, WIDE_ROWS_PLAN,
+from tools.device_w4a16_mgpu_ab import (CODEBOOK_AB_PLAN, FINAL_OUTPUT_PLAN, SMALL_M_LAUNCH_PLAN, WIDE_ROWS_PLAN,
                                         WORD_ORDER_AB_PLAN, WS_SMALL_M_PLAN, WS_WIDE_PLAN,
-                                        codebook_ab, launch_ab, log, record_cell,
+                                        codebook_ab, final_output_variants, launch_ab,
+                                        log, record_cell,
                                         small_m_launch_variants, weight_operands,
                                         wide_rows_variants, ws_launches,
                                         ws_small_m_variants, ws_wide_variants)
@@ -82,7 +83,9 @@ def correctness(luts=("int4", "e2m1", "nf4", "fp4_bnb")) -> list[dict]:
                   else q.astype(np.float32) - zf if lut == "int4" else bnb.code_table(lut)[q])
         w = values * np.asarray(s, np.float32)[groups] * (gs or 1.0)
         x = rng.standard_normal((m, k)).astype(np.float32)
-        ref = x.astype(np.asarray(jnp.zeros((), xdt)).dtype).astype(np.float32) @ w
+        bias = jnp.asarray(rng.standard_normal(n), xdt)
+        ref = (x.astype(np.asarray(jnp.zeros((), xdt)).dtype).astype(np.float32) @ w
+               + np.asarray(bias, np.float32))
         case = dict(k=k, n=n, group=g, zeros=zeros, scale=sdt, m=m, x=jnp.dtype(xdt).name, act=act)
         base = default_mgpu_config(min(m, 128), packed)
         ws = [c for c in ws_launches(m, packed) if c.block_m == base.block_m]
@@ -93,11 +96,18 @@ def correctness(luts=("int4", "e2m1", "nf4", "fp4_bnb")) -> list[dict]:
         alts += [dataclasses.replace(c, wide_rows=True) for c in ws[:1]]
         if group_acc_fits(packed.group_size, base.block_k, base.compute_wgs):
             alts.append(dataclasses.replace(base, group_acc=not base.group_acc))
+        # The kernel's own final output (cluster-summed split-K), at the default split and 4.
+        alts += [dataclasses.replace(c, final_output=not c.final_output) for c in alts
+                 if c.compute_wgs == 1 and c.split_k <= 8]
+        if base.compute_wgs == 1 and not packed.k_pad % (4 * base.block_k):
+            alts.append(dataclasses.replace(base, final_output=True, split_k=4))
         for cfg in dict.fromkeys(alts):
             rec = dict(case, word_order=packed.word_order, wide_rows=cfg.wide_rows,
-                       compute_wgs=cfg.compute_wgs, group_acc=cfg.group_acc)
+                       compute_wgs=cfg.compute_wgs, group_acc=cfg.group_acc,
+                       final_output=cfg.final_output, split_k=cfg.split_k)
             try:
-                got = jax.jit(lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg))(jnp.asarray(x, xdt), packed)
+                got = jax.jit(lambda x, p, b: w4a16_mgpu_matmul(x, p, b, config=cfg))(
+                    jnp.asarray(x, xdt), packed, bias)
                 got = np.asarray(got, np.float32)
                 err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
                 rec.update(cfg=dataclasses.asdict(cfg), rel_err=err,
@@ -307,6 +317,8 @@ def main(argv=None) -> int:
                         help="code books --codebook-ab / --word-order-ab time")
     parser.add_argument("--small-m-launch-ab", action="store_true",
                         help="the M ≤ 16 default launch against its neighbours")
+    parser.add_argument("--final-output-ab", action="store_true",
+                        help="XLA-summed partials vs the kernel's own final output")
     parser.add_argument("--sass-only", action="store_true", help="compile a few launches, nothing else")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
@@ -346,6 +358,9 @@ def main(argv=None) -> int:
         launch_ab(out, SMALL_M_LAUNCH_PLAN, small_m_launch_variants, "small_m_launch_ab.json",
                   every_kernel_alone=True)
         gpu_state(out, "after small-M launches")
+    if args.final_output_ab:
+        launch_ab(out, FINAL_OUTPUT_PLAN, final_output_variants, "final_output_ab.json")
+        gpu_state(out, "after final output ab")
     if args.ws_small_m:
         launch_ab(out, WS_SMALL_M_PLAN, ws_small_m_variants, "ws_small_m_ab.json")
         gpu_state(out, "after ws small m")

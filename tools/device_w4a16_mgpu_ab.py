@@ -180,6 +180,29 @@ def small_m_launch_variants(base, packed, m) -> dict:
             and packed.k_pad // (cfg.split_k * cfg.block_k) >= 2}
 
 
+FINAL_OUTPUT_PLAN = tuple(("int4_g128", n, k, 1) for n, k in ((28672, 8192), (8192, 28672),
+                                                             (8192, 8192), (4096, 4096),
+                                                             (1536, 576))) + (
+    ("int4_g128", 28672, 8192, 16), ("int4_g128", 8192, 8192, 16), ("int4_g128", 8192, 8192, 32),
+    ("int4_g128", 8192, 8192, 128), ("mxfp4", 28672, 8192, 1), ("nvfp4", 28672, 8192, 1),
+    ("nf4", 28672, 8192, 1))
+
+
+def final_output_variants(base, packed, m) -> dict:
+    """The default (fp32 partials summed by XLA) against the kernel writing the final output
+    (split-K partials summed inside a cluster), at the default split and one notch either way."""
+    del m
+    if base.compute_wgs != 1:
+        return {}
+    alts = {"final": dataclasses.replace(base, final_output=True)}
+    for sp in (base.split_k // 2, base.split_k * 2):
+        cfg = dataclasses.replace(base, final_output=True, split_k=sp)
+        if (1 <= sp <= 8 and not packed.k_pad % (sp * cfg.block_k)
+                and packed.k_pad // (sp * cfg.block_k) >= 2):
+            alts[f"final_sp{sp}"] = cfg
+    return alts
+
+
 CODEBOOK_AB_PLAN = ((28672, 8192, 1), (28672, 8192, 16), (8192, 28672, 1), (8192, 8192, 1))
 
 

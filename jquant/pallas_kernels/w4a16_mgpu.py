@@ -37,11 +37,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jquant.pallas_kernels.w4a16_mgpu_common import (K_CHUNK, SUB_CHUNK_GROUPS, MgpuConfig,
                                                      check_launch, decode_mma_step,
                                                      group_acc_fits,
-                                                     launch_partials, load_weight_spans,
+                                                     launch_kernel, load_weight_spans,
                                                      step_specs, weight_row_codes)
 from jquant.pallas_kernels.w4a16_mgpu_decode import (E2M1_SCALE_EXP, from_word_order,
                                                      pack_e2m1_pairs, signed_int4,
                                                      to_word_order, unpack_e2m1_pairs)
+from jquant.pallas_kernels.w4a16_mgpu_epilogue import start_bias_copy, store_final_output
 from jquant.pallas_kernels.w4a16_mgpu_ws import w4a16_mgpu_ws
 from jquant.pallas_kernels.w4a16_layout import (_round_up, _sort_act_order, canonical_lut,
                                                 gather_pad, lut_values)
@@ -93,10 +94,13 @@ jax.tree_util.register_dataclass(
     meta_fields=["lut", "k", "n", "group_size", "word_order"])
 
 
-def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
-               interpret: bool = False) -> jax.Array:
+def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=None,
+               out_rows: int | None = None, interpret: bool = False) -> jax.Array:
     """fp32 ``[split_k, N_pad, M_pad]`` partials of ``(xs @ W)ᵀ`` for ``xs`` ``[M, K_pad]``
-    (columns in stored order, see ``gather_pad``), ``M_pad`` = M rounded up to ``block_m``.
+    (columns in stored order, see ``gather_pad``), ``M_pad`` = M rounded up to ``block_m``; or,
+    with ``config.final_output``, ``xs @ W · global_scale + bias`` itself, ``[out_rows, N]``
+    (``out_rows`` ≤ M, default M; N_pad columns where N's rows would break the TMA's 16-byte
+    stride, ``final_output_cols``) in x's dtype.
     The rows of the last x tile past M are never read: the TMA copy fills them with zeros
     (so at M = 1 the L2 serves one row of x per step, not ``block_m``). The copy's 8-row tiling
     needs M < 8 or a multiple of 8 (``x_rows``)."""
@@ -108,6 +112,15 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
             or x_rows(xs.shape[0]) != xs.shape[0]):
         raise ValueError(f"xs has shape {tuple(xs.shape)}; expected [M, K_pad={packed.k_pad}] "
                          "with 1 ≤ M < 8 or M a multiple of 8")
+    if (bias is not None or out_rows is not None) and not cfg.final_output:
+        raise ValueError("bias and out_rows go to the kernel only with MgpuConfig.final_output")
+    if bias is not None:
+        if bias.shape not in ((packed.n,), (packed.n_pad,)):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({packed.n},)")
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise TypeError(f"bias must be a float array, got {bias.dtype}")
+    if out_rows is not None and not 1 <= out_rows <= xs.shape[0]:
+        raise ValueError(f"out_rows={out_rows} must be in [1, {xs.shape[0]}] (x's rows)")
     m_pad = _round_up(xs.shape[0], cfg.block_m)
     k_split = check_launch(packed.n_pad, packed.k_pad, m_pad, packed.group_size, cfg)
     if cfg.compute_wgs > 1:
@@ -117,13 +130,13 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
     steps = k_split // cfg.block_k
     has_zero = packed.zero is not None
 
-    def body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem, out_gmem, o_smem, *a_scratch):
+    def body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem, out, *a_scratch):
         def mma(w_smem, x_smem, s_smem, z_smem, acc_ref, **kw):
             decode_mma_step(w_smem, x_smem, s_smem, z_smem[0] if z_smem else None, acc_ref,
                             rows=slice(None), group_size=g, dtype=xs.dtype,
                             lut=packed.lut, word_order=packed.word_order,
                             interpret=interpret, row_codes=weight_row_codes(cfg),
-                            a_scratch=a_scratch[0] if a_scratch else None, **kw)
+                            a_scratch=a_scratch[0] if interpret else None, **kw)
 
         def step(idx, w_smem, x_smem, s_smem, *z_smem, acc_ref):
             del idx
@@ -165,21 +178,29 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig,
             plgpu.wgmma_wait(0)
             return acc_ref[...]
 
+        if cfg.final_output:
+            start_bias_copy(out, ni, bn)
         if cfg.group_acc:
             zeros = plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32), plgpu.Layout.WGMMA)
             acc = plgpu.emit_pipeline(group_acc_step, init_carry=zeros, **pipeline_kw)(*operands)
         else:
             acc = pl.run_scoped(run, plgpu.ACC((bn, bm), jnp.float32))
+        if cfg.final_output:
+            store_final_output(acc, out, ni=ni, si=si, mi=mi, split_k=cfg.split_k,
+                               interpret=interpret)
+            return
+        o_smem = a_scratch[-1]
         o_smem[...] = acc
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[si, pl.ds(ni * bn, bn), pl.ds(mi * bm, bm)])
+        plgpu.copy_smem_to_gmem(o_smem, out.at[si, pl.ds(ni * bn, bn), pl.ds(mi * bm, bm)])
         # Shared memory must outlive the store's reads; its writes land before the kernel ends.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    scratch = [plgpu.SMEM((bn, bm), jnp.float32)]
-    if interpret:
-        scratch.append(plgpu.SMEM((bn, K_CHUNK), xs.dtype))
-    return launch_partials(body, xs, packed, cfg, scratch=scratch, interpret=interpret)
+    scratch = [plgpu.SMEM((bn, K_CHUNK), xs.dtype)] if interpret else []
+    if not cfg.final_output:   # the partial's staging buffer (final_output brings its own)
+        scratch.append(plgpu.SMEM((bn, bm), jnp.float32))
+    return launch_kernel(body, xs, packed, cfg, scratch=scratch, interpret=interpret, bias=bias,
+                         out_rows=out_rows)
 
 
 def x_rows(m: int) -> int:
@@ -313,8 +334,14 @@ def w4a16_mgpu_matmul(x2: jax.Array, packed: PackedW4NK, bias=None, *,
     """``x2 @ W`` (``[M, K]`` bf16/fp16 → ``[M, N]`` in x's dtype) with the Mosaic GPU kernel."""
     m = x2.shape[0]
     cfg = config or default_mgpu_config(m, packed)
-    parts = w4a16_mgpu(gather_pad(x2, packed, x_rows(m)), packed, config=cfg,
-                       interpret=interpret)
+    xs = gather_pad(x2, packed, x_rows(m))
+    if cfg.final_output:
+        if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
+            bias = bias.astype(jnp.float32)
+        out = w4a16_mgpu(xs, packed, config=cfg, bias=bias, out_rows=m, interpret=interpret)
+        # A no-op unless N's rows break the TMA stride rule (``final_output_cols``).
+        return out[:, :packed.n]
+    parts = w4a16_mgpu(xs, packed, config=cfg, interpret=interpret)
     out = jnp.sum(parts, axis=0)[:packed.n, :m].T
     if packed.global_scale is not None:
         out = out * packed.global_scale[0]

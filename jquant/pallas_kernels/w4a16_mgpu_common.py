@@ -11,6 +11,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.pallas_kernels.w4a16_layout import _round_up
+from jquant.pallas_kernels.w4a16_mgpu_epilogue import (MAX_CLUSTER, FinalOutputRefs,
+                                                       final_output_scratch)
 from jquant.pallas_kernels.w4a16_mgpu_decode import (E2M1_SCALE_EXP, UNSCALE_EXP, decode_codes,
                                                      decode_words)
 
@@ -39,6 +41,10 @@ class MgpuConfig:
       added to the running sum, instead of scaling every decoded weight in bf16: one FMA per
       output element per group instead of one multiply per pair of codes (1 warpgroup; groups
       that are multiples of 64 and divide ``block_k``).
+    final_output: the kernel writes the final ``[M, N]`` output in x's dtype (global scale and
+      bias applied), the ``split_k`` partials of a tile summed inside a thread-block cluster
+      (``w4a16_mgpu_epilogue``), instead of fp32 partials for XLA to sum (1 warpgroup;
+      ``split_k`` ≤ 8).
     """
 
     block_n: int = 128
@@ -49,11 +55,12 @@ class MgpuConfig:
     wide_rows: bool = False
     compute_wgs: int = 1
     group_acc: bool = False
+    final_output: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("wide_rows", "group_acc"):
+            if f.name in ("wide_rows", "group_acc", "final_output"):
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"MgpuConfig.{f.name} must be a positive int, got {v!r}")
@@ -91,6 +98,10 @@ def check_launch(n_pad: int, k_pad: int, m_pad: int, group_size: int, cfg: MgpuC
         problems.append(f"group_acc needs one compute warpgroup and a group_size that is a "
                         f"multiple of {K_CHUNK} dividing block_k={cfg.block_k}, got group_size="
                         f"{g}, compute_wgs={cfg.compute_wgs}")
+    if cfg.final_output and (cfg.compute_wgs != 1 or cfg.split_k > MAX_CLUSTER):
+        problems.append(f"final_output needs one compute warpgroup and split_k ≤ {MAX_CLUSTER} "
+                        f"(one cluster per output tile), got compute_wgs={cfg.compute_wgs}, "
+                        f"split_k={cfg.split_k}")
     if cfg.max_concurrent_steps < 2:
         problems.append(f"max_concurrent_steps={cfg.max_concurrent_steps} must be ≥ 2")
     if problems:
@@ -257,26 +268,66 @@ def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, dela
     return specs
 
 
-def launch_partials(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool, **kernel_kw):
-    """Runs ``body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem or None, out_gmem, *scratch)`` on
-    the (N_pad / block_n, split_k, M_pad / block_m) grid and returns its fp32 ``[split_k, N_pad,
-    M_pad]`` partials (``M_pad``: x's rows rounded up to ``block_m``); interpret mode starts
-    every buffer as NaN, so an unwritten tile shows."""
+def launch_kernel(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool, bias=None,
+                  out_rows: int | None = None, **kernel_kw):
+    """Runs ``body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem or None, out, *scratch)`` on the
+    (N_pad / block_n, split_k, M_pad / block_m) grid (``M_pad``: x's rows rounded up to
+    ``block_m``). ``out`` is the fp32 ``[split_k, N_pad, M_pad]`` partials' reference, which is
+    returned; or, with ``cfg.final_output``, a ``FinalOutputRefs`` for ``store_final_output``,
+    and the kernel returns ``[out_rows, N]`` (default: x's rows) in x's dtype, global scale and
+    ``bias`` applied; its split-K CTAs are one cluster. Interpret mode starts every buffer as NaN,
+    so an unwritten tile shows."""
     has_zero = packed.zero is not None
-
-    def kernel(x_gmem, w_gmem, s_gmem, *rest):
-        z_gmem, (out_gmem, *scratch_refs) = (rest[0], rest[1:]) if has_zero else (None, rest)
-        ni, si, mi = (jax.lax.axis_index(name) for name in ("n", "s", "m"))
-        body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem, out_gmem, *scratch_refs)
-
     m_pad = _round_up(xs.shape[0], cfg.block_m)
-    call = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad), jnp.float32),
-        grid=(packed.n_pad // cfg.block_n, cfg.split_k, m_pad // cfg.block_m),
-        grid_names=("n", "s", "m"), scratch_types=scratch, **kernel_kw)
+    tiles = (packed.n_pad // cfg.block_n, m_pad // cfg.block_m)
     args = [xs, packed.data, packed.scale] + ([packed.zero] if has_zero else [])
+    if cfg.final_output:
+        final_scratch = final_output_scratch(cfg.block_n, cfg.block_m, xs.dtype,
+                                             None if bias is None else bias.dtype, cfg.split_k,
+                                             interpret)
+        has_gs = packed.global_scale is not None
+        args += ([packed.global_scale] if has_gs else []) + ([bias] if bias is not None else [])
+        out_type = [jax.ShapeDtypeStruct((out_rows or xs.shape[0], final_output_cols(packed,
+                                                                                    xs.dtype)),
+                                         xs.dtype)]
+        if interpret and cfg.split_k > 1:
+            out_type.append(jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad),
+                                                 jnp.float32))
+        mesh = dict(grid=tiles, grid_names=("n", "m"), cluster=(cfg.split_k,),
+                    cluster_names=("s",))
+    else:
+        final_scratch, has_gs = {}, False
+        out_type = jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad), jnp.float32)
+        mesh = dict(grid=(tiles[0], cfg.split_k, tiles[1]), grid_names=("n", "s", "m"))
+
+    def kernel(*refs):
+        n_in = len(args)
+        inputs, outputs = refs[:n_in], refs[n_in:n_in + (len(out_type) if cfg.final_output
+                                                         else 1)]
+        scratch_refs, final_refs = refs[n_in + len(outputs):]
+        x_gmem, w_gmem, s_gmem, *extra = inputs
+        z_gmem = extra.pop(0) if has_zero else None
+        ni, si, mi = (jax.lax.axis_index(name) for name in ("n", "s", "m"))
+        out = outputs[0]
+        if cfg.final_output:
+            out = FinalOutputRefs(out_gmem=outputs[0],
+                                  global_scale_gmem=extra.pop(0) if has_gs else None,
+                                  bias_gmem=extra.pop(0) if bias is not None else None,
+                                  workspace_gmem=outputs[1] if len(outputs) > 1 else None,
+                                  **final_refs)
+        body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem, out, *scratch_refs)
+
+    call = plgpu.kernel(kernel, out_type=out_type,
+                        scratch_types=(list(scratch), final_scratch), **mesh, **kernel_kw)
     if interpret:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(uninitialized_memory="nan")):
-            return call(*args)
-    return call(*args)
+            result = call(*args)
+    else:
+        result = call(*args)
+    return result[0] if cfg.final_output else result
+
+
+def final_output_cols(packed, dtype) -> int:
+    """Columns of the final output: N where its rows meet the TMA's 16-byte stride rule, else
+    N_pad (the caller slices)."""
+    return packed.n if packed.n * jnp.dtype(dtype).itemsize % 16 == 0 else packed.n_pad

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.pallas_kernels.w4a16_mgpu_common import (K_CHUNK, MgpuConfig, decode_mma_step,
-                                                     launch_partials, step_specs,
+                                                     launch_kernel, step_specs,
                                                      weight_row_codes)
 
 # Registers left to the copy-issuing warpgroup (the compute warpgroups get the rest).
@@ -77,5 +77,5 @@ def w4a16_mgpu_ws(xs: jax.Array, packed, *, config: MgpuConfig,
     scratch = [plgpu.SMEM((wgs, _EPILOGUE_ROWS, bm), jnp.float32)]
     if interpret:
         scratch.append(plgpu.SMEM((wgs, wg_rows, K_CHUNK), xs.dtype))
-    return launch_partials(body, xs, packed, cfg, scratch=scratch, interpret=interpret,
+    return launch_kernel(body, xs, packed, cfg, scratch=scratch, interpret=interpret,
                            num_threads=wgs + 1, thread_name="wg")
