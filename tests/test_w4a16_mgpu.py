@@ -18,7 +18,7 @@ from jquant.pallas_kernels import (MGPU_MAX_M, MgpuConfig, PackedW4NK, default_m
                                    dequantize_nk, prepack, prepack_nk, reference_nk, resolve_impl,
                                    w4a16_matmul)
 from jquant.pallas_kernels import w4a16 as dispatch
-from jquant.pallas_kernels.w4a16_mgpu import w4a16_mgpu, x_rows
+from jquant.pallas_kernels.w4a16_mgpu import w4a16_mgpu, w4a16_mgpu_matmul, x_rows
 
 
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
@@ -135,6 +135,20 @@ CASES = [  # k, n, group, zeros (or a code book: "e2m1", "nf4", "fp4_bnb"), scal
     (512, 256, 64, "nf4", "f32", False, 5, jnp.bfloat16, False,           # WS, NF4
      MgpuConfig(block_n=256, block_k=128, block_m=8, split_k=1, max_concurrent_steps=2,
                 compute_wgs=2)),
+    # The kernel's own final output: split-K summed inside a cluster, bias and global scale
+    # applied in the kernel, the [M, N] tile stored transposed.
+    (512, 256, 128, None, "bf16", False, 1, jnp.bfloat16, True,           # cluster of 4
+     MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=4, max_concurrent_steps=2,
+                group_acc=True, wide_rows=True, final_output=True)),
+    (320, 130, 16, "e2m1", "e4m3", False, 9, jnp.float16, True,            # NVFP4, cluster of
+     MgpuConfig(block_n=64, block_k=64, block_m=16, split_k=5, max_concurrent_steps=2,  # 5,
+                final_output=True)),                                       # N_pad columns
+    (576, 200, 64, "int", "f16", True, 20, jnp.float16, False,            # 3 M tiles, act,
+     MgpuConfig(block_n=64, block_k=64, block_m=8, split_k=3, max_concurrent_steps=2,  # zeros,
+                wide_rows=True, final_output=True)),                       # N = 200 columns
+    (512, 130, 64, "nf4", "f32", False, 3, jnp.bfloat16, True,            # NF4, no split
+     MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=1, max_concurrent_steps=2,
+                final_output=True)),
 ]
 
 
@@ -170,6 +184,27 @@ def _check_case(case, word_order):
         want = want + np.asarray(b, np.float64)
     assert _rel_err(out, want) <= 1e-2
     assert _rel_err(out, reference_nk(x, packed, b)) <= 1e-2
+
+
+def test_final_output_is_the_whole_call():
+    """With ``final_output`` the kernel's result is the answer: no XLA op sums, transposes,
+    scales or casts after it (where x needs no padding and N's rows meet the TMA stride)."""
+    rng = np.random.default_rng(7)
+    q, s, _, _ = _weight(rng, 512, 256, 32, zeros=None, scale="e8m0")
+    packed = prepack_nk(q, s, group_size=32, lut="e2m1", global_scale=0.5)
+    cfg = MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=2, max_concurrent_steps=2,
+                     final_output=True)
+    x = jnp.asarray(rng.standard_normal((1, 512)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(256), jnp.bfloat16)
+    def top_level_ops(cfg):   # traced as for the GPU: the kernel is one op, whatever wraps it
+        return [e.primitive.name for e in jax.make_jaxpr(
+            lambda x, p, b: w4a16_mgpu_matmul(x, p, b, config=cfg))(x, packed, b).eqns]
+    assert len(top_level_ops(cfg)) == 1
+    assert "reduce_sum" in top_level_ops(dataclasses.replace(cfg, final_output=False))
+    out = w4a16_matmul(x, packed, bias=b, impl="mgpu", config=cfg, interpret=True)
+    want = (np.asarray(x, np.float64) @ _numpy_weight(q, s, None, 32, lut="e2m1", gs=0.5)
+            + np.asarray(b, np.float64))
+    assert out.dtype == jnp.bfloat16 and _rel_err(out, want) <= 1e-2
 
 
 def test_kernel_writes_every_partial():
@@ -230,7 +265,13 @@ class TestUnderJit(chex.TestCase):
     (4, MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=2, max_concurrent_steps=4,
                    wide_rows=True), "e2m1", 32),
     (128, MgpuConfig(block_n=256, block_k=128, block_m=128, split_k=1, max_concurrent_steps=3,
-                     compute_wgs=2, wide_rows=True), "int4", 128)])
+                     compute_wgs=2, wide_rows=True), "int4", 128),
+    (1, MgpuConfig(block_n=64, block_k=256, block_m=8, split_k=4, max_concurrent_steps=3,
+                   group_acc=True, wide_rows=True, final_output=True), "int4", 128),
+    (16, MgpuConfig(block_n=64, block_k=64, block_m=16, split_k=8, max_concurrent_steps=2,
+                    wide_rows=True, final_output=True), "e2m1", 16),
+    (33, MgpuConfig(block_n=128, block_k=128, block_m=16, split_k=2, max_concurrent_steps=3,
+                    wide_rows=True, final_output=True), "nf4", 64)])
 def test_kernel_lowers_for_sm90(m, cfg, lut, group):
     """Exporting for CUDA runs Mosaic GPU's own lowering (layout inference, the register-operand
     wgmma that interpret mode replaces by a shared-memory one, TMA descriptors) on this CPU."""
@@ -241,7 +282,12 @@ def test_kernel_lowers_for_sm90(m, cfg, lut, group):
     xs = jnp.zeros((x_rows(m), packed.k_pad), jnp.bfloat16)
     exported = jax.export.export(jax.jit(lambda x, p: w4a16_mgpu(x, p, config=cfg)),
                                  platforms=["cuda"])(xs, packed)
-    assert "mosaic_gpu" in exported.mlir_module()
+    module = exported.mlir_module()
+    assert "mosaic_gpu" in module
+    # Split-K partials meet through distributed shared memory behind cluster barriers.
+    assert ("barrier.cluster.arrive" in module) == (cfg.final_output and cfg.split_k > 1)
+    if cfg.final_output:
+        assert exported.out_avals[0].shape == (xs.shape[0], packed.n)
 
 
 @pytest.mark.parametrize("lut,x_dtype,compute_wgs,word_order", [
@@ -344,6 +390,10 @@ def test_layout_and_impl_mismatches_are_errors():
     (MgpuConfig(block_n=64, compute_wgs=2), "block_n=64 must be a multiple of 64·compute_wgs"),
     (MgpuConfig(block_k=64, group_acc=True), "group_acc needs .* dividing block_k=64"),
     (MgpuConfig(block_n=128, compute_wgs=2, group_acc=True), "group_acc needs one compute warpgroup"),
+    (MgpuConfig(block_n=128, compute_wgs=2, final_output=True),
+     "final_output needs one compute warpgroup and split_k ≤ 8 .* compute_wgs=2"),
+    (MgpuConfig(block_k=64, split_k=16, block_n=64, final_output=True),
+     "final_output needs .* split_k=16"),
 ])
 def test_bad_launches_name_the_parameter(cfg, match):
     rng = np.random.default_rng(7)
@@ -366,6 +416,21 @@ def test_group_that_does_not_fit_the_step_is_refused():
     with pytest.raises(TypeError, match="xs must be bf16 or fp16"):
         w4a16_mgpu(jnp.ones((8, packed.k_pad), jnp.float32), packed,
                    config=dataclasses.replace(cfg, block_k=64), interpret=True)
+
+
+def test_bias_in_the_kernel_is_checked():
+    rng = np.random.default_rng(9)
+    q, s, _, _ = _weight(rng, 256, 128, 128)
+    packed = prepack_nk(q, s, group_size=128)
+    xs = jnp.ones((1, 256), jnp.bfloat16)
+    cfg = MgpuConfig(block_n=64, block_k=64, block_m=8, split_k=2, max_concurrent_steps=2)
+    with pytest.raises(ValueError, match="bias goes to the kernel only with .*final_output"):
+        w4a16_mgpu(xs, packed, config=cfg, bias=jnp.ones(128), interpret=True)
+    final = dataclasses.replace(cfg, final_output=True)
+    with pytest.raises(ValueError, match=r"bias has shape \(100,\); expected \(128,\)"):
+        w4a16_mgpu(xs, packed, config=final, bias=jnp.ones(100), interpret=True)
+    with pytest.raises(TypeError, match="bias must be a float array, got int32"):
+        w4a16_mgpu(xs, packed, config=final, bias=jnp.ones(128, jnp.int32), interpret=True)
 
 
 def test_prepack_nk_rejects_what_the_kernel_cannot_run():

@@ -312,7 +312,8 @@ def main(argv=None) -> int:
     parser.add_argument("--luts", default="int4,e2m1,nf4,fp4_bnb",
                         help="code books the correctness stage runs")
     parser.add_argument("--ab-cells", default=None,
-                        help="NxKxM list for --codebook-ab / --word-order-ab, e.g. 8192x8192x1")
+                        help="NxKxM list for --codebook-ab / --word-order-ab / --final-output-ab "
+                             "(int4 there), e.g. 8192x8192x1")
     parser.add_argument("--schemes", default="int4_g128,mxfp4,nvfp4,nf4",
                         help="code books --codebook-ab / --word-order-ab time")
     parser.add_argument("--small-m-launch-ab", action="store_true",
@@ -359,7 +360,8 @@ def main(argv=None) -> int:
                   every_kernel_alone=True)
         gpu_state(out, "after small-M launches")
     if args.final_output_ab:
-        launch_ab(out, FINAL_OUTPUT_PLAN, final_output_variants, "final_output_ab.json")
+        plan = (tuple(("int4_g128", *c) for c in cells) if cells else FINAL_OUTPUT_PLAN)
+        launch_ab(out, plan, final_output_variants, "final_output_ab.json")
         gpu_state(out, "after final output ab")
     if args.ws_small_m:
         launch_ab(out, WS_SMALL_M_PLAN, ws_small_m_variants, "ws_small_m_ab.json")

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 
 from jquant.bench import w4a16 as bench
 from jquant.bench.timing import copies_for, time_interleaved
-from jquant.pallas_kernels.w4a16_layout import _round_up
+from jquant.pallas_kernels.w4a16_layout import _round_up, gather_pad
 from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
-                                              w4a16_mgpu, w4a16_mgpu_matmul)
+                                              w4a16_mgpu, w4a16_mgpu_matmul, x_rows)
 
 START = time.time()
 
@@ -99,8 +99,8 @@ def launch_ab(out: pathlib.Path, plan, variants, file_name: str, kernel_only=("d
                 continue
             cands[name] = (fn, [(xs[c % 4], p) for c, p in enumerate(packs)])
             if every_kernel_alone or name in kernel_only:
-                kern = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu(x, p, config=cfg,
-                                                                interpret=interpret))
+                kern = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu(
+                    gather_pad(x, p, x_rows(x.shape[0])), p, config=cfg, interpret=interpret))
                 cands[name + "_kernel_only"] = (kern, [(xs[c % 4], p) for c, p in enumerate(packs)])
         times = time_interleaved(cands, **(dict(warmup=1, reps=1) if interpret else {}))
         configs = {name: alts.get(name.replace("_kernel_only", "")) for name in times}
@@ -189,17 +189,19 @@ FINAL_OUTPUT_PLAN = tuple(("int4_g128", n, k, 1) for n, k in ((28672, 8192), (81
 
 
 def final_output_variants(base, packed, m) -> dict:
-    """The default (fp32 partials summed by XLA) against the kernel writing the final output
-    (split-K partials summed inside a cluster), at the default split and one notch either way."""
-    del m
+    """The default (the kernel's final output, split-K summed inside a cluster) against fp32
+    partials summed by XLA at the same split and at split-K 4 (the session-7 default for M ≤
+    16), and the final output at the neighbouring splits."""
     if base.compute_wgs != 1:
         return {}
-    alts = {"final": dataclasses.replace(base, final_output=True)}
-    for sp in (base.split_k // 2, base.split_k * 2):
-        cfg = dataclasses.replace(base, final_output=True, split_k=sp)
-        if (1 <= sp <= 8 and not packed.k_pad % (sp * cfg.block_k)
-                and packed.k_pad // (sp * cfg.block_k) >= 2):
+    alts = {"partials": dataclasses.replace(base, final_output=False)}
+    splits = {1, 4, 8} if m <= 16 else {1, 2, 4}
+    for sp in splits - {base.split_k}:
+        cfg = dataclasses.replace(base, split_k=sp)
+        if not packed.k_pad % (sp * cfg.block_k) and packed.k_pad // (sp * cfg.block_k) >= 2:
             alts[f"final_sp{sp}"] = cfg
+            if sp == 4 and m <= 16:
+                alts["partials_sp4"] = dataclasses.replace(cfg, final_output=False)
     return alts
 
 

@@ -17,6 +17,8 @@ last ``× 2^126``); table codes (NF4, bitsandbytes FP4) are looked up with ``prm
 
 Grid: (N / block_n, split_k, M / block_m). Each CTA streams its K range and writes an fp32
 ``[block_n, block_m]`` partial; XLA sums the split-K partials and transposes (tiny for small M).
+With ``MgpuConfig.final_output`` the split-K CTAs of a tile form a cluster and the kernel writes
+the final ``[M, N]`` itself (``w4a16_mgpu_epilogue``).
 
 Interpret mode (CPU): its wgmma reads A only from shared memory, so there the decoded tile is
 stored to a scratch buffer first; everything else (TMA pipeline, decode, scaling) is the same code.
@@ -95,12 +97,12 @@ jax.tree_util.register_dataclass(
 
 
 def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=None,
-               out_rows: int | None = None, interpret: bool = False) -> jax.Array:
+               interpret: bool = False) -> jax.Array:
     """fp32 ``[split_k, N_pad, M_pad]`` partials of ``(xs @ W)ᵀ`` for ``xs`` ``[M, K_pad]``
     (columns in stored order, see ``gather_pad``), ``M_pad`` = M rounded up to ``block_m``; or,
-    with ``config.final_output``, ``xs @ W · global_scale + bias`` itself, ``[out_rows, N]``
-    (``out_rows`` ≤ M, default M; N_pad columns where N's rows would break the TMA's 16-byte
-    stride, ``final_output_cols``) in x's dtype.
+    with ``config.final_output``, ``xs @ W · global_scale + bias`` itself, ``[M, N]`` (N_pad
+    columns where N's rows would break the TMA's 16-byte stride, ``final_output_cols``) in x's
+    dtype.
     The rows of the last x tile past M are never read: the TMA copy fills them with zeros
     (so at M = 1 the L2 serves one row of x per step, not ``block_m``). The copy's 8-row tiling
     needs M < 8 or a multiple of 8 (``x_rows``)."""
@@ -112,15 +114,13 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
             or x_rows(xs.shape[0]) != xs.shape[0]):
         raise ValueError(f"xs has shape {tuple(xs.shape)}; expected [M, K_pad={packed.k_pad}] "
                          "with 1 ≤ M < 8 or M a multiple of 8")
-    if (bias is not None or out_rows is not None) and not cfg.final_output:
-        raise ValueError("bias and out_rows go to the kernel only with MgpuConfig.final_output")
+    if bias is not None and not cfg.final_output:
+        raise ValueError("bias goes to the kernel only with MgpuConfig.final_output")
     if bias is not None:
         if bias.shape not in ((packed.n,), (packed.n_pad,)):
             raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({packed.n},)")
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             raise TypeError(f"bias must be a float array, got {bias.dtype}")
-    if out_rows is not None and not 1 <= out_rows <= xs.shape[0]:
-        raise ValueError(f"out_rows={out_rows} must be in [1, {xs.shape[0]}] (x's rows)")
     m_pad = _round_up(xs.shape[0], cfg.block_m)
     k_split = check_launch(packed.n_pad, packed.k_pad, m_pad, packed.group_size, cfg)
     if cfg.compute_wgs > 1:
@@ -199,8 +199,7 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
     scratch = [plgpu.SMEM((bn, K_CHUNK), xs.dtype)] if interpret else []
     if not cfg.final_output:   # the partial's staging buffer (final_output brings its own)
         scratch.append(plgpu.SMEM((bn, bm), jnp.float32))
-    return launch_kernel(body, xs, packed, cfg, scratch=scratch, interpret=interpret, bias=bias,
-                         out_rows=out_rows)
+    return launch_kernel(body, xs, packed, cfg, scratch=scratch, interpret=interpret, bias=bias)
 
 
 def x_rows(m: int) -> int:
@@ -291,7 +290,7 @@ def _e2m1_prescale(scale, global_scale):
 
 def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
     """The launch for ``m`` rows, from the H200 sweep (bench/NOTES.md, "Mosaic GPU kernel"):
-    decode (M ≤ 16) wants narrow 64-row tiles and split-K 4-8 (thousands of small CTAs keep the
+    decode (M ≤ 16) wants narrow 64-row tiles and split-K 4 (thousands of small CTAs keep the
     TMA engines busy); larger M wants 128-row tiles of 128 K (so 3 stages of a 128-row x tile fit
     in shared memory) and split-K 2 only while there are fewer CTAs than ~2 per SM."""
     block_m = min(_round_up(m, 8), 128)
@@ -324,6 +323,8 @@ def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
     # columns the second accumulator costs registers (8192×28672 M = 128: 301 vs 167 µs).
     # 128-byte weight rows: the TMA engine moves 32-byte rows at ~3 TB/s and 128-byte rows at
     # the byte floor (H200 copy probe; kernel 5-10 % faster, bench/NOTES.md "Session 5").
+    # fp32 partials summed by XLA, not final_output: the cluster-summed final output was no
+    # faster on the quiet H200 runs (8192×8192 M = 1 slower in all four; session 8 in NOTES.md).
     return MgpuConfig(block_n=bn, block_k=bk, block_m=block_m, split_k=split,
                       max_concurrent_steps=stages,
                       group_acc=block_m <= 16 and group_acc_fits(g, bk, 1), wide_rows=True)
@@ -338,9 +339,9 @@ def w4a16_mgpu_matmul(x2: jax.Array, packed: PackedW4NK, bias=None, *,
     if cfg.final_output:
         if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
             bias = bias.astype(jnp.float32)
-        out = w4a16_mgpu(xs, packed, config=cfg, bias=bias, out_rows=m, interpret=interpret)
-        # A no-op unless N's rows break the TMA stride rule (``final_output_cols``).
-        return out[:, :packed.n]
+        out = w4a16_mgpu(xs, packed, config=cfg, bias=bias, interpret=interpret)
+        # A no-op unless x was padded (``x_rows``) or N's rows break the TMA stride rule.
+        return out[:m, :packed.n]
     parts = w4a16_mgpu(xs, packed, config=cfg, interpret=interpret)
     out = jnp.sum(parts, axis=0)[:packed.n, :m].T
     if packed.global_scale is not None:

@@ -269,12 +269,12 @@ def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, dela
 
 
 def launch_kernel(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool, bias=None,
-                  out_rows: int | None = None, **kernel_kw):
+                  **kernel_kw):
     """Runs ``body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem or None, out, *scratch)`` on the
     (N_pad / block_n, split_k, M_pad / block_m) grid (``M_pad``: x's rows rounded up to
     ``block_m``). ``out`` is the fp32 ``[split_k, N_pad, M_pad]`` partials' reference, which is
     returned; or, with ``cfg.final_output``, a ``FinalOutputRefs`` for ``store_final_output``,
-    and the kernel returns ``[out_rows, N]`` (default: x's rows) in x's dtype, global scale and
+    and the kernel returns ``[M, N]`` (M: x's rows) in x's dtype, global scale and
     ``bias`` applied; its split-K CTAs are one cluster. Interpret mode starts every buffer as NaN,
     so an unwritten tile shows."""
     has_zero = packed.zero is not None
@@ -287,8 +287,7 @@ def launch_kernel(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool
                                              interpret)
         has_gs = packed.global_scale is not None
         args += ([packed.global_scale] if has_gs else []) + ([bias] if bias is not None else [])
-        out_type = [jax.ShapeDtypeStruct((out_rows or xs.shape[0], final_output_cols(packed,
-                                                                                    xs.dtype)),
+        out_type = [jax.ShapeDtypeStruct((xs.shape[0], final_output_cols(packed, xs.dtype)),
                                          xs.dtype)]
         if interpret and cfg.split_k > 1:
             out_type.append(jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad),

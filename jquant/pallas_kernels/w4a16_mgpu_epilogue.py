@@ -90,7 +90,7 @@ def store_final_output(acc, refs: FinalOutputRefs, *, ni, si, mi, split_k: int,
             total = total * refs.global_scale_gmem[0]
         if refs.bias_gmem is not None:
             plgpu.barrier_wait(refs.bias_barrier)
-            bias = plgpu.load(refs.bias_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+            bias = plgpu.load(refs.bias_smem, layout=plgpu.Layout.WGMMA.reduce(1))
             total = total + jax.lax.broadcast_in_dim(bias.astype(jnp.float32), (bn, bm), (0,))
         refs.out_smem.transpose((1, 0))[...] = total.astype(refs.out_smem.dtype)
         plgpu.commit_smem()
@@ -111,13 +111,13 @@ def store_final_output(acc, refs: FinalOutputRefs, *, ni, si, mi, split_k: int,
 def _peer_partial(refs: FinalOutputRefs, j: int, ni, mi, bn: int, bm: int, interpret: bool):
     """The partial of split ``j``: from its CTA's shared memory, or (interpret) the workspace."""
     if not interpret:
-        return plgpu.load(plgpu.cluster_ref(refs.part_smem, {"s": j}), (),
+        return plgpu.load(plgpu.cluster_ref(refs.part_smem, {"s": j}),
                           layout=plgpu.Layout.WGMMA)
     plgpu.copy_gmem_to_smem(
         refs.workspace_gmem.at[j, pl.ds(ni * bn, bn), pl.ds(mi * bm, bm)], refs.peer_smem,
         refs.peer_barrier)
     plgpu.barrier_wait(refs.peer_barrier)
-    return plgpu.load(refs.peer_smem, (), layout=plgpu.Layout.WGMMA)
+    return plgpu.load(refs.peer_smem, layout=plgpu.Layout.WGMMA)
 
 
 def _cluster_sync(refs: FinalOutputRefs, interpret: bool):
