@@ -287,23 +287,22 @@ def launch_kernel(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool
                                              interpret)
         has_gs = packed.global_scale is not None
         args += ([packed.global_scale] if has_gs else []) + ([bias] if bias is not None else [])
-        out_type = [jax.ShapeDtypeStruct((xs.shape[0], final_output_cols(packed, xs.dtype)),
-                                         xs.dtype)]
-        if interpret and cfg.split_k > 1:
-            out_type.append(jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad),
+        out_types = [jax.ShapeDtypeStruct((xs.shape[0], final_output_cols(packed, xs.dtype)),
+                                          xs.dtype)]
+        if interpret and cfg.split_k > 1:   # the workspace
+            out_types.append(jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad),
                                                  jnp.float32))
         mesh = dict(grid=tiles, grid_names=("n", "m"), cluster=(cfg.split_k,),
                     cluster_names=("s",))
     else:
         final_scratch, has_gs = {}, False
-        out_type = jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad), jnp.float32)
+        out_types = [jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad), jnp.float32)]
         mesh = dict(grid=(tiles[0], cfg.split_k, tiles[1]), grid_names=("n", "s", "m"))
 
     def kernel(*refs):
-        n_in = len(args)
-        inputs, outputs = refs[:n_in], refs[n_in:n_in + (len(out_type) if cfg.final_output
-                                                         else 1)]
-        scratch_refs, final_refs = refs[n_in + len(outputs):]
+        n_io = len(args) + len(out_types)
+        inputs, outputs = refs[:len(args)], refs[len(args):n_io]
+        scratch_refs, final_refs = refs[n_io:]
         x_gmem, w_gmem, s_gmem, *extra = inputs
         z_gmem = extra.pop(0) if has_zero else None
         ni, si, mi = (jax.lax.axis_index(name) for name in ("n", "s", "m"))
@@ -316,14 +315,12 @@ def launch_kernel(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool
                                   **final_refs)
         body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem, out, *scratch_refs)
 
-    call = plgpu.kernel(kernel, out_type=out_type,
+    call = plgpu.kernel(kernel, out_type=out_types,
                         scratch_types=(list(scratch), final_scratch), **mesh, **kernel_kw)
     if interpret:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(uninitialized_memory="nan")):
-            result = call(*args)
-    else:
-        result = call(*args)
-    return result[0] if cfg.final_output else result
+            return call(*args)[0]
+    return call(*args)[0]
 
 
 def final_output_cols(packed, dtype) -> int:
