@@ -5,7 +5,8 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from jquant.bench import array_bytes, copies_for, main, roofline, time_fn, time_interleaved
+from jquant.bench import (Timing, array_bytes, copies_for, main, roofline, spread_pct, time_fn,
+                          time_interleaved, time_steadiest)
 from jquant.bench import w4a16 as bench
 
 
@@ -47,6 +48,24 @@ def test_time_interleaved_runs_every_candidate_every_round():
         time_interleaved({"a": (make(1), [(jnp.ones(2),)]), "b": (make(1), [])})
 
 
+def _timing(*batches):
+    return Timing(sorted(batches)[len(batches) // 2], min(batches), tuple(batches), 1)
+
+
+def test_time_steadiest_retimes_a_noisy_cell_and_keeps_the_steadiest_attempt():
+    attempts = iter([{"k": _timing(10, 16, 11), "b": _timing(20, 21, 20)},     # 54.5 % spread
+                     {"k": _timing(10, 14, 11), "b": _timing(20, 21, 20)},     # 36.4 %
+                     {"k": _timing(10, 15, 11), "b": _timing(20, 30, 21)}])    # 47.6 %
+    times, spreads = time_steadiest(lambda: next(attempts), max_spread_pct=25, retries=2)
+    assert spreads == [54.5, 36.4, 47.6] and times["k"].batches_us == (10, 14, 11)
+    steady = iter([{"k": _timing(10, 12, 11)}, {"k": _timing(99, 99, 99)}])
+    times, spreads = time_steadiest(lambda: next(steady), max_spread_pct=25, retries=2)
+    assert spreads == [18.2] and times["k"].median_us == 11       # steady at once: no retry
+    assert spread_pct(_timing(10, 12, 11)) == 18.2
+    with pytest.raises(ValueError, match="retries and max_spread_pct must be ≥ 0"):
+        time_steadiest(lambda: {}, max_spread_pct=25, retries=-1)
+
+
 def test_copies_and_roofline():
     assert copies_for(117 * 2**20) == 2
     assert copies_for(2**20) == 64 and copies_for(2**20, max_copies=8) == 8
@@ -71,6 +90,7 @@ def test_w4a16_run_writes_records(tmp_path):
                     "speedup_vs_bf16", "pct_of_byte_floor", "config"):
             assert key in r
         assert r["spread_pct"] >= 0 and set(r["baseline_spread_pct"]) == set(r["baselines"])
+        assert len(r["attempt_spreads_pct"]) == 1      # interpret mode never re-times
     js, md = bench.write(records, tmp_path)
     assert json.loads(js.read_text()) == records
     assert md.read_text().count("\n| int4_g128 |") == 2

@@ -2,8 +2,8 @@
 
 from jquant.bench.cli import main
 from jquant.bench.timing import (Roofline, Timing, array_bytes, copies_for,
-                                 measure_hbm_bandwidth, roofline, time_fn,
-                                 time_interleaved)
+                                 measure_hbm_bandwidth, roofline, spread_pct, time_fn,
+                                 time_interleaved, time_steadiest)
 
 __all__ = ["Roofline", "Timing", "array_bytes", "copies_for", "main", "measure_hbm_bandwidth",
-           "roofline", "time_fn", "time_interleaved"]
+           "roofline", "spread_pct", "time_fn", "time_interleaved", "time_steadiest"]

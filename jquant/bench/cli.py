@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     w4.add_argument("--impls", default="auto", help="w4a16_matmul impls to time, e.g. auto,xla")
     w4.add_argument("--quick", action="store_true", help="3 shapes and 4 M values")
     w4.add_argument("--reps", type=int, default=9)
+    w4.add_argument("--max-spread", type=float, default=25.0,
+                    help="re-time a cell whose widest batch spread exceeds this (%%)")
+    w4.add_argument("--retries", type=int, default=2, help="re-timings of a noisy cell at most")
     w4.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode")
     return parser
 
@@ -47,7 +50,8 @@ def main(argv=None) -> int:
     records = []
     for shape in shapes:   # rewrite the files after every shape: a run cut short keeps its rows
         records += w4a16.run((shape,), ms, schemes, impls=tuple(args.impls.split(",")),
-                             interpret=args.interpret, reps=args.reps)
+                             interpret=args.interpret, reps=args.reps,
+                             max_spread_pct=args.max_spread, retries=args.retries)
         js, md = w4a16.write(records, args.out)
     print(f"wrote {js} and {md}")
     return 0

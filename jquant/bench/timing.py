@@ -97,6 +97,32 @@ def time_interleaved(candidates: dict[str, tuple[Callable, Sequence[tuple]]], wa
             for name, v in samples.items()}
 
 
+def spread_pct(t: Timing) -> float:
+    """(slowest − fastest batch) / median, in %: how far a figure can be trusted."""
+    return round(100.0 * (max(t.batches_us) - min(t.batches_us)) / t.median_us, 1)
+
+
+def time_steadiest(time_once: Callable[[], dict[str, Timing]], max_spread_pct: float,
+                   retries: int) -> tuple[dict[str, Timing], list[float]]:
+    """Calls ``time_once`` (one round-robin of a cell's candidates) until the widest batch
+    spread among its candidates is at most ``max_spread_pct``, at most ``1 + retries`` times,
+    and returns the steadiest attempt with every attempt's widest spread. Why: on a shared
+    device a burst of noise can move one cell's medians by 20–50 % (bench/NOTES.md, session
+    8); the spread shows it, and a second attempt usually misses it."""
+    if retries < 0 or max_spread_pct < 0:
+        raise ValueError(f"retries and max_spread_pct must be ≥ 0, got retries={retries}, "
+                         f"max_spread_pct={max_spread_pct}")
+    best, spreads = None, []
+    for _ in range(1 + retries):
+        times = time_once()
+        spreads.append(max(spread_pct(t) for t in times.values()))
+        if best is None or spreads[-1] < best[1]:
+            best = (times, spreads[-1])
+        if spreads[-1] <= max_spread_pct:
+            break
+    return best[0], spreads
+
+
 def copies_for(bytes_per_set: int, l2_bytes: int = H200_L2_BYTES, max_copies: int = 64) -> int:
     """How many input copies make one rotation read at least twice the L2 (2 ≤ copies ≤ max)."""
     return int(min(max_copies, max(2, math.ceil(2 * l2_bytes / max(bytes_per_set, 1)))))

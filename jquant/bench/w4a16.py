@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from jquant.bench.timing import (H200_HBM_BYTES_PER_S, array_bytes, copies_for, roofline,
-                                 time_interleaved)
+                                 spread_pct, time_interleaved, time_steadiest)
 from jquant.pallas_kernels.w4a16_mgpu import nk_compatible
 from jquant.pallas_kernels import (PackedW4, PackedW4NK, TuningConfig, default_config,
                                    default_mgpu_config, prepack, prepack_nk, resolve_impl,
@@ -100,15 +100,18 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
         schemes: Iterable[str] = tuple(SCHEMES), configs: dict | None = None,
         impls: Iterable[str] = ("auto",), interpret: bool = False, reps: int = 9,
         hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S, log: Callable[[str], None] = print,
-        max_copies: int = 8) -> list[dict]:
+        max_copies: int = 8, max_spread_pct: float = 25.0, retries: int = 2) -> list[dict]:
     """Measures every (shape, M) for int4 (and the M=1 row for the other schemes).
 
     ``configs`` maps ``(mode, N, K, M)`` to a ``TuningConfig`` (e.g. a sweep's winners); missing
     entries use ``default_config``. ``impls`` lists the ``w4a16_matmul`` impls to time per cell.
+    A cell whose widest batch spread (kernel or baseline) exceeds ``max_spread_pct`` is timed
+    again, up to ``retries`` times; its record keeps the steadiest attempt and lists every
+    attempt's widest spread (``attempt_spreads_pct``).
     """
     configs = configs or {}
     if interpret:   # interpret mode measures nothing real: one copy, one warm-up, just the plumbing
-        max_copies, warmup = 1, 1
+        max_copies, warmup, retries = 1, 1, 0
     else:
         warmup = 3
     records = []
@@ -166,11 +169,14 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                     timed[impl] = (mode, cfg, packed)
                 # 10 ms batches, as in the device script's A/Bs, which ran steady; the two
                 # H200 runs with 2 ms batches did not (bench/NOTES.md, session 5).
-                times = time_interleaved(cands, warmup=warmup, reps=reps,
-                                         min_batch_s=1e-3 if interpret else 10e-3)
+                times, attempts = time_steadiest(
+                    lambda cands=cands: time_interleaved(
+                        cands, warmup=warmup, reps=reps,
+                        min_batch_s=1e-3 if interpret else 10e-3),
+                    max_spread_pct, retries)
                 baselines = {b: times[b].median_us for b in ("xla_bf16", "xla_dequant_dot")
                              if b in times}
-                spread = {b: _spread_pct(times[b]) for b in baselines}
+                spread = {b: spread_pct(times[b]) for b in baselines}
                 for impl, (mode, cfg, packed) in timed.items():
                     t = times[f"impl:{impl}"]
                     nbytes = array_bytes(packed[0], xs[0]) + m * n * 2
@@ -178,7 +184,8 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                     rec = dict(op=f"w4a16_{mode}", impl=impl, scheme=scheme, M=m, N=n, K=k,
                                time_us=round(t.median_us, 2),
                                baselines={b: round(v, 2) for b, v in baselines.items()},
-                               spread_pct=_spread_pct(t), baseline_spread_pct=spread,
+                               spread_pct=spread_pct(t), baseline_spread_pct=spread,
+                               attempt_spreads_pct=attempts,
                                config=dataclasses.asdict(cfg) if cfg else None,
                                tb_per_s=round(roof.tb_per_s, 3),
                                tflop_per_s=round(roof.tflop_per_s, 2),
@@ -191,11 +198,6 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                         f"  x{rec.get('speedup_vs_bf16', float('nan')):.2f}"
                         f"  {rec['tb_per_s']:.2f} TB/s")
     return records
-
-
-def _spread_pct(t) -> float:
-    """(slowest − fastest batch) / median, in %: how far a cell's figures can be trusted."""
-    return round(100.0 * (max(t.batches_us) - min(t.batches_us)) / t.median_us, 1)
 
 
 def _packed(cache: dict, scheme: str, weight: dict, cfg: TuningConfig | None, nk: bool,
