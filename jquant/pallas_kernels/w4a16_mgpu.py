@@ -118,7 +118,8 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
         raise ValueError("bias goes to the kernel only with MgpuConfig.final_output")
     if bias is not None:
         if bias.shape not in ((packed.n,), (packed.n_pad,)):
-            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({packed.n},)")
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({packed.n},) or "
+                             f"({packed.n_pad},) (N or N_pad)")
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             raise TypeError(f"bias must be a float array, got {bias.dtype}")
     m_pad = _round_up(xs.shape[0], cfg.block_m)
