@@ -180,7 +180,7 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
             return acc_ref[...]
 
         if cfg.final_output:
-            start_bias_copy(out, ni, bn)
+            start_bias_copy(out, ni, si, bn)
         if cfg.group_acc:
             zeros = plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32), plgpu.Layout.WGMMA)
             acc = plgpu.emit_pipeline(group_acc_step, init_carry=zeros, **pipeline_kw)(*operands)

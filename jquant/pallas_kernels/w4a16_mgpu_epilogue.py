@@ -59,11 +59,14 @@ def final_output_scratch(block_n: int, block_m: int, dtype, bias_dtype, split_k:
     return scratch
 
 
-def start_bias_copy(refs: FinalOutputRefs, ni, block_n: int):
-    """Issues the copy of the tile's bias at kernel start, so the epilogue finds it there."""
+def start_bias_copy(refs: FinalOutputRefs, ni, si, block_n: int):
+    """Issues the copy of the tile's bias at kernel start in the CTA that writes the tile
+    (split 0), so its epilogue finds the bias there."""
     if refs.bias_gmem is not None:
-        plgpu.copy_gmem_to_smem(refs.bias_gmem.at[pl.ds(ni * block_n, block_n)], refs.bias_smem,
-                                refs.bias_barrier)
+        @pl.when(si == 0)
+        def _():
+            plgpu.copy_gmem_to_smem(refs.bias_gmem.at[pl.ds(ni * block_n, block_n)],
+                                    refs.bias_smem, refs.bias_barrier)
 
 
 def store_final_output(acc, refs: FinalOutputRefs, *, ni, si, mi, split_k: int,
@@ -82,10 +85,11 @@ def store_final_output(acc, refs: FinalOutputRefs, *, ni, si, mi, split_k: int,
 
     @pl.when(si == 0)
     def _leader():
-        total = None
-        for j in range(split_k):
-            part = acc if split_k == 1 else _peer_partial(refs, j, ni, mi, bn, bm, interpret)
-            total = part if total is None else total + part
+        total = acc
+        if split_k > 1:   # every split's partial, its own included, in one fixed order
+            total = _peer_partial(refs, 0, ni, mi, bn, bm, interpret)
+            for j in range(1, split_k):
+                total = total + _peer_partial(refs, j, ni, mi, bn, bm, interpret)
         if refs.global_scale_gmem is not None:
             total = total * refs.global_scale_gmem[0]
         if refs.bias_gmem is not None:
@@ -98,11 +102,6 @@ def store_final_output(acc, refs: FinalOutputRefs, *, ni, si, mi, split_k: int,
                                 refs.out_gmem.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    if refs.bias_gmem is not None:
-        # A copy into a CTA's shared memory must not outlive it.
-        @pl.when(si != 0)
-        def _():
-            plgpu.barrier_wait(refs.bias_barrier)
     if split_k > 1:
         # The peers' shared memory must outlive the leader's reads.
         _cluster_sync(refs, interpret)
