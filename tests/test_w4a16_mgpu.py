@@ -207,6 +207,28 @@ def test_final_output_is_the_whole_call():
     assert out.dtype == jnp.bfloat16 and _rel_err(out, want) <= 1e-2
 
 
+@pytest.mark.parametrize("final_output", [False, True])
+def test_x_goes_to_the_kernel_unpadded(final_output):
+    """K = 576 with groups of 128 pads the weight to K_pad = 640, but x stays [1, 576]: the copy
+    fills columns past K with zeros (the padded rows of an asymmetric weight are not zero, so
+    anything else shows), and no XLA op runs before the kernel."""
+    rng = np.random.default_rng(8)
+    q, s, z, _ = _weight(rng, 576, 128, 128, zeros="int")
+    packed = prepack_nk(q, s, z, group_size=128)
+    assert packed.k_pad == 640
+    assert np.abs(np.asarray(dequantize_nk(packed))[576:]).max() > 0
+    cfg = MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=1, max_concurrent_steps=2,
+                     final_output=final_output)
+    x = jnp.asarray(rng.standard_normal((1, 576)), jnp.bfloat16)
+    ops = [e.primitive.name for e in jax.make_jaxpr(
+        lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg))(x, packed).eqns]
+    assert ops[0] not in ("pad", "concatenate", "gather")
+    assert len(ops) == 1 if final_output else len(ops) > 1
+    out = w4a16_matmul(x, packed, impl="mgpu", config=cfg, interpret=True)
+    want = np.asarray(x, np.float64) @ _numpy_weight(q, s, z, 128)
+    assert _rel_err(out, want) <= 1e-2
+
+
 def test_kernel_writes_every_partial():
     """The raw split-K partials (before XLA sums them) are all finite: no CTA skipped a tile."""
     rng = np.random.default_rng(3)
@@ -413,6 +435,17 @@ def test_group_that_does_not_fit_the_step_is_refused():
     with pytest.raises(ValueError, match=r"xs has shape \(12, 384\); expected .* M a multiple of 8"):
         w4a16_mgpu(jnp.ones((12, packed.k_pad), jnp.bfloat16), packed,
                    config=dataclasses.replace(cfg, block_k=64), interpret=True)
+    with pytest.raises(ValueError, match=r"xs has shape \(8, 320\); expected \[M, K_pad=384\] or "
+                       r"\[M, K=384\]"):
+        w4a16_mgpu(jnp.ones((8, 320), jnp.bfloat16), packed,
+                   config=dataclasses.replace(cfg, block_k=64), interpret=True)
+    q, s, _, _ = _weight(rng, 300, 128, 64)
+    odd = prepack_nk(q, s, group_size=64)   # K = 300: a 600-byte row breaks the TMA stride
+    with pytest.raises(ValueError, match=r"xs has shape \(8, 300\).* multiple of 16 bytes"):
+        w4a16_mgpu(jnp.ones((8, 300), jnp.bfloat16), odd,
+                   config=dataclasses.replace(cfg, block_k=64), interpret=True)
+    out = w4a16_matmul(jnp.ones((2, 300), jnp.bfloat16), odd, impl="mgpu", interpret=True)
+    assert np.isfinite(np.asarray(out, np.float32)).all()   # the wrapper pads x for it
     with pytest.raises(TypeError, match="xs must be bf16 or fp16"):
         w4a16_mgpu(jnp.ones((8, packed.k_pad), jnp.float32), packed,
                    config=dataclasses.replace(cfg, block_k=64), interpret=True)

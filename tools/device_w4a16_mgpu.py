@@ -53,6 +53,7 @@ def correctness(luts=("int4", "e2m1", "nf4", "fp4_bnb")) -> list[dict]:
         (1024, 320, 128, "int", "f16", 7, jnp.float16, False),
         (2048, 512, 64, None, "f32", 16, jnp.bfloat16, False),
         (1000, 300, -1, None, "bf16", 33, jnp.bfloat16, False),
+        (576, 1536, 128, "int", "bf16", 1, jnp.bfloat16, False),      # x unpadded, K_pad 640
         (2048, 384, 128, None, "f16", 100, jnp.bfloat16, True),
         (4096, 4096, 128, None, "bf16", 128, jnp.bfloat16, False),
         (4096, 4096, 128, "int", "f16", 200, jnp.float16, False),

@@ -180,29 +180,27 @@ def small_m_launch_variants(base, packed, m) -> dict:
             and packed.k_pad // (cfg.split_k * cfg.block_k) >= 2}
 
 
-FINAL_OUTPUT_PLAN = tuple(("int4_g128", n, k, 1) for n, k in ((28672, 8192), (8192, 28672),
-                                                             (8192, 8192), (4096, 4096),
-                                                             (1536, 576))) + (
-    ("int4_g128", 28672, 8192, 16), ("int4_g128", 8192, 8192, 16), ("int4_g128", 8192, 8192, 32),
-    ("int4_g128", 8192, 8192, 128), ("mxfp4", 28672, 8192, 1), ("nvfp4", 28672, 8192, 1),
-    ("nf4", 28672, 8192, 1))
-
-
 def final_output_variants(base, packed, m) -> dict:
-    """The default (the kernel's final output, split-K summed inside a cluster) against fp32
-    partials summed by XLA at the same split and at split-K 4 (the session-7 default for M ≤
-    16), and the final output at the neighbouring splits."""
+    """The default (fp32 partials summed by XLA) against the kernel's own final output at the
+    same split and at the neighbouring splits (split-K 1 needs no cluster and no sum at all)."""
+    del m
     if base.compute_wgs != 1:
         return {}
-    alts = {"partials": dataclasses.replace(base, final_output=False)}
-    splits = {1, 4, 8} if m <= 16 else {1, 2, 4}
-    for sp in splits - {base.split_k}:
-        cfg = dataclasses.replace(base, split_k=sp)
+    alts = {"final": dataclasses.replace(base, final_output=True)}
+    for sp in {1, 2, 4} - {base.split_k}:
+        cfg = dataclasses.replace(base, split_k=sp, final_output=True)
         if not packed.k_pad % (sp * cfg.block_k) and packed.k_pad // (sp * cfg.block_k) >= 2:
             alts[f"final_sp{sp}"] = cfg
-            if sp == 4 and m <= 16:
-                alts["partials_sp4"] = dataclasses.replace(cfg, final_output=False)
     return alts
+
+
+# Session 9: where the split is 1 or 2 (M ≥ 32, and the small shapes) the final output saves
+# the partials' fp32 round trip and the second kernel without a large cluster (session 8's
+# M = 1 cells: --ab-cells).
+FINAL_OUTPUT_PLAN = tuple(("int4_g128", n, k, m) for n, k, m in (
+    (1536, 576, 1), (1536, 576, 16), (1536, 576, 64), (1536, 576, 128), (4096, 4096, 1),
+    (4096, 4096, 32), (4096, 4096, 128), (8192, 8192, 32), (8192, 8192, 128), (8192, 8192, 256),
+    (8192, 28672, 64), (8192, 28672, 128), (28672, 8192, 32)))
 
 
 CODEBOOK_AB_PLAN = ((28672, 8192, 1), (28672, 8192, 16), (8192, 28672, 1), (8192, 8192, 1))

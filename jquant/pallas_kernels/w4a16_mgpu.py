@@ -105,15 +105,19 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
     dtype.
     The rows of the last x tile past M are never read: the TMA copy fills them with zeros
     (so at M = 1 the L2 serves one row of x per step, not ``block_m``). The copy's 8-row tiling
-    needs M < 8 or a multiple of 8 (``x_rows``)."""
+    needs M < 8 or a multiple of 8 (``x_rows``). Likewise ``xs`` may stop at K columns (not
+    K_pad) where its rows are a multiple of 16 bytes (the TMA's stride rule): the copy fills
+    the padded columns with zeros (``kernel_x``)."""
     cfg = config
     if xs.dtype not in (jnp.bfloat16, jnp.float16):
         raise TypeError(f"xs must be bf16 or fp16 (wgmma's 16-bit operand), got {xs.dtype} "
                         f"(shape {tuple(xs.shape)})")
-    if (xs.ndim != 2 or xs.shape[1] != packed.k_pad or xs.shape[0] < 1
-            or x_rows(xs.shape[0]) != xs.shape[0]):
+    if (xs.ndim != 2 or xs.shape[1] not in (packed.k_pad, packed.k) or xs.shape[0] < 1
+            or x_rows(xs.shape[0]) != xs.shape[0]
+            or xs.shape[1] * xs.dtype.itemsize % 16):
         raise ValueError(f"xs has shape {tuple(xs.shape)}; expected [M, K_pad={packed.k_pad}] "
-                         "with 1 ≤ M < 8 or M a multiple of 8")
+                         f"or [M, K={packed.k}] (a row of a multiple of 16 bytes) with "
+                         "1 ≤ M < 8 or M a multiple of 8")
     if bias is not None and not cfg.final_output:
         raise ValueError("bias goes to the kernel only with MgpuConfig.final_output")
     if bias is not None:
@@ -201,6 +205,18 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
     if not cfg.final_output:   # the partial's staging buffer (final_output brings its own)
         scratch.append(plgpu.SMEM((bn, bm), jnp.float32))
     return launch_kernel(body, xs, packed, cfg, scratch=scratch, interpret=interpret, bias=bias)
+
+
+def kernel_x(x2: jax.Array, packed: PackedW4NK) -> jax.Array:
+    """``x2`` ``[M, K]`` as the kernel reads it: columns in stored (act-order) order, rows padded
+    to ``x_rows``; K is padded only where the TMA's 16-byte stride rule needs it (the copy
+    zero-fills the rest), so without act-order, at M < 8 or a multiple of 8, x goes to the
+    kernel as it is, with no XLA op before it."""
+    m, k = x2.shape
+    if packed.perm is None and k == packed.k and k * x2.dtype.itemsize % 16 == 0:
+        pad_m = x_rows(m) - m
+        return jnp.pad(x2, ((0, pad_m), (0, 0))) if pad_m else x2
+    return gather_pad(x2, packed, x_rows(m))
 
 
 def x_rows(m: int) -> int:
@@ -336,7 +352,7 @@ def w4a16_mgpu_matmul(x2: jax.Array, packed: PackedW4NK, bias=None, *,
     """``x2 @ W`` (``[M, K]`` bf16/fp16 → ``[M, N]`` in x's dtype) with the Mosaic GPU kernel."""
     m = x2.shape[0]
     cfg = config or default_mgpu_config(m, packed)
-    xs = gather_pad(x2, packed, x_rows(m))
+    xs = kernel_x(x2, packed)
     if cfg.final_output:
         if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
             bias = bias.astype(jnp.float32)
