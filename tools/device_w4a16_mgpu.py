@@ -42,7 +42,7 @@ from tools.device_w4a16_mgpu_ab import (CODEBOOK_AB_PLAN, FINAL_OUTPUT_PLAN, SMA
                                         small_m_launch_variants, weight_operands,
                                         wide_rows_variants, ws_launches,
                                         ws_small_m_variants, ws_wide_variants)
-from tools.device_w4a16_mgpu_probes import copy_probe, gpu_state, latency_probe
+from tools.device_w4a16_mgpu_probes import copy_probe, gpu_state, latency_probe, pipeline_probe
 
 
 def correctness(luts=("int4", "e2m1", "nf4", "fp4_bnb")) -> list[dict]:
@@ -304,6 +304,8 @@ def main(argv=None) -> int:
     parser.add_argument("--wide-rows", action="store_true", help="128-byte weight rows A/B")
     parser.add_argument("--ws-wide", action="store_true", help="wide rows in the WS kernel A/B")
     parser.add_argument("--ws-small-m", action="store_true", help="WS launches at M ≤ 16, both row widths")
+    parser.add_argument("--pipeline-probe", action="store_true",
+                        help="the M = 1 pipeline's copies piece by piece, no consumer")
     parser.add_argument("--copy-probe", action="store_true", help="TMA copy rate by tile shape")
     parser.add_argument("--codebook-ab", action="store_true",
                         help="int4 / MXFP4 / NVFP4 / NF4 round-robin")
@@ -348,6 +350,9 @@ def main(argv=None) -> int:
         gpu_state(out, "after word order ab")
     if args.group_acc_ab:
         group_acc_ab(out)
+    if args.pipeline_probe:
+        pipeline_probe(out)
+        gpu_state(out, "after pipeline probe")
     if args.latency_probe:
         latency_probe(out)
     if args.wide_rows:

@@ -8,6 +8,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.bench.timing import copies_for, time_interleaved
@@ -67,6 +68,74 @@ def latency_probe(out: pathlib.Path, plan=(((28672, 8192), 1), ((8192, 8192), 1)
         record_cell(rows, times, configs, dict(N=n, K=k, M=m), f"{n}x{k} M={m} kernel alone:",
                     out / "latency_probe.json")
         del packs, w_bf16
+    return rows
+
+
+PIPELINE_PROBE_PIECES = {   # name: (inputs the pipeline copies, epilogue store)
+    "w": (("w",), False), "w_store": (("w",), True), "w_x": (("w", "x"), False),
+    "w_s": (("w", "s"), False), "w_x_s": (("w", "x", "s"), False),
+    "w_x_s_store": (("w", "x", "s"), True)}
+
+
+def pipeline_probe(out: pathlib.Path, plan=((28672, 8192), (8192, 8192)), m: int = 1,
+                   interpret: bool = False) -> list[dict]:
+    """Copies only, at the default M = 1 launch and with its own BlockSpecs (``step_specs``):
+    the weight alone, plus x's tile, plus the scale rows, plus the partial's store, timed
+    round-robin (``out``/pipeline_probe.json): which piece of the pipeline costs the ~6 µs
+    between the weight stream (30 µs on 28672×8192) and the empty consumer (36 µs)."""
+    from jquant.pallas_kernels.w4a16_mgpu_common import step_specs
+    rows = []
+    key = jax.random.PRNGKey(0)
+    for n, k in plan:
+        _, packs, _ = weight_operands(n, k, key, with_bf16=False)
+        packs = packs[:1] if interpret else packs
+        cfg = default_mgpu_config(m, packs[0])
+        steps = packs[0].k_pad // cfg.split_k // cfg.block_k
+        xs = [jax.random.normal(jax.random.fold_in(key, c), (x_rows(m), k), jnp.bfloat16)
+              for c in range(4)]
+        cands = {}
+        for name, (pieces, store) in PIPELINE_PROBE_PIECES.items():
+            def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, pieces=pieces, store=store):
+                ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+                specs = dict(zip(("w", "x", "s"), step_specs(
+                    cfg, group_size=packs[0].group_size, coords=lambda t: (ni, 0, si * steps + t),
+                    has_zero=False, delay_all=False)))
+                gmem = dict(w=w_gmem, x=x_gmem, s=s_gmem)
+                plgpu.emit_pipeline(lambda idx, *refs: None, grid=(steps,),
+                                    in_specs=[specs[p] for p in pieces],
+                                    max_concurrent_steps=cfg.max_concurrent_steps)(
+                                        *(gmem[p] for p in pieces))
+                if store:
+                    o_smem[...] = jnp.zeros(o_smem.shape, jnp.float32)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(ni * cfg.block_n,
+                                                                          cfg.block_n)])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            p0 = packs[0]
+            call = plgpu.kernel(
+                kernel, out_type=jax.ShapeDtypeStruct((cfg.split_k, p0.n_pad, cfg.block_m),
+                                                      jnp.float32),
+                scratch_types=[plgpu.SMEM((cfg.block_n, cfg.block_m), jnp.float32)],
+                grid=(p0.n_pad // cfg.block_n, cfg.split_k), grid_names=("n", "s"))
+            fn = jax.jit(lambda x, p, call=call: call(x, p.data, p.scale))
+            if interpret:
+                with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+                    jax.block_until_ready(fn(xs[0], packs[0]))
+                continue
+            try:
+                jax.block_until_ready(fn(xs[0], packs[0]))
+            except Exception as e:
+                log(f"  FAILED pipeline probe {name}: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            cands[name] = (fn, [(xs[c % 4], p) for c, p in enumerate(packs)])
+        kern = jax.jit(lambda x, p: w4a16_mgpu(x, p, config=cfg))
+        if not interpret:
+            cands["default_kernel_only"] = (kern, [(xs[c % 4], p) for c, p in enumerate(packs)])
+            times = time_interleaved(cands)
+            record_cell(rows, times, {name: cfg for name in times}, dict(N=n, K=k, M=m),
+                        f"pipeline probe {n}x{k} M={m}:", out / "pipeline_probe.json")
+        del packs
     return rows
 
 
