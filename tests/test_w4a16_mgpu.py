@@ -36,6 +36,18 @@ def _numpy_weight(q, s, z, group, g_idx=None, lut="int4", gs=None):
     return values * np.asarray(s, np.float64)[rows] * (1.0 if gs is None else gs)
 
 
+def _primitives(jaxpr) -> set[str]:
+    """Every primitive in a (closed) jaxpr, nested jits included."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for v in eqn.params.values():
+            if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns"):
+                names |= _primitives(v)
+    return names
+
+
 def _rel_err(out, ref):
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     return np.linalg.norm(out - ref) / np.linalg.norm(ref)
@@ -220,10 +232,9 @@ def test_x_goes_to_the_kernel_unpadded(final_output):
     cfg = MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=1, max_concurrent_steps=2,
                      final_output=final_output)
     x = jnp.asarray(rng.standard_normal((1, 576)), jnp.bfloat16)
-    ops = [e.primitive.name for e in jax.make_jaxpr(
-        lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg))(x, packed).eqns]
-    assert ops[0] not in ("pad", "concatenate", "gather")
-    assert len(ops) == 1 if final_output else len(ops) > 1
+    jaxpr = jax.make_jaxpr(lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg))(x, packed)
+    assert "pad" not in _primitives(jaxpr)
+    assert len(jaxpr.eqns) == 1 if final_output else len(jaxpr.eqns) > 1
     out = w4a16_matmul(x, packed, impl="mgpu", config=cfg, interpret=True)
     want = np.asarray(x, np.float64) @ _numpy_weight(q, s, z, 128)
     assert _rel_err(out, want) <= 1e-2
@@ -312,6 +323,20 @@ def test_kernel_lowers_for_sm90(m, cfg, lut, group):
         assert exported.out_avals[0].shape == (xs.shape[0], packed.n)
 
 
+@pytest.mark.parametrize("k,group", [(576, 128), (1000, -1)])
+def test_unpadded_x_lowers_for_sm90(k, group):
+    """x stops at K (576: K_pad 640) where the swizzle tiling allows it; K = 1000 is padded by
+    the wrapper (unpadded, Mosaic GPU refuses its TMA descriptor: found on the H200)."""
+    rng = np.random.default_rng(5)
+    q, s, _, _ = _weight(rng, k, 256, group)
+    packed = prepack_nk(q, s, group_size=group)
+    fn = jax.jit(lambda x, p: w4a16_mgpu_matmul(x, p))
+    exported = jax.export.export(fn, platforms=["cuda"])(jnp.zeros((1, k), jnp.bfloat16), packed)
+    assert "mosaic_gpu" in exported.mlir_module()
+    jaxpr = jax.make_jaxpr(fn)(jnp.zeros((1, k), jnp.bfloat16), packed)
+    assert ("pad" in _primitives(jaxpr)) == (k % 64 != 0)
+
+
 @pytest.mark.parametrize("lut,x_dtype,compute_wgs,word_order", [
     ("e2m1", jnp.bfloat16, 1, True), ("e2m1", jnp.float16, 1, True),
     ("e2m1", jnp.float16, 2, True), ("nf4", jnp.bfloat16, 1, True), ("nf4", jnp.float16, 2, True),
@@ -355,7 +380,12 @@ def test_default_configs_are_valid_launches(n, k, group, m):
     cfg = default_mgpu_config(m, packed)
     xs = jax.ShapeDtypeStruct((x_rows(m), packed.k_pad), jnp.bfloat16)
     out = jax.eval_shape(lambda x, p: w4a16_mgpu(x, p, config=cfg), xs, packed)  # runs the checks
-    assert out.shape == (cfg.split_k, packed.n_pad, -(-m // cfg.block_m) * cfg.block_m)
+    if cfg.final_output:   # up to split-K 2 the kernel writes the answer itself
+        assert cfg.split_k <= 2 and cfg.compute_wgs == 1
+        assert out.shape == (x_rows(m), packed.n)
+    else:
+        assert out.shape == (cfg.split_k, packed.n_pad, -(-m // cfg.block_m) * cfg.block_m)
+        assert cfg.split_k > 2 or cfg.compute_wgs > 1
     # Scales go on a per-group fp32 accumulator for small M wherever the launch allows it.
     g = packed.group_size
     assert cfg.group_acc == (cfg.compute_wgs == 1 and cfg.block_m <= 16 and g % 64 == 0
@@ -363,6 +393,22 @@ def test_default_configs_are_valid_launches(n, k, group, m):
     # One-warpgroup launches stage the weight in 128-byte rows (the warp-specialized ones step
     # 64 codes at a time, where there is one row width only).
     assert cfg.wide_rows == (cfg.compute_wgs == 1)
+
+
+@pytest.mark.parametrize("n,k,m,split,final", [
+    (28672, 8192, 1, 4, False), (8192, 8192, 16, 4, False),   # decode: split 4, XLA sums
+    (1536, 576, 1, 1, True),                                   # K too short to split
+    (28672, 8192, 32, 1, True),                                # 224 tiles of 128 × 32
+    (8192, 8192, 32, 2, True),                                 # 128 tiles of 64 × 32
+    (8192, 28672, 64, 2, True), (8192, 8192, 128, 2, True),    # 64 tiles
+    (8192, 8192, 256, 1, True), (8192, 28672, 256, 1, True)])  # 128 tiles of 128 × 128
+def test_default_split_and_output(n, k, m, split, final):
+    """The measured rule (bench/NOTES.md, session 9): split-K 1 from ~1.5 tiles per SM (or one
+    128 × 128 tile per SM), and the kernel's own output up to split-K 2."""
+    packed = prepack_nk(np.zeros((k, n), np.uint8), np.ones((k // 64, n), np.float32),
+                        group_size=64)
+    cfg = default_mgpu_config(m, packed)
+    assert (cfg.split_k, cfg.final_output) == (split, final)
 
 
 def test_dispatch_by_device_and_m(monkeypatch):
@@ -439,12 +485,12 @@ def test_group_that_does_not_fit_the_step_is_refused():
                        r"\[M, K=384\]"):
         w4a16_mgpu(jnp.ones((8, 320), jnp.bfloat16), packed,
                    config=dataclasses.replace(cfg, block_k=64), interpret=True)
-    q, s, _, _ = _weight(rng, 300, 128, 64)
-    odd = prepack_nk(q, s, group_size=64)   # K = 300: a 600-byte row breaks the TMA stride
-    with pytest.raises(ValueError, match=r"xs has shape \(8, 300\).* multiple of 16 bytes"):
-        w4a16_mgpu(jnp.ones((8, 300), jnp.bfloat16), odd,
+    q, s, _, _ = _weight(rng, 1000, 128, -1)
+    odd = prepack_nk(q, s, group_size=-1)   # K = 1000 breaks the x tile's 64-column tiling
+    with pytest.raises(ValueError, match=r"xs has shape \(8, 1000\).*K=1000\] \(a multiple of 64\)"):
+        w4a16_mgpu(jnp.ones((8, 1000), jnp.bfloat16), odd,
                    config=dataclasses.replace(cfg, block_k=64), interpret=True)
-    out = w4a16_matmul(jnp.ones((2, 300), jnp.bfloat16), odd, impl="mgpu", interpret=True)
+    out = w4a16_matmul(jnp.ones((2, 1000), jnp.bfloat16), odd, impl="mgpu", interpret=True)
     assert np.isfinite(np.asarray(out, np.float32)).all()   # the wrapper pads x for it
     with pytest.raises(TypeError, match="xs must be bf16 or fp16"):
         w4a16_mgpu(jnp.ones((8, packed.k_pad), jnp.float32), packed,

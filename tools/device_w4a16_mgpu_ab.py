@@ -181,16 +181,18 @@ def small_m_launch_variants(base, packed, m) -> dict:
 
 
 def final_output_variants(base, packed, m) -> dict:
-    """The default (fp32 partials summed by XLA) against the kernel's own final output at the
-    same split and at the neighbouring splits (split-K 1 needs no cluster and no sum at all)."""
-    del m
+    """Around the default: the kernel's own final output and fp32 partials summed by XLA, at
+    split-K 1, 2 and (M ≤ 16) 4 (a cluster per output tile)."""
     if base.compute_wgs != 1:
         return {}
-    alts = {"final": dataclasses.replace(base, final_output=True)}
-    for sp in {1, 2, 4} - {base.split_k}:
-        cfg = dataclasses.replace(base, split_k=sp, final_output=True)
-        if not packed.k_pad % (sp * cfg.block_k) and packed.k_pad // (sp * cfg.block_k) >= 2:
-            alts[f"final_sp{sp}"] = cfg
+    alts = {}
+    for sp in (1, 2, 4) if m <= 16 else (1, 2):
+        if packed.k_pad % (sp * base.block_k) or packed.k_pad // (sp * base.block_k) < 2:
+            continue
+        for final in (True, False):
+            cfg = dataclasses.replace(base, split_k=sp, final_output=final)
+            if cfg != base:
+                alts[f"{'final' if final else 'partials'}_sp{sp}"] = cfg
     return alts
 
 

@@ -106,17 +106,16 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
     The rows of the last x tile past M are never read: the TMA copy fills them with zeros
     (so at M = 1 the L2 serves one row of x per step, not ``block_m``). The copy's 8-row tiling
     needs M < 8 or a multiple of 8 (``x_rows``). Likewise ``xs`` may stop at K columns (not
-    K_pad) where its rows are a multiple of 16 bytes (the TMA's stride rule): the copy fills
-    the padded columns with zeros (``kernel_x``)."""
+    K_pad) where K is a multiple of 64 (the x tile's swizzle tiling): the copy fills the
+    padded columns with zeros (``kernel_x``)."""
     cfg = config
     if xs.dtype not in (jnp.bfloat16, jnp.float16):
         raise TypeError(f"xs must be bf16 or fp16 (wgmma's 16-bit operand), got {xs.dtype} "
                         f"(shape {tuple(xs.shape)})")
     if (xs.ndim != 2 or xs.shape[1] not in (packed.k_pad, packed.k) or xs.shape[0] < 1
-            or x_rows(xs.shape[0]) != xs.shape[0]
-            or xs.shape[1] * xs.dtype.itemsize % 16):
+            or x_rows(xs.shape[0]) != xs.shape[0] or xs.shape[1] % K_CHUNK):
         raise ValueError(f"xs has shape {tuple(xs.shape)}; expected [M, K_pad={packed.k_pad}] "
-                         f"or [M, K={packed.k}] (a row of a multiple of 16 bytes) with "
+                         f"or [M, K={packed.k}] (a multiple of {K_CHUNK}) with "
                          "1 ≤ M < 8 or M a multiple of 8")
     if bias is not None and not cfg.final_output:
         raise ValueError("bias goes to the kernel only with MgpuConfig.final_output")
@@ -209,11 +208,12 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
 
 def kernel_x(x2: jax.Array, packed: PackedW4NK) -> jax.Array:
     """``x2`` ``[M, K]`` as the kernel reads it: columns in stored (act-order) order, rows padded
-    to ``x_rows``; K is padded only where the TMA's 16-byte stride rule needs it (the copy
-    zero-fills the rest), so without act-order, at M < 8 or a multiple of 8, x goes to the
-    kernel as it is, with no XLA op before it."""
+    to ``x_rows``; K is padded only where it is not a multiple of 64, which the x tile's
+    swizzle tiling needs of the array (the copy zero-fills the columns past K), so without
+    act-order, at M < 8 or a multiple of 8, x goes to the kernel as it is, with no XLA op
+    before it."""
     m, k = x2.shape
-    if packed.perm is None and k == packed.k and k * x2.dtype.itemsize % 16 == 0:
+    if packed.perm is None and k == packed.k and k % K_CHUNK == 0:
         pad_m = x_rows(m) - m
         return jnp.pad(x2, ((0, pad_m), (0, 0))) if pad_m else x2
     return gather_pad(x2, packed, x_rows(m))
@@ -329,7 +329,11 @@ def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
     g = packed.group_size
     while bk > K_CHUNK and (g % bk if g >= bk else bk % g):   # a step meets whole groups
         bk //= 2
-    if split > 1 and packed.n_pad // bn * -(-m // block_m) >= 264 and block_m > 16:
+    tiles = packed.n_pad // bn * -(-m // block_m)
+    # Split-K 1 from ~1.5 tiles per SM, or ~1 of 128 × 128 (H200 A/B, session 9 in NOTES.md:
+    # 28672×8192 M = 32, 224 tiles: 64 vs 82 µs; 8192×8192 M = 256, 128 tiles: 57 vs 69; but
+    # 64 tiles, or 128 of 64 × 32, still want split-K 2).
+    if split > 1 and block_m > 16 and (tiles >= 200 or block_m >= 128 and tiles >= 128):
         split = 1
     while split > 1 and (packed.k_pad % (split * bk) or packed.k_pad // (split * bk) < 2):
         split //= 2
@@ -340,11 +344,14 @@ def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
     # columns the second accumulator costs registers (8192×28672 M = 128: 301 vs 167 µs).
     # 128-byte weight rows: the TMA engine moves 32-byte rows at ~3 TB/s and 128-byte rows at
     # the byte floor (H200 copy probe; kernel 5-10 % faster, bench/NOTES.md "Session 5").
-    # fp32 partials summed by XLA, not final_output: the cluster-summed final output was no
-    # faster on the quiet H200 runs (8192×8192 M = 1 slower in all four; session 8 in NOTES.md).
+    # The kernel's own final output up to split-K 2: one op per call, no fp32 partials (H200
+    # A/B, session 9: never slower, 1536×576 −2 µs of 20, 8192×28672 M = 64 −8 of 90); at
+    # split-K 4 (M ≤ 16) fp32 partials summed by XLA: the 4-CTA cluster was no faster on the
+    # quiet runs (8192×8192 M = 1 slower in all four; session 8).
     return MgpuConfig(block_n=bn, block_k=bk, block_m=block_m, split_k=split,
                       max_concurrent_steps=stages,
-                      group_acc=block_m <= 16 and group_acc_fits(g, bk, 1), wide_rows=True)
+                      group_acc=block_m <= 16 and group_acc_fits(g, bk, 1), wide_rows=True,
+                      final_output=split <= 2)
 
 
 def w4a16_mgpu_matmul(x2: jax.Array, packed: PackedW4NK, bias=None, *,
