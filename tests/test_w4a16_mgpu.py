@@ -161,6 +161,12 @@ CASES = [  # k, n, group, zeros (or a code book: "e2m1", "nf4", "fp4_bnb"), scal
     (512, 130, 64, "nf4", "f32", False, 3, jnp.bfloat16, True,            # NF4, no split
      MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=1, max_concurrent_steps=2,
                 final_output=True)),
+    (512, 256, 128, "int", "bf16", True, 20, jnp.bfloat16, True,          # warp-specialized,
+     MgpuConfig(block_n=256, block_k=128, block_m=8, split_k=1, max_concurrent_steps=2,  # each
+                compute_wgs=2, final_output=True)),                        # WG its columns
+    (320, 200, 16, "e2m1", "e4m3", False, 9, jnp.float16, True,            # WS, NVFP4, N_pad
+     MgpuConfig(block_n=256, block_k=64, block_m=16, split_k=1, max_concurrent_steps=2,  # cols,
+                compute_wgs=2, final_output=True)),                        # 2 M tiles
 ]
 
 
@@ -304,7 +310,9 @@ class TestUnderJit(chex.TestCase):
     (16, MgpuConfig(block_n=64, block_k=64, block_m=16, split_k=8, max_concurrent_steps=2,
                     wide_rows=True, final_output=True), "e2m1", 16),
     (33, MgpuConfig(block_n=128, block_k=128, block_m=16, split_k=2, max_concurrent_steps=3,
-                    wide_rows=True, final_output=True), "nf4", 64)])
+                    wide_rows=True, final_output=True), "nf4", 64),
+    (100, MgpuConfig(block_n=256, block_k=64, block_m=104, split_k=1, max_concurrent_steps=4,
+                     compute_wgs=2, final_output=True), "int4", 128)])
 def test_kernel_lowers_for_sm90(m, cfg, lut, group):
     """Exporting for CUDA runs Mosaic GPU's own lowering (layout inference, the register-operand
     wgmma that interpret mode replaces by a shared-memory one, TMA descriptors) on this CPU."""
@@ -381,11 +389,11 @@ def test_default_configs_are_valid_launches(n, k, group, m):
     xs = jax.ShapeDtypeStruct((x_rows(m), packed.k_pad), jnp.bfloat16)
     out = jax.eval_shape(lambda x, p: w4a16_mgpu(x, p, config=cfg), xs, packed)  # runs the checks
     if cfg.final_output:   # up to split-K 2 the kernel writes the answer itself
-        assert cfg.split_k <= 2 and cfg.compute_wgs == 1
+        assert cfg.split_k <= (2 if cfg.compute_wgs == 1 else 1)
         assert out.shape == (x_rows(m), packed.n)
     else:
         assert out.shape == (cfg.split_k, packed.n_pad, -(-m // cfg.block_m) * cfg.block_m)
-        assert cfg.split_k > 2 or cfg.compute_wgs > 1
+        assert cfg.split_k > 2
     # Scales go on a per-group fp32 accumulator for small M wherever the launch allows it.
     g = packed.group_size
     assert cfg.group_acc == (cfg.compute_wgs == 1 and cfg.block_m <= 16 and g % 64 == 0
@@ -401,7 +409,8 @@ def test_default_configs_are_valid_launches(n, k, group, m):
     (28672, 8192, 32, 1, True),                                # 224 tiles of 128 × 32
     (8192, 8192, 32, 2, True),                                 # 128 tiles of 64 × 32
     (8192, 28672, 64, 2, True), (8192, 8192, 128, 2, True),    # 64 tiles
-    (8192, 8192, 256, 1, True), (8192, 28672, 256, 1, True)])  # 128 tiles of 128 × 128
+    (8192, 8192, 256, 1, True), (8192, 28672, 256, 1, True),   # 128 tiles of 128 × 128
+    (28672, 8192, 128, 1, True)])                              # warp-specialized
 def test_default_split_and_output(n, k, m, split, final):
     """The measured rule (bench/NOTES.md, session 9): split-K 1 from ~1.5 tiles per SM (or one
     128 × 128 tile per SM), and the kernel's own output up to split-K 2."""
@@ -458,8 +467,8 @@ def test_layout_and_impl_mismatches_are_errors():
     (MgpuConfig(block_n=64, compute_wgs=2), "block_n=64 must be a multiple of 64·compute_wgs"),
     (MgpuConfig(block_k=64, group_acc=True), "group_acc needs .* dividing block_k=64"),
     (MgpuConfig(block_n=128, compute_wgs=2, group_acc=True), "group_acc needs one compute warpgroup"),
-    (MgpuConfig(block_n=128, compute_wgs=2, final_output=True),
-     "final_output needs one compute warpgroup and split_k ≤ 8 .* compute_wgs=2"),
+    (MgpuConfig(block_n=128, block_k=128, split_k=2, compute_wgs=2, final_output=True),
+     "final_output needs split_k ≤ 8 .* split_k = 1 with two; got compute_wgs=2, split_k=2"),
     (MgpuConfig(block_k=64, split_k=16, block_n=64, final_output=True),
      "final_output needs .* split_k=16"),
 ])

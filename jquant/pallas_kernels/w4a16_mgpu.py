@@ -128,7 +128,7 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
     m_pad = _round_up(xs.shape[0], cfg.block_m)
     k_split = check_launch(packed.n_pad, packed.k_pad, m_pad, packed.group_size, cfg)
     if cfg.compute_wgs > 1:
-        return w4a16_mgpu_ws(xs, packed, config=cfg, interpret=interpret)
+        return w4a16_mgpu_ws(xs, packed, config=cfg, bias=bias, interpret=interpret)
     bn, bm = cfg.block_n, cfg.block_m
     g = packed.group_size
     steps = k_split // cfg.block_k
@@ -315,7 +315,8 @@ def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
         # Two warpgroups × 128 rows share each x tile: half the x traffic from L2, which bounds
         # M ≥ 64 on wide weights (interleaved H200 A/B, bench/NOTES.md "Warp-specialized").
         return MgpuConfig(block_n=256, block_k=K_CHUNK, block_m=block_m, split_k=1,
-                          max_concurrent_steps=6 if block_m <= 64 else 4, compute_wgs=2)
+                          max_concurrent_steps=6 if block_m <= 64 else 4, compute_wgs=2,
+                          final_output=True)
     if block_m <= 16:
         # Split-K 4 (it was 8 at M ≤ 8): with the word-order decode, fewer, longer CTAs and half
         # the partials won every M = 1 A/B on the large shapes (bench/NOTES.md, session 7).

@@ -43,8 +43,8 @@ class MgpuConfig:
       that are multiples of 64 and divide ``block_k``).
     final_output: the kernel writes the final ``[M, N]`` output in x's dtype (global scale and
       bias applied), the ``split_k`` partials of a tile summed inside a thread-block cluster
-      (``w4a16_mgpu_epilogue``), instead of fp32 partials for XLA to sum (1 warpgroup;
-      ``split_k`` ≤ 8).
+      (``w4a16_mgpu_epilogue``), instead of fp32 partials for XLA to sum (``split_k`` ≤ 8
+      with one compute warpgroup, 1 with two).
     """
 
     block_n: int = 128
@@ -98,10 +98,10 @@ def check_launch(n_pad: int, k_pad: int, m_pad: int, group_size: int, cfg: MgpuC
         problems.append(f"group_acc needs one compute warpgroup and a group_size that is a "
                         f"multiple of {K_CHUNK} dividing block_k={cfg.block_k}, got group_size="
                         f"{g}, compute_wgs={cfg.compute_wgs}")
-    if cfg.final_output and (cfg.compute_wgs != 1 or cfg.split_k > MAX_CLUSTER):
-        problems.append(f"final_output needs one compute warpgroup and split_k ≤ {MAX_CLUSTER} "
-                        f"(one cluster per output tile), got compute_wgs={cfg.compute_wgs}, "
-                        f"split_k={cfg.split_k}")
+    if cfg.final_output and cfg.split_k > (MAX_CLUSTER if cfg.compute_wgs == 1 else 1):
+        problems.append(f"final_output needs split_k ≤ {MAX_CLUSTER} (one cluster per output "
+                        f"tile) with one compute warpgroup, split_k = 1 with two; got "
+                        f"compute_wgs={cfg.compute_wgs}, split_k={cfg.split_k}")
     if cfg.max_concurrent_steps < 2:
         problems.append(f"max_concurrent_steps={cfg.max_concurrent_steps} must be ≥ 2")
     if problems:
@@ -269,22 +269,24 @@ def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, dela
 
 
 def launch_kernel(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool, bias=None,
-                  **kernel_kw):
+                  final_scratch: dict | None = None, **kernel_kw):
     """Runs ``body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem or None, out, *scratch)`` on the
     (N_pad / block_n, split_k, M_pad / block_m) grid (``M_pad``: x's rows rounded up to
     ``block_m``). ``out`` is the fp32 ``[split_k, N_pad, M_pad]`` partials' reference, which is
     returned; or, with ``cfg.final_output``, a ``FinalOutputRefs`` for ``store_final_output``,
     and the kernel returns ``[M, N]`` (M: x's rows) in x's dtype, global scale and
-    ``bias`` applied; its split-K CTAs are one cluster. Interpret mode starts every buffer as NaN,
-    so an unwritten tile shows."""
+    ``bias`` applied; its split-K CTAs are one cluster (``final_scratch``: the body's own
+    ``FinalOutputRefs`` scratch instead of ``final_output_scratch``'s). Interpret mode starts
+    every buffer as NaN, so an unwritten tile shows."""
     has_zero = packed.zero is not None
     m_pad = _round_up(xs.shape[0], cfg.block_m)
     tiles = (packed.n_pad // cfg.block_n, m_pad // cfg.block_m)
     args = [xs, packed.data, packed.scale] + ([packed.zero] if has_zero else [])
     if cfg.final_output:
-        final_scratch = final_output_scratch(cfg.block_n, cfg.block_m, xs.dtype,
-                                             None if bias is None else bias.dtype, cfg.split_k,
-                                             interpret)
+        if final_scratch is None:
+            final_scratch = final_output_scratch(cfg.block_n, cfg.block_m, xs.dtype,
+                                                 None if bias is None else bias.dtype,
+                                                 cfg.split_k, interpret)
         has_gs = packed.global_scale is not None
         args += ([packed.global_scale] if has_gs else []) + ([bias] if bias is not None else [])
         out_types = [jax.ShapeDtypeStruct((xs.shape[0], final_output_cols(packed, xs.dtype)),

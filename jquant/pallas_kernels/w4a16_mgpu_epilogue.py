@@ -32,8 +32,8 @@ class FinalOutputRefs:
     """The references ``store_final_output`` works with; ``None`` where not used."""
 
     out_gmem: object                 # [M, N_out] in x's dtype
-    part_smem: object                # [bn, bm] fp32: this CTA's partial
     out_smem: object                 # [bm, bn] x's dtype: the transposed tile
+    part_smem: object = None         # [bn, bm] fp32: this CTA's partial
     global_scale_gmem: object = None  # [1] fp32
     bias_gmem: object = None          # [N_out or N_pad] any float
     bias_smem: object = None          # [bn]
