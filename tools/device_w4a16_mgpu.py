@@ -97,9 +97,10 @@ def correctness(luts=("int4", "e2m1", "nf4", "fp4_bnb")) -> list[dict]:
         alts += [dataclasses.replace(c, wide_rows=True) for c in ws[:1]]
         if group_acc_fits(packed.group_size, base.block_k, base.compute_wgs):
             alts.append(dataclasses.replace(base, group_acc=not base.group_acc))
-        # The kernel's own final output (cluster-summed split-K), at the default split and 4.
+        # The kernel's own output and fp32 partials (both kernels; split-K summed in a cluster
+        # by the one-warpgroup kernel), at the default split and 4.
         alts += [dataclasses.replace(c, final_output=not c.final_output) for c in alts
-                 if c.compute_wgs == 1 and c.split_k <= 8]
+                 if c.split_k <= (8 if c.compute_wgs == 1 else 1)]
         if base.compute_wgs == 1 and not packed.k_pad % (4 * base.block_k):
             alts.append(dataclasses.replace(base, final_output=True, split_k=4))
         for cfg in dict.fromkeys(alts):
