@@ -15,10 +15,10 @@ codes is stored in a byte layout that a multiply and a mask decode (the scales c
 last ``× 2^126``); table codes (NF4, bitsandbytes FP4) are looked up with ``prmt``. Groups of
 16 / 32 pick their scale per column inside each 64-wide chunk.
 
-Grid: (N / block_n, split_k, M / block_m). Each CTA streams its K range and writes an fp32
-``[block_n, block_m]`` partial; XLA sums the split-K partials and transposes (tiny for small M).
-With ``MgpuConfig.final_output`` the split-K CTAs of a tile form a cluster and the kernel writes
-the final ``[M, N]`` itself (``w4a16_mgpu_epilogue``).
+Grid: (N / block_n, split_k, M / block_m). Each CTA streams its K range. With
+``MgpuConfig.final_output`` (the default up to split-K 2) the split-K CTAs of a tile form a
+cluster and the kernel writes the final ``[M, N]`` itself (``w4a16_mgpu_epilogue``); otherwise
+each CTA writes an fp32 ``[block_n, block_m]`` partial and XLA sums and transposes them.
 
 Interpret mode (CPU): its wgmma reads A only from shared memory, so there the decoded tile is
 stored to a scratch buffer first; everything else (TMA pipeline, decode, scaling) is the same code.

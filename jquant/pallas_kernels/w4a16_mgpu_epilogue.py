@@ -9,6 +9,9 @@ them in a fixed order, applies the global scale and bias, and stores the tile tr
 dtype, straight into the ``[M, N]`` output (the TMA store drops the rows past M and the columns
 past N). A second cluster barrier keeps the peers' shared memory alive until the leader has read it.
 
+(The warp-specialized kernel writes its final output only at split-K 1, with its own
+epilogue: ``w4a16_mgpu_ws.store_final_rows``.)
+
 Interpret mode has no distributed shared memory and cannot run the barrier's PTX: there the
 partials go through a global-memory workspace (an extra kernel output) and the cluster's
 ``ClusterBarrier``; the sum, its order and everything after it are the same code.
