@@ -13,6 +13,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.bench.timing import copies_for, time_interleaved
 from jquant.pallas_kernels.w4a16_mgpu import default_mgpu_config, w4a16_mgpu, x_rows
+from jquant.pallas_kernels.w4a16_mgpu_common import step_specs
 from tools.device_w4a16_mgpu_ab import log, record_cell, weight_operands
 
 def latency_probe(out: pathlib.Path, plan=(((28672, 8192), 1), ((8192, 8192), 1)),
@@ -81,9 +82,8 @@ def pipeline_probe(out: pathlib.Path, plan=((28672, 8192), (8192, 8192)), m: int
                    interpret: bool = False) -> list[dict]:
     """Copies only, at the default M = 1 launch and with its own BlockSpecs (``step_specs``):
     the weight alone, plus x's tile, plus the scale rows, plus the partial's store, timed
-    round-robin (``out``/pipeline_probe.json): which piece of the pipeline costs the ~6 µs
-    between the weight stream (30 µs on 28672×8192) and the empty consumer (36 µs)."""
-    from jquant.pallas_kernels.w4a16_mgpu_common import step_specs
+    round-robin (``out``/pipeline_probe.json): which piece of the pipeline costs what between
+    the weight stream and the empty consumer (bench/NOTES.md, session 9)."""
     rows = []
     key = jax.random.PRNGKey(0)
     for n, k in plan:
