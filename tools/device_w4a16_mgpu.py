@@ -3,12 +3,12 @@ against XLA bf16 (and the Triton kernels at M = 1) measured in the same process.
 
 PYTHONPATH=. python3 tools/device_w4a16_mgpu.py --out $OUT [--quick] [--skip-sweep]
     [--ab] [--group-acc-ab] [--latency-probe] [--wide-rows] [--ws-wide] [--ws-small-m]
-    [--copy-probe] [--codebook-ab] [--word-order-ab] [--small-m-launch-ab]
-    [--final-output-ab] [--skip-correctness]
+    [--copy-probe] [--stream-probe] [--pipeline-probe] [--codebook-ab] [--word-order-ab]
+    [--small-m-launch-ab] [--final-output-ab] [--skip-correctness]
 Writes mgpu_correctness.json and mgpu_sweep.json, and one JSON per extra stage (rewritten after
 each cell): mgpu_ab.json, group_acc_ab.json, latency_probe.json, wide_rows_ab.json, ws_wide_ab.json,
-ws_small_m_ab.json, copy_probe.json, codebook_ab.json, word_order_ab.json,
-small_m_launch_ab.json, final_output_ab.json;
+ws_small_m_ab.json, copy_probe.json, stream_probe.json, codebook_ab.json, word_order_ab.json,
+small_m_launch_ab.json, final_output_ab.json, pipeline_probe.json;
 gpu_state.txt logs nvidia-smi's clocks and other processes between stages. The A/B stages live in
 device_w4a16_mgpu_ab.py, the probes in device_w4a16_mgpu_probes.py (beside this file).
 """
@@ -42,7 +42,8 @@ from tools.device_w4a16_mgpu_ab import (CODEBOOK_AB_PLAN, FINAL_OUTPUT_PLAN, SMA
                                         small_m_launch_variants, weight_operands,
                                         wide_rows_variants, ws_launches,
                                         ws_small_m_variants, ws_wide_variants)
-from tools.device_w4a16_mgpu_probes import copy_probe, gpu_state, latency_probe, pipeline_probe
+from tools.device_w4a16_mgpu_probes import (copy_probe, gpu_state, latency_probe, pipeline_probe,
+                                            stream_probe)
 
 
 def correctness(luts=("int4", "e2m1", "nf4", "fp4_bnb")) -> list[dict]:
@@ -308,6 +309,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pipeline-probe", action="store_true",
                         help="the M = 1 pipeline's copies piece by piece, no consumer")
     parser.add_argument("--copy-probe", action="store_true", help="TMA copy rate by tile shape")
+    parser.add_argument("--stream-probe", action="store_true",
+                        help="the M = 1 weight stream by split-K and stages, copies only")
     parser.add_argument("--codebook-ab", action="store_true",
                         help="int4 / MXFP4 / NVFP4 / NF4 round-robin")
     parser.add_argument("--word-order-ab", action="store_true",
@@ -333,6 +336,9 @@ def main(argv=None) -> int:
         compile_for_sass()
         return 0
     gpu_state(out, "start")
+    if args.stream_probe:
+        stream_probe(out)
+        gpu_state(out, "after stream probe")
     if args.copy_probe:
         copy_probe(out)
         gpu_state(out, "after copy probe")

@@ -151,15 +151,17 @@ COPY_PROBE_LAYOUTS = {  # name: (dtype, block [rows, cols], tile cols, swizzle b
 
 
 def copy_probe(out: pathlib.Path, n: int = 28672, k: int = 8192, split: int = 8,
-               stages=(3, 4), interpret: bool = False) -> list[dict]:
+               stages=(3, 4), interpret: bool = False, layouts=tuple(COPY_PROBE_LAYOUTS),
+               file_name: str = "copy_probe.json") -> list[dict]:
     """Copies only: how fast TMA streams the weight through an emit_pipeline of one-CTA-per-tile
     launches, by smem tile shape and swizzle (box rows of 32 vs 128 bytes), with no consumer
-    (``out``/copy_probe.json)."""
+    (``out``/``file_name``); ``layouts``: names in ``COPY_PROBE_LAYOUTS``."""
     key = jax.random.PRNGKey(0)
     codes = jax.random.randint(key, (n, k), -8, 8, jnp.int32).astype(jnp.int4)
     as_u8 = jax.random.randint(key, (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
     rows, cands, configs = [], {}, {}
-    for name, (dtype, block, tile_cols, swz) in COPY_PROBE_LAYOUTS.items():
+    for name in layouts:
+        dtype, block, tile_cols, swz = COPY_PROBE_LAYOUTS[name]
         w = codes if dtype == jnp.int4 else as_u8
         copies = [w] if interpret else [w] + [w.copy() for _ in range(copies_for(n * k // 2, max_copies=8) - 1)]
         transforms = (() if swz is None else
@@ -192,7 +194,19 @@ def copy_probe(out: pathlib.Path, n: int = 28672, k: int = 8192, split: int = 8,
         return rows
     times = time_interleaved(cands)
     record_cell(rows, times, configs, dict(N=n, K=k, split_k=split),
-                f"copy probe {n}x{k} sp{split}:", out / "copy_probe.json")
+                f"copy probe {n}x{k} sp{split}:", out / file_name)
+    return rows
+
+
+def stream_probe(out: pathlib.Path, interpret: bool = False, **kw) -> list[dict]:
+    """The weight stream of the M = 1 default's tile (64 rows × 256 codes, 128-byte rows) by
+    grid shape: split-K 4 / 8 / 16 × 2 / 3 / 4 / 6 stages, copies only
+    (``out``/stream_probe.json). Session 9's pipeline probe took ~35 µs at split-K 4 where
+    session 5's copy probe took 30 at split-K 8 (bench/NOTES.md)."""
+    rows = []
+    for split in (4, 8, 16):
+        rows += copy_probe(out, split=split, stages=(2, 3, 4, 6), interpret=interpret,
+                           layouts=("int4_bk256_swz128",), file_name="stream_probe.json", **kw)
     return rows
 
 
