@@ -225,12 +225,14 @@ def _round_up(v: int, m: int) -> int:
     return -(-v // m) * m
 
 
-def gather_pad(x2: jax.Array, packed, m_pad: int) -> jax.Array:
+def gather_pad(x2: jax.Array, packed, m_pad: int, k_cols: int | None = None) -> jax.Array:
     """``x2`` ``[M, K]`` with its columns in the weight's stored (act-order) row order, zero-padded
-    to ``[m_pad, K_pad]``: what every kernel layout (``PackedW4``, ``PackedW4NK``) multiplies."""
+    to ``[m_pad, k_cols]`` (default ``K_pad``): what every kernel layout (``PackedW4``,
+    ``PackedW4NK``) multiplies."""
     if packed.perm is not None:
         x2 = jnp.take(x2, packed.perm, axis=1)
-    pad_m, pad_k = m_pad - x2.shape[0], packed.k_pad - packed.k
+    pad_m = m_pad - x2.shape[0]
+    pad_k = (packed.k_pad if k_cols is None else k_cols) - packed.k
     return jnp.pad(x2, ((0, pad_m), (0, pad_k))) if pad_m or pad_k else x2
 
 

@@ -208,15 +208,11 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
 
 def kernel_x(x2: jax.Array, packed: PackedW4NK) -> jax.Array:
     """``x2`` ``[M, K]`` as the kernel reads it: columns in stored (act-order) order, rows padded
-    to ``x_rows``; K is padded only where it is not a multiple of 64, which the x tile's
-    swizzle tiling needs of the array (the copy zero-fills the columns past K), so without
-    act-order, at M < 8 or a multiple of 8, x goes to the kernel as it is, with no XLA op
-    before it."""
-    m, k = x2.shape
-    if packed.perm is None and k == packed.k and k % K_CHUNK == 0:
-        pad_m = x_rows(m) - m
-        return jnp.pad(x2, ((0, pad_m), (0, 0))) if pad_m else x2
-    return gather_pad(x2, packed, x_rows(m))
+    to ``x_rows``; K is padded to K_pad only where it is not a multiple of 64, which the x
+    tile's swizzle tiling needs of the array (else the copy zero-fills the columns past K), so
+    without act-order, at M < 8 or a multiple of 8, x goes to the kernel with no XLA op."""
+    k_cols = packed.k if packed.k % K_CHUNK == 0 else packed.k_pad
+    return gather_pad(x2, packed, x_rows(x2.shape[0]), k_cols)
 
 
 def x_rows(m: int) -> int:
