@@ -35,7 +35,8 @@ from jquant.formats import bnb
 from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
                                               w4a16_mgpu, w4a16_mgpu_matmul)
 from jquant.pallas_kernels.w4a16_mgpu_common import group_acc_fits
-from tools.device_w4a16_mgpu_ab import (CODEBOOK_AB_PLAN, FINAL_OUTPUT_PLAN, SMALL_M_LAUNCH_PLAN, WIDE_ROWS_PLAN,
+from tools.device_w4a16_mgpu_ab import (CODEBOOK_AB_PLAN, FINAL_OUTPUT_PLAN, SMALL_M_LAUNCH_PLAN,
+                                        WIDE_ROWS_PLAN, add_candidate,
                                         WORD_ORDER_AB_PLAN, WS_SMALL_M_PLAN, WS_WIDE_PLAN,
                                         codebook_ab, final_output_variants, launch_ab,
                                         log, record_cell,
@@ -255,12 +256,8 @@ def group_acc_ab(out: pathlib.Path) -> list[dict]:
             cands = {"xla_bf16": (jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)])}
             for name, cfg in alts.items():
                 fn = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu_matmul(x, p, config=cfg))
-                try:
-                    jax.block_until_ready(fn(xs[0], packs[0]))
-                except Exception as e:
-                    log(f"  FAILED {n}x{k} M={m} {name} {cfg}: {type(e).__name__}: {str(e)[:300]}")
-                    continue
-                cands[name] = (fn, [(xs[c % 4], p) for c, p in enumerate(packs)])
+                add_candidate(cands, name, fn, [(xs[c % 4], p) for c, p in enumerate(packs)],
+                              f"{n}x{k} M={m} {name} {cfg}")
             if m == 1:   # the kernel alone, x as is (rows 1-7 zero-filled by TMA) or padded
                 xp = [jnp.pad(x, ((0, base.block_m - 1), (0, 0))) for x in xs]
                 for name, xk in (("default", xs), ("default_padded_x", xp),

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 
 from jquant.bench import w4a16 as bench
 from jquant.bench.timing import copies_for, time_interleaved
-from jquant.pallas_kernels.w4a16_layout import _round_up, gather_pad
-from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, prepack_nk,
-                                              w4a16_mgpu, w4a16_mgpu_matmul, x_rows)
+from jquant.pallas_kernels.w4a16_layout import _round_up
+from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, kernel_x,
+                                              prepack_nk, w4a16_mgpu, w4a16_mgpu_matmul)
 
 START = time.time()
 
@@ -37,6 +37,22 @@ def weight_operands(n: int, k: int, key, scheme: str = "int4_g128", with_bf16: b
     w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
               for c in range(copies_for(k * n * 2, max_copies=4) if with_bf16 else 0)]
     return weight, packs, w_bf16
+
+
+def add_candidate(cands: dict, name: str, fn, args_list, label: str, check=None):
+    """Runs ``fn`` once on ``args_list[0]`` (compiling it; ``check(output)`` raises for a wrong
+    output) and adds ``(fn, args_list)`` to ``cands`` as ``name``; a launch that fails is logged
+    with ``label`` and left out, so it does not sink the cell. Returns that first output, or
+    None."""
+    try:
+        got = jax.block_until_ready(fn(*args_list[0]))
+        if check is not None:
+            check(got)
+    except Exception as e:
+        log(f"  FAILED {label}: {type(e).__name__}: {str(e)[:300]}")
+        return None
+    cands[name] = (fn, args_list)
+    return got
 
 
 def record_cell(rows: list[dict], times: dict, configs: dict, cell: dict, header: str,
@@ -87,27 +103,29 @@ def launch_ab(out: pathlib.Path, plan, variants, file_name: str, kernel_only=("d
         alts = {"default": base, **variants(base, packed, m)}
         xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
         cands = {"xla_bf16": (jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)])}
+        args = [(xs[c % 4], p) for c, p in enumerate(packs)]
+        want = None
+
+        def same_as_default(got):   # a launch that computes something else must not win
+            if want is not None:
+                err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+                if not err <= 1e-2:
+                    raise ValueError(f"output differs from the default's: rel. err. {err}")
+
         for name, cfg in list(alts.items()):
             fn = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu_matmul(x, p, config=cfg,
                                                                  interpret=interpret))
-            try:
-                got = jax.block_until_ready(fn(xs[0], packs[0])).astype(jnp.float32)
-                if name == "default":
-                    want = got
-                else:   # a launch that computes something else must not win the A/B
-                    err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-                    if not err <= 1e-2:
-                        raise ValueError(f"output differs from the default's: rel. err. {err}")
-            except Exception as e:
-                log(f"  FAILED {scheme} {n}x{k} M={m} {name} {cfg}: {type(e).__name__}: "
-                    f"{str(e)[:300]}")
+            got = add_candidate(cands, name, fn, args, f"{scheme} {n}x{k} M={m} {name} {cfg}",
+                                check=same_as_default)
+            if got is None:
                 del alts[name]
                 continue
-            cands[name] = (fn, [(xs[c % 4], p) for c, p in enumerate(packs)])
+            if name == "default":
+                want = got.astype(jnp.float32)
             if every_kernel_alone or name in kernel_only:
                 kern = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu(
-                    gather_pad(x, p, x_rows(x.shape[0])), p, config=cfg, interpret=interpret))
-                cands[name + "_kernel_only"] = (kern, [(xs[c % 4], p) for c, p in enumerate(packs)])
+                    kernel_x(x, p), p, config=cfg, interpret=interpret))
+                cands[name + "_kernel_only"] = (kern, args)
         times = time_interleaved(cands, **(dict(warmup=1, reps=1) if interpret else {}))
         configs = {name: alts.get(name.replace("_kernel_only", "")) for name in times}
         record_cell(rows, times, configs, dict(scheme=scheme, N=n, K=k, M=m),

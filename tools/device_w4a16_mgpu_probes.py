@@ -14,7 +14,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jquant.bench.timing import copies_for, time_interleaved
 from jquant.pallas_kernels.w4a16_mgpu import default_mgpu_config, w4a16_mgpu, x_rows
 from jquant.pallas_kernels.w4a16_mgpu_common import step_specs
-from tools.device_w4a16_mgpu_ab import log, record_cell, weight_operands
+from tools.device_w4a16_mgpu_ab import add_candidate, log, record_cell, weight_operands
 
 def latency_probe(out: pathlib.Path, plan=(((28672, 8192), 1), ((8192, 8192), 1)),
                   interpret: bool = False) -> list[dict]:
@@ -55,12 +55,10 @@ def latency_probe(out: pathlib.Path, plan=(((28672, 8192), 1), ((8192, 8192), 1)
         cands = {}
         for name, (cfg, step_fn, wait_fn) in alts.items():
             kernel_mod.decode_mma_step, kernel_mod.plgpu.wait_smem_to_gmem = step_fn, wait_fn
-            try:
+            try:   # traced and compiled under the patch
                 fn = jax.jit(lambda x, p, cfg=cfg: w4a16_mgpu(x, p, config=cfg, interpret=interpret))
-                jax.block_until_ready(fn(xs[0], packs[0]))   # traced and compiled under the patch
-                cands[name] = (fn, [(xs[c % 4], p) for c, p in enumerate(packs)])
-            except Exception as e:
-                log(f"  FAILED {n}x{k} M={m} {name}: {type(e).__name__}: {str(e)[:300]}")
+                add_candidate(cands, name, fn, [(xs[c % 4], p) for c, p in enumerate(packs)],
+                              f"{n}x{k} M={m} {name}")
             finally:
                 kernel_mod.decode_mma_step, kernel_mod.plgpu.wait_smem_to_gmem = real_step, real_wait
         cands["xla_bf16"] = (jnp.dot, [(xs[c % 4][:m], w) for c, w in enumerate(w_bf16)])
@@ -123,12 +121,8 @@ def pipeline_probe(out: pathlib.Path, plan=((28672, 8192), (8192, 8192)), m: int
                 with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
                     jax.block_until_ready(fn(xs[0], packs[0]))
                 continue
-            try:
-                jax.block_until_ready(fn(xs[0], packs[0]))
-            except Exception as e:
-                log(f"  FAILED pipeline probe {name}: {type(e).__name__}: {str(e)[:300]}")
-                continue
-            cands[name] = (fn, [(xs[c % 4], p) for c, p in enumerate(packs)])
+            add_candidate(cands, name, fn, [(xs[c % 4], p) for c, p in enumerate(packs)],
+                          f"pipeline probe {name}")
         kern = jax.jit(lambda x, p: w4a16_mgpu(x, p, config=cfg))
         if not interpret:
             cands["default_kernel_only"] = (kern, [(xs[c % 4], p) for c, p in enumerate(packs)])
@@ -183,13 +177,8 @@ def copy_probe(out: pathlib.Path, n: int = 28672, k: int = 8192, split: int = 8,
                     fn = jax.jit(lambda a, call=call: call(a))
                     jax.block_until_ready(fn(copies[0]))
                 continue
-            fn = jax.jit(call)
-            try:
-                jax.block_until_ready(fn(copies[0]))
-            except Exception as e:
-                log(f"  FAILED copy probe {name} st{st}: {type(e).__name__}: {str(e)[:300]}")
-                continue
-            cands[f"{name}_st{st}"] = (fn, [(c,) for c in copies])
+            add_candidate(cands, f"{name}_st{st}", jax.jit(call), [(c,) for c in copies],
+                          f"copy probe {name} st{st}")
     if interpret:
         return rows
     times = time_interleaved(cands)
