@@ -316,8 +316,9 @@ def main(argv=None) -> int:
     parser.add_argument("--luts", default="int4,e2m1,nf4,fp4_bnb",
                         help="code books the correctness stage runs")
     parser.add_argument("--ab-cells", default=None,
-                        help="NxKxM list for --codebook-ab / --word-order-ab / --final-output-ab "
-                             "(int4 there), e.g. 8192x8192x1")
+                        help="NxKxM list for --codebook-ab / --word-order-ab / --final-output-ab / "
+                             "--small-m-launch-ab (int4 there) / --stream-probe (all tile "
+                             "shapes, M ignored), e.g. 8192x8192x1")
     parser.add_argument("--schemes", default="int4_g128,mxfp4,nvfp4,nf4",
                         help="code books --codebook-ab / --word-order-ab time")
     parser.add_argument("--small-m-launch-ab", action="store_true",
@@ -333,14 +334,19 @@ def main(argv=None) -> int:
         compile_for_sass()
         return 0
     gpu_state(out, "start")
+    cells = (tuple(tuple(int(v) for v in c.split("x")) for c in args.ab_cells.split(","))
+             if args.ab_cells else None)
     if args.stream_probe:
-        stream_probe(out)
+        if cells:   # every tile shape and split the cells' weights take (their M is ignored)
+            stream_probe(out, cells=tuple(c[:2] for c in cells), splits=(2, 4, 8, 16),
+                         layouts=("int4_bk256_swz128", "int4_bn128_bk256_swz128",
+                                  "int4_bk512_swz128"))
+        else:
+            stream_probe(out)
         gpu_state(out, "after stream probe")
     if args.copy_probe:
         copy_probe(out)
         gpu_state(out, "after copy probe")
-    cells = (tuple(tuple(int(v) for v in c.split("x")) for c in args.ab_cells.split(","))
-             if args.ab_cells else None)
     if not args.skip_correctness:
         res = correctness(tuple(args.luts.split(",")))
         (out / "mgpu_correctness.json").write_text(json.dumps(res, indent=1))
@@ -366,7 +372,8 @@ def main(argv=None) -> int:
     if args.ws_wide:
         launch_ab(out, WS_WIDE_PLAN, ws_wide_variants, "ws_wide_ab.json")
     if args.small_m_launch_ab:
-        launch_ab(out, SMALL_M_LAUNCH_PLAN, small_m_launch_variants, "small_m_launch_ab.json",
+        plan = (tuple(("int4_g128", *c) for c in cells) if cells else SMALL_M_LAUNCH_PLAN)
+        launch_ab(out, plan, small_m_launch_variants, "small_m_launch_ab.json",
                   every_kernel_alone=True)
         gpu_state(out, "after small-M launches")
     if args.final_output_ab:

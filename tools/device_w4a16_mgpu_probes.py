@@ -141,6 +141,8 @@ COPY_PROBE_LAYOUTS = {  # name: (dtype, block [rows, cols], tile cols, swizzle b
     "u8_bn128_bk256_swz128": (jnp.uint8, (128, 128), 128, 128),
     "u8_bk512_swz128": (jnp.uint8, (64, 256), 128, 128),
     "int4_bk512_swz32": (jnp.int4, (64, 512), 64, 32),
+    "int4_bn128_bk256_swz128": (jnp.int4, (128, 256), 256, 128),
+    "int4_bk512_swz128": (jnp.int4, (64, 512), 256, 128),
 }
 
 
@@ -187,15 +189,18 @@ def copy_probe(out: pathlib.Path, n: int = 28672, k: int = 8192, split: int = 8,
     return rows
 
 
-def stream_probe(out: pathlib.Path, interpret: bool = False, **kw) -> list[dict]:
-    """The weight stream of the M = 1 default's tile (64 rows × 256 codes, 128-byte rows) by
-    grid shape: split-K 4 / 8 / 16 × 2 / 3 / 4 / 6 stages, copies only
-    (``out``/stream_probe.json). Session 9's pipeline probe took ~35 µs at split-K 4 where
-    session 5's copy probe took 30 at split-K 8 (bench/NOTES.md)."""
+def stream_probe(out: pathlib.Path, interpret: bool = False, cells=((28672, 8192),),
+                 splits=(4, 8, 16), layouts=("int4_bk256_swz128",), **kw) -> list[dict]:
+    """The weight stream of the M = 1 default's tile (64 rows × 256 codes, 128-byte rows; or
+    ``layouts``) by grid shape: split-K × 2 / 3 / 4 / 6 stages, copies only, for each N×K of
+    ``cells`` (``out``/stream_probe.json). Session 9's pipeline probe took ~35 µs at split-K 4
+    where session 5's copy probe took 30 at split-K 8 (bench/NOTES.md)."""
     rows = []
-    for split in (4, 8, 16):
-        rows += copy_probe(out, split=split, stages=(2, 3, 4, 6), interpret=interpret,
-                           layouts=("int4_bk256_swz128",), file_name="stream_probe.json", **kw)
+    for n, k in cells:
+        for split in splits:
+            rows += copy_probe(out, n=n, k=k, split=split, stages=(2, 3, 4, 6),
+                               interpret=interpret, layouts=layouts,
+                               file_name="stream_probe.json", **kw)
     return rows
 
 
