@@ -36,7 +36,6 @@ from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, p
                                               w4a16_mgpu, w4a16_mgpu_matmul)
 from jquant.pallas_kernels.w4a16_mgpu_common import group_acc_fits
 from tools.device_w4a16_mgpu_ab import (CODEBOOK_AB_PLAN, FINAL_OUTPUT_PLAN, SMALL_M_LAUNCH_PLAN,
-                                        TABLE_WORDS_AB_PLAN, table_words_ab,
                                         WIDE_ROWS_PLAN, add_candidate,
                                         WORD_ORDER_AB_PLAN, WS_SMALL_M_PLAN, WS_WIDE_PLAN,
                                         codebook_ab, final_output_variants, launch_ab,
@@ -326,8 +325,6 @@ def main(argv=None) -> int:
                         help="the M ≤ 16 default launch against its neighbours")
     parser.add_argument("--final-output-ab", action="store_true",
                         help="XLA-summed partials vs the kernel's own final output")
-    parser.add_argument("--table-words-ab", action="store_true",
-                        help="NF4's table words as opaque registers vs plain movs")
     parser.add_argument("--sass-only", action="store_true", help="compile a few launches, nothing else")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
@@ -383,9 +380,6 @@ def main(argv=None) -> int:
         plan = (tuple(("int4_g128", *c) for c in cells) if cells else FINAL_OUTPUT_PLAN)
         launch_ab(out, plan, final_output_variants, "final_output_ab.json")
         gpu_state(out, "after final output ab")
-    if args.table_words_ab:
-        table_words_ab(out, tuple(cells) if cells else TABLE_WORDS_AB_PLAN)
-        gpu_state(out, "after table words ab")
     if args.ws_small_m:
         launch_ab(out, WS_SMALL_M_PLAN, ws_small_m_variants, "ws_small_m_ab.json")
         gpu_state(out, "after ws small m")

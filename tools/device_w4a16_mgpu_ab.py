@@ -10,7 +10,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.bench import w4a16 as bench
 from jquant.bench.timing import copies_for, time_interleaved
@@ -277,56 +276,3 @@ def codebook_ab(out: pathlib.Path, plan=CODEBOOK_AB_PLAN, schemes=("int4_g128", 
 # Word order against K order (session 7).
 WORD_ORDER_AB_PLAN = ((28672, 8192, 1), (28672, 8192, 16), (8192, 8192, 1), (8192, 28672, 1),
                       (28672, 8192, 64), (28672, 8192, 128))
-
-
-# Session 10: NF4's table words as registers ptxas cannot prove uniform, against plain movs
-# (which ptxas folds back into uniform registers and copies before each prmt, as immediates).
-TABLE_WORDS_AB_PLAN = ((28672, 8192, 1), (8192, 28672, 1), (28672, 8192, 16), (8192, 8192, 1),
-                       (28672, 8192, 64), (28672, 8192, 128))
-
-
-def table_words_ab(out: pathlib.Path, plan=TABLE_WORDS_AB_PLAN, interpret: bool = False
-                   ) -> list[dict]:
-    """int4, NF4 as it is and NF4 with its table words made by a plain ``mov`` (compiled under
-    a patch of ``opaque_word_ptx``), whole calls and kernels alone, with XLA bf16, round-robin
-    per cell (``out``/table_words_ab.json)."""
-    from jquant.pallas_kernels import w4a16_mgpu_decode as decode_mod
-    opaque = decode_mod.opaque_word_ptx
-    rows = []
-    key = jax.random.PRNGKey(0)
-    for n, k, m in plan:
-        xs = [jax.random.normal(jax.random.fold_in(key, c), (m, k), jnp.bfloat16) for c in range(4)]
-        cands, configs = {}, {}
-        for scheme, variants in (("int4_g128", ("",)), ("nf4", ("", "_plain_mov"))):
-            _, packs, w_bf16 = weight_operands(n, k, key, scheme, with_bf16=not cands)
-            if interpret:
-                packs, w_bf16 = packs[:1], w_bf16[:1]
-            if not cands:
-                cands["xla_bf16"] = (jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)])
-            cfg = default_mgpu_config(m, packs[0])
-            args = [(xs[c % 4], p) for c, p in enumerate(packs)]
-            for variant in variants:
-                if variant:
-                    decode_mod.opaque_word_ptx = lambda v: f"mov.b32 $0, {v:#x};"
-                try:   # compiled (first call) under the patch
-                    for whole in (True, False):
-                        name = f"{scheme}{variant}" + ("" if whole else "_kernel_only")
-                        call = w4a16_mgpu_matmul if whole else w4a16_mgpu
-                        fn = jax.jit(lambda x, p, cfg=cfg, call=call: call(
-                            x, p, config=cfg, interpret=interpret))
-                        if interpret:
-                            with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-                                jax.block_until_ready(fn(*args[0]))
-                            continue
-                        configs[name] = cfg
-                        add_candidate(cands, name, fn, args, f"table words {name}")
-                finally:
-                    decode_mod.opaque_word_ptx = opaque
-            del packs
-        if interpret:
-            continue
-        times = time_interleaved(cands)
-        record_cell(rows, times, configs, dict(N=n, K=k, M=m), f"table words {n}x{k} M={m}:",
-                    out / "table_words_ab.json")
-        del cands
-    return rows

@@ -23,11 +23,7 @@ registers (four codes, one per selector nibble) are looked up at once with ``prm
 bytes out of a pair of registers by 3-bit indices: the low bytes of the 16 table entries sit in
 four immediates, so two ``prmt`` look up entries 0–7 and 8–15 and a third picks per code by its
 bit 3; the same for the high bytes; two more interleave low and high bytes into two bf16x2
-registers (the scheme of CUTLASS's int4 → fp8 conversion, taken to 16-bit entries). The eight
-table words enter each call as register operands made by ``opaque_word_ptx``: as immediates,
-ptxas keeps them in uniform registers and copies one into a vector register before nearly
-every ``prmt`` (SASS of the NF4 M = 1 kernel: 832 instructions, 151 of them such copies);
-as values it cannot prove uniform, it holds them in 8 vector registers (712 instructions).
+registers (the scheme of CUTLASS's int4 → fp8 conversion, taken to 16-bit entries).
 
 ``tests/test_w4a16_mgpu_decode.py`` runs both formulas on every input (256 bytes; 65536 pairs of
 bytes, with ``prmt`` emulated in numpy) against ml_dtypes and the table.
@@ -151,42 +147,27 @@ def table_words(values, dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
 _TABLE_REGISTERS = "idx, hsel, pl, nl, ph, nh, l, h"
 
 
-def table_operands(lut: str, dtype) -> tuple[int, ...]:
-    """The words a decode's PTX takes as register operands after its codes: a table's four
-    low-byte then four high-byte words (``table_words``); none for int4 and E2M1."""
-    if canonical_lut(lut) in ("int4", "e2m1"):
-        return ()
-    lo, hi = table_words(lut_values(lut), dtype)
-    return lo + hi
-
-
-def opaque_word_ptx(value: int) -> str:
-    """PTX setting ``$0`` to ``value`` through ``%tid.x >> 20``, which is 0 (a CTA has at most
-    1024 threads) but which ptxas does not fold: it then keeps the word in a vector register
-    instead of copying it in from a uniform register before each use (module docstring)."""
-    return _ptx("t", ["mov.u32 t, %tid.x;", "shr.u32 t, t, 20;", f"or.b32 $0, t, {value:#x};"])
-
-
-def _table_lookup_ops(first: int, dst0: str, dst1: str) -> list[str]:
+def _table_lookup_ops(values, dtype, dst0: str, dst1: str) -> list[str]:
     """Four codes, whose low 3 bits are the low 16 bits of ``idx`` and whose byte choices (i
     from the 0-7 lookup, i + 4 from the 8-15 one, by bit 3) are those of ``hsel`` → ``dst0`` /
-    ``dst1``: two 16-bit pairs. The table words (``table_operands``) are ``$first`` onwards."""
-    lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = (f"${first + i}" for i in range(8))
-    return [f"prmt.b32 pl, {lo0}, {lo1}, idx;",
-            f"prmt.b32 nl, {lo2}, {lo3}, idx;",
+    ``dst1``: two 16-bit pairs."""
+    lo, hi = table_words(values, dtype)
+    return [f"prmt.b32 pl, {lo[0]:#x}, {lo[1]:#x}, idx;",
+            f"prmt.b32 nl, {lo[2]:#x}, {lo[3]:#x}, idx;",
             "prmt.b32 l, pl, nl, hsel;",
-            f"prmt.b32 ph, {hi0}, {hi1}, idx;",
-            f"prmt.b32 nh, {hi2}, {hi3}, idx;",
+            f"prmt.b32 ph, {hi[0]:#x}, {hi[1]:#x}, idx;",
+            f"prmt.b32 nh, {hi[2]:#x}, {hi[3]:#x}, idx;",
             "prmt.b32 h, ph, nh, hsel;",
             f"prmt.b32 {dst0}, l, h, 0x5140;",
             f"prmt.b32 {dst1}, l, h, 0x7362;"]
 
 
-def _table_ptx() -> str:
+def _table_ptx(values, dtype) -> str:
     # $2, $3: two registers' bytes (codes c0 c1, c2 c3), zero-extended; w holds c0..c3 in its
-    # four nibbles; $4..$11 the table words. $0 / $1: (c0, c1) and (c2, c3) as 16-bit pairs.
+    # four nibbles. $0 / $1: (c0, c1) and (c2, c3) as 16-bit pairs.
     ops = ["mad.lo.u32 w, $3, 256, $2;", "and.b32 idx, w, 0x7777;", "shr.u32 hsel, w, 1;",
-           "lop3.b32 hsel, hsel, 0x4444, 0x3210, 0xEA;", *_table_lookup_ops(4, "$0", "$1")]
+           "lop3.b32 hsel, hsel, 0x4444, 0x3210, 0xEA;",
+           *_table_lookup_ops(values, dtype, "$0", "$1")]
     return _ptx("w, " + _TABLE_REGISTERS, ops)
 
 
@@ -270,43 +251,32 @@ def _e2m1_word_ptx(dtype, unscale: bool = True) -> str:
     return _ptx("t, m, s, u, b", ops)
 
 
-def _table_word_ptx() -> str:
-    # $5..$12: the table words. prmt reads the low 16 bits of a selector: pairs 0, 1 (bytes
-    # 0, 1) from idx and hsel as they are, pairs 2, 3 after a shift by 16.
+def _table_word_ptx(values, dtype) -> str:
+    # prmt reads the low 16 bits of a selector: pairs 0, 1 (bytes 0, 1) from idx and hsel as
+    # they are, pairs 2, 3 after a shift by 16.
     ops = ["and.b32 idx, $4, 0x77777777;", "shr.u32 hsel, $4, 1;",
            "lop3.b32 hsel, hsel, 0x44444444, 0x32103210, 0xEA;",
-           *_table_lookup_ops(5, "$0", "$1"),
+           *_table_lookup_ops(values, dtype, "$0", "$1"),
            "shr.u32 idx, idx, 16;", "shr.u32 hsel, hsel, 16;",
-           *_table_lookup_ops(5, "$2", "$3")]
+           *_table_lookup_ops(values, dtype, "$2", "$3")]
     return _ptx(_TABLE_REGISTERS, ops)
 
 
 def word_ptx(lut: str, dtype, unscale: bool = True) -> str:
-    """The inline PTX that decodes one word (8 stored codes, ``$4``, then ``table_operands``)
-    into the four 16-bit pairs ``$0..$3`` of wgmma's registers: one per 8-column tile of the
-    word's 32-code block (``unscale``: see ``_e2m1_ptx``)."""
+    """The inline PTX that decodes one word (8 stored codes, ``$4``) into the four 16-bit pairs
+    ``$0..$3`` of wgmma's registers: one per 8-column tile of the word's 32-code block
+    (``unscale``: see ``_e2m1_ptx``)."""
     if lut == "int4":
         return _int4_word_ptx(dtype)
     if lut == "e2m1":
         return _e2m1_word_ptx(dtype, unscale)
-    return _table_word_ptx()
+    return _table_word_ptx(lut_values(lut), dtype)
 
 
 # ---- both, in the kernel ------------------------------------------------------------------------
-def _opaque_words(operands: tuple[int, ...]) -> list:
-    """``operands`` as i32 values of ``opaque_word_ptx`` (inside a kernel being lowered). The
-    asm has no side effects, so LLVM merges the copies of a kernel's calls and hoists them."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-
-    i32 = ir.IntegerType.get_signless(32)
-    return [llvm.inline_asm(i32, [], opaque_word_ptx(c), "=r") for c in operands]
-
-
-def _inline_decode(w, dtype, asm: str, regs_per_call: int, operands: tuple[int, ...] = ()):
+def _inline_decode(w, dtype, asm: str, regs_per_call: int):
     """Runs ``asm`` on ``w``'s registers (int4 ``[rows, K]`` in wgmma's register layout, two codes
-    per register), ``regs_per_call`` zero-extended bytes in and as many 16-bit pairs out, then
-    ``operands`` (``table_operands``)."""
+    per register), ``regs_per_call`` zero-extended bytes in and as many 16-bit pairs out."""
     # Imported here: the MLIR bindings are only needed where the kernel is lowered.
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
@@ -320,8 +290,7 @@ def _inline_decode(w, dtype, asm: str, regs_per_call: int, operands: tuple[int, 
         out_ty = ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(dtype))
         result_ty = (i32 if regs_per_call == 1
                      else llvm.StructType.get_literal([i32] * regs_per_call))
-        words = _opaque_words(operands)
-        constraints = ",".join(["=r"] * regs_per_call + ["r"] * (regs_per_call + len(words)))
+        constraints = ",".join(["=r"] * regs_per_call + ["r"] * regs_per_call)
         indices = [idx for idx, _ in np.ndenumerate(arr.registers)]
         regs = np.empty_like(arr.registers)
         for start in range(0, len(indices), regs_per_call):
@@ -334,7 +303,7 @@ def _inline_decode(w, dtype, asm: str, regs_per_call: int, operands: tuple[int, 
                         f"the decode expects 2 codes per register, got {reg.type}")
                 inputs.append(arith.extui(i32, mgpu_utils.bitcast(reg, i8)))
             inputs += inputs[-1:] * (regs_per_call - len(inputs))   # an odd last group
-            out = llvm.inline_asm(result_ty, inputs + words, asm, constraints)
+            out = llvm.inline_asm(result_ty, inputs, asm, constraints)
             for i, idx in enumerate(group):
                 word = out if regs_per_call == 1 else llvm.extractvalue(i32, out, [i])
                 regs[idx] = mgpu_utils.bitcast(word, out_ty)
@@ -361,14 +330,14 @@ def decode_codes(w, dtype, *, lut: str, interpret: bool, unscale: bool = True):
     values = lut_values(lut)
     if interpret:
         return decode_table_jnp(w, values, dtype)
-    return _inline_decode(w, dtype, _table_ptx(), 2, table_operands(lut, dtype))
+    return _inline_decode(w, dtype, _table_ptx(values, dtype), 2)
 
 
-def _inline_word_decode(w, dtype, asm: str, operands: tuple[int, ...]):
-    """Runs ``asm`` (``word_ptx``, its ``operands`` after the word) on each 32-bit register of
-    ``w`` (int4 ``[rows, K]`` in Mosaic GPU's UPCAST_4X layout: a thread's 8 codes of a row and
-    32-code block) and returns ``[rows, K]`` in ``dtype`` in wgmma's layout: the word of column
-    block j gives the registers of 8-column tiles 4j..4j+3."""
+def _inline_word_decode(w, dtype, asm: str):
+    """Runs ``asm`` (``word_ptx``) on each 32-bit register of ``w`` (int4 ``[rows, K]`` in
+    Mosaic GPU's UPCAST_4X layout: a thread's 8 codes of a row and 32-code block) and returns
+    ``[rows, K]`` in ``dtype`` in wgmma's layout: the word of column block j gives the registers
+    of 8-column tiles 4j..4j+3."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import llvm
     from jax.experimental.mosaic import gpu as mgpu
@@ -381,14 +350,13 @@ def _inline_word_decode(w, dtype, asm: str, operands: tuple[int, ...]):
         i32 = ir.IntegerType.get_signless(32)
         out_ty = ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(dtype))
         result_ty = llvm.StructType.get_literal([i32] * 4)
-        words = _opaque_words(operands)
         regs = np.empty(fa.WGMMA_LAYOUT.registers_shape(tuple(w.shape)), dtype=object)
         for idx, reg in np.ndenumerate(arr.registers):
             if ir.VectorType(reg.type).shape != [8]:
                 raise NotImplementedError(f"the word decode expects 8 codes per register, got "
                                           f"{reg.type}")
-            out = llvm.inline_asm(result_ty, [mgpu_utils.bitcast(reg, i32), *words], asm,
-                                  "=r,=r,=r,=r,r" + ",r" * len(words))
+            out = llvm.inline_asm(result_ty, [mgpu_utils.bitcast(reg, i32)], asm,
+                                  "=r,=r,=r,=r,r")
             for q in range(4):
                 word = llvm.extractvalue(i32, out, [q])
                 regs[(idx[0], 4 * idx[1] + q, *idx[2:])] = mgpu_utils.bitcast(word, out_ty)
@@ -404,8 +372,7 @@ def decode_words(w, dtype, *, lut: str, interpret: bool, unscale: bool = True):
     if interpret:
         return decode_codes(from_word_order(w, lut), dtype, lut=lut, interpret=True,
                             unscale=unscale)
-    return _inline_word_decode(w, dtype, word_ptx(lut, dtype, unscale),
-                               table_operands(lut, dtype))
+    return _inline_word_decode(w, dtype, word_ptx(lut, dtype, unscale))
 
 
 def _check_dtype(w, dtype):
