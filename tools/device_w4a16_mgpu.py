@@ -43,8 +43,8 @@ from tools.device_w4a16_mgpu_ab import (CODEBOOK_AB_PLAN, FINAL_OUTPUT_PLAN, SMA
                                         small_m_launch_variants, weight_operands,
                                         wide_rows_variants, ws_launches,
                                         ws_small_m_variants, ws_wide_variants)
-from tools.device_w4a16_mgpu_probes import (copy_probe, gpu_state, latency_probe, pipeline_probe,
-                                            stream_probe)
+from tools.device_w4a16_mgpu_probes import (copy_probe, gpu_state, latency_probe,
+                                            launch_overhead_probe, pipeline_probe, stream_probe)
 
 
 def correctness(luts=("int4", "e2m1", "nf4", "fp4_bnb")) -> list[dict]:
@@ -325,6 +325,8 @@ def main(argv=None) -> int:
                         help="the M ≤ 16 default launch against its neighbours")
     parser.add_argument("--final-output-ab", action="store_true",
                         help="XLA-summed partials vs the kernel's own final output")
+    parser.add_argument("--launch-overhead-probe", action="store_true",
+                        help="an empty XLA op and empty Mosaic GPU kernels, back to back")
     parser.add_argument("--sass-only", action="store_true", help="compile a few launches, nothing else")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
@@ -336,6 +338,8 @@ def main(argv=None) -> int:
     gpu_state(out, "start")
     cells = (tuple(tuple(int(v) for v in c.split("x")) for c in args.ab_cells.split(","))
              if args.ab_cells else None)
+    if args.launch_overhead_probe:
+        launch_overhead_probe(out)
     if args.stream_probe:
         if cells:   # every tile shape and split the cells' weights take (their M is ignored)
             stream_probe(out, cells=tuple(c[:2] for c in cells), splits=(2, 4, 8, 16),

@@ -218,3 +218,50 @@ def gpu_state(out: pathlib.Path, tag: str) -> None:
     log(f"gpu state {tag}: {text.strip()}")
     with open(out / "gpu_state.txt", "a") as f:
         f.write(f"--- {tag}\n{text}\n")
+
+
+def launch_overhead_probe(out: pathlib.Path, interpret: bool = False) -> list[dict]:
+    """What one op costs in a program of back-to-back calls (the bench's ``time_interleaved``)
+    beyond its own run: a one-element XLA fusion, an empty Mosaic GPU kernel, one that TMA-copies
+    a 16 KB tile in and out, and two empty Mosaic GPU kernels per call; with the 8192×8192 M = 1
+    kernel and XLA bf16 for scale (``out``/launch_overhead_probe.json). ncu timed that kernel at
+    14.8 µs alone where this harness reads 19–25 (bench/NOTES.md, session 10)."""
+    def empty(o_gmem):
+        del o_gmem
+
+    empty_call = plgpu.kernel(empty, out_type=jax.ShapeDtypeStruct((128,), jnp.float32),
+                              grid=(1,), grid_names=("g",))
+
+    def tma(x_gmem, o_gmem, smem, bar):
+        plgpu.copy_gmem_to_smem(x_gmem, smem, bar)
+        plgpu.barrier_wait(bar)
+        plgpu.copy_smem_to_gmem(smem, o_gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    tile = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+    tma_call = plgpu.kernel(tma, out_type=tile, grid=(1,), grid_names=("g",),
+                            scratch_types=[plgpu.SMEM((64, 128), jnp.bfloat16), plgpu.Barrier()])
+    key = jax.random.PRNGKey(0)
+    small = [jax.random.normal(jax.random.fold_in(key, c), (64, 128), jnp.bfloat16)
+             for c in range(4)]
+    fns = {"xla_fusion": lambda x: x[:1, :1] + 1,
+           "mgpu_empty": lambda x: empty_call(),
+           "mgpu_tma_16kb": tma_call,
+           "mgpu_empty_x2": lambda x: empty_call()[:1] + empty_call()[1:2]}
+    if interpret:
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            for fn in fns.values():
+                jax.block_until_ready(jax.jit(fn)(small[0]))
+        return []
+    cands = {name: (jax.jit(fn), [(x,) for x in small]) for name, fn in fns.items()}
+    _, packs, w_bf16 = weight_operands(8192, 8192, key)
+    xs = [jax.random.normal(jax.random.fold_in(key, c), (1, 8192), jnp.bfloat16) for c in range(4)]
+    cfg = default_mgpu_config(1, packs[0])
+    cands["w4a16_8192_m1_kernel_only"] = (jax.jit(lambda x, p: w4a16_mgpu(x, p, config=cfg)),
+                                          [(xs[c % 4], p) for c, p in enumerate(packs)])
+    cands["xla_bf16_8192_m1"] = (jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)])
+    rows = []
+    times = time_interleaved(cands)
+    record_cell(rows, times, {}, dict(probe="launch overhead"), "launch overhead:",
+                out / "launch_overhead_probe.json")
+    return rows
