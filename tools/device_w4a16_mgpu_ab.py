@@ -33,7 +33,7 @@ def weight_operands(n: int, k: int, key, scheme: str = "int4_g128", with_bf16: b
                         lut=weight["lut"], global_scale=weight["global_scale"],
                         word_order=word_order)
     packs = [packed] + [jax.tree_util.tree_map(lambda a: a.copy(), packed)
-                        for _ in range(copies_for(packed.nbytes, max_copies=8) - 1)]
+                        for _ in range(copies_for(packed.nbytes, max_copies=64) - 1)]
     w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
               for c in range(copies_for(k * n * 2, max_copies=4) if with_bf16 else 0)]
     return weight, packs, w_bf16

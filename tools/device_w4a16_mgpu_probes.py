@@ -159,7 +159,7 @@ def copy_probe(out: pathlib.Path, n: int = 28672, k: int = 8192, split: int = 8,
     for name in layouts:
         dtype, block, tile_cols, swz = COPY_PROBE_LAYOUTS[name]
         w = codes if dtype == jnp.int4 else as_u8
-        copies = [w] if interpret else [w] + [w.copy() for _ in range(copies_for(n * k // 2, max_copies=8) - 1)]
+        copies = [w] if interpret else [w] + [w.copy() for _ in range(copies_for(n * k // 2, max_copies=64) - 1)]
         transforms = (() if swz is None else
                       (plgpu.TilingTransform((8, tile_cols)), plgpu.SwizzleTransform(swz)))
         for st in stages:

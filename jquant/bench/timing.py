@@ -123,9 +123,14 @@ def time_steadiest(time_once: Callable[[], dict[str, Timing]], max_spread_pct: f
     return best[0], spreads
 
 
-def copies_for(bytes_per_set: int, l2_bytes: int = H200_L2_BYTES, max_copies: int = 64) -> int:
-    """How many input copies make one rotation read at least twice the L2 (2 ≤ copies ≤ max)."""
-    return int(min(max_copies, max(2, math.ceil(2 * l2_bytes / max(bytes_per_set, 1)))))
+def copies_for(bytes_per_set: int, l2_bytes: int = H200_L2_BYTES, max_copies: int = 64,
+               min_bytes: int = 2**30) -> int:
+    """How many input copies one rotation (one program) takes: enough to read at least twice the
+    L2 and at least ``min_bytes`` (2 ≤ copies ≤ ``max_copies``). The second bound keeps the
+    device busier than the host: a program costs ~80 µs to dispatch whatever it runs (H200
+    probe, bench/NOTES.md session 10), so one of a few short calls is timed at the host's pace."""
+    need = max(2 * l2_bytes, min_bytes) / max(bytes_per_set, 1)
+    return int(min(max_copies, max(2, math.ceil(need))))
 
 
 def measure_hbm_bandwidth(nbytes: int = 2**30) -> float:

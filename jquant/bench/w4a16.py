@@ -100,7 +100,7 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
         schemes: Iterable[str] = tuple(SCHEMES), configs: dict | None = None,
         impls: Iterable[str] = ("auto",), interpret: bool = False, reps: int = 9,
         hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S, log: Callable[[str], None] = print,
-        max_copies: int = 8, max_spread_pct: float = 25.0, retries: int = 2) -> list[dict]:
+        max_copies: int = 64, max_spread_pct: float = 25.0, retries: int = 2) -> list[dict]:
     """Measures every (shape, M) for int4 (and the M=1 row for the other schemes).
 
     ``configs`` maps ``(mode, N, K, M)`` to a ``TuningConfig`` (e.g. a sweep's winners); missing
@@ -132,13 +132,16 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
             for m in ms:
                 if scheme in M1_ONLY_SCHEMES and m != 1:
                     continue
+                # As many distinct x as a program has calls of the dequant+dot (which reads one
+                # copy of the codes), so XLA merges none of them.
+                n_x = copies_for(k * n // 2 + m * k * 2, max_copies=max_copies)
                 xs = [jax.random.normal(jax.random.fold_in(key, 100 + c), (m, k), jnp.bfloat16)
-                      for c in range(4)]
+                      for c in range(n_x)]
                 # Baselines and impls of a cell are timed round-robin, so a drift of the
                 # device's clocks falls on all of them alike and their ratios hold.
                 cands = {}
                 if scheme == "int4_g128" or m == 1:
-                    cands["xla_bf16"] = (jnp.dot, [(xs[c % 4], w) for c, w in enumerate(w_bf16)])
+                    cands["xla_bf16"] = (jnp.dot, [(xs[c % n_x], w) for c, w in enumerate(w_bf16)])
                     cands["xla_dequant_dot"] = (dequant_fn, [(x, rows, int4["scale"]) for x in xs])
                 timed = {}
                 for impl in impls:
@@ -159,7 +162,7 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                         cfg = configs.get((mode, n, k, m)) or default_mgpu_config(m, packed[0])
                     fn = jax.jit(lambda x, p, _impl=impl, _cfg=cfg: w4a16_matmul(
                         x, p, impl=_impl, config=_cfg, interpret=interpret))
-                    args = [(xs[c % 4], p) for c, p in enumerate(packed)]
+                    args = [(xs[c % n_x], p) for c, p in enumerate(packed)]
                     try:
                         jax.block_until_ready(fn(*args[0]))
                     except Exception as e:  # one failing cell must not end the run
