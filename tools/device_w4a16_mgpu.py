@@ -4,11 +4,11 @@ against XLA bf16 (and the Triton kernels at M = 1) measured in the same process.
 PYTHONPATH=. python3 tools/device_w4a16_mgpu.py --out $OUT [--quick] [--skip-sweep]
     [--ab] [--group-acc-ab] [--latency-probe] [--wide-rows] [--ws-wide] [--ws-small-m]
     [--copy-probe] [--stream-probe] [--pipeline-probe] [--codebook-ab] [--word-order-ab]
-    [--small-m-launch-ab] [--final-output-ab] [--skip-correctness]
+    [--small-m-launch-ab] [--final-output-ab] [--launch-overhead-probe] [--skip-correctness]
 Writes mgpu_correctness.json and mgpu_sweep.json, and one JSON per extra stage (rewritten after
 each cell): mgpu_ab.json, group_acc_ab.json, latency_probe.json, wide_rows_ab.json, ws_wide_ab.json,
 ws_small_m_ab.json, copy_probe.json, stream_probe.json, codebook_ab.json, word_order_ab.json,
-small_m_launch_ab.json, final_output_ab.json, pipeline_probe.json;
+small_m_launch_ab.json, final_output_ab.json, pipeline_probe.json, launch_overhead_probe.json;
 gpu_state.txt logs nvidia-smi's clocks and other processes between stages. The A/B stages live in
 device_w4a16_mgpu_ab.py, the probes in device_w4a16_mgpu_probes.py (beside this file).
 """
