@@ -4,11 +4,12 @@ against XLA bf16 (and the Triton kernels at M = 1) measured in the same process.
 PYTHONPATH=. python3 tools/device_w4a16_mgpu.py --out $OUT [--quick] [--skip-sweep]
     [--ab] [--group-acc-ab] [--latency-probe] [--wide-rows] [--ws-wide] [--ws-small-m]
     [--copy-probe] [--stream-probe] [--pipeline-probe] [--codebook-ab] [--word-order-ab]
-    [--small-m-launch-ab] [--final-output-ab] [--launch-overhead-probe] [--skip-correctness]
+    [--small-m-launch-ab] [--decode-ab] [--final-output-ab] [--launch-overhead-probe]
+    [--skip-correctness]
 Writes mgpu_correctness.json and mgpu_sweep.json, and one JSON per extra stage (rewritten after
 each cell): mgpu_ab.json, group_acc_ab.json, latency_probe.json, wide_rows_ab.json, ws_wide_ab.json,
 ws_small_m_ab.json, copy_probe.json, stream_probe.json, codebook_ab.json, word_order_ab.json,
-small_m_launch_ab.json, final_output_ab.json, pipeline_probe.json, launch_overhead_probe.json;
+small_m_launch_ab.json, decode_ab.json, final_output_ab.json, pipeline_probe.json, launch_overhead_probe.json;
 gpu_state.txt logs nvidia-smi's clocks and other processes between stages. The A/B stages live in
 device_w4a16_mgpu_ab.py, the probes in device_w4a16_mgpu_probes.py (beside this file).
 """
@@ -37,6 +38,7 @@ from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, default_mgpu_config, p
 from jquant.pallas_kernels.w4a16_mgpu_common import group_acc_fits
 from tools.device_w4a16_mgpu_ab import (CODEBOOK_AB_PLAN, FINAL_OUTPUT_PLAN, SMALL_M_LAUNCH_PLAN,
                                         WIDE_ROWS_PLAN, add_candidate,
+                                        decode_default_variants,
                                         WORD_ORDER_AB_PLAN, WS_SMALL_M_PLAN, WS_WIDE_PLAN,
                                         codebook_ab, final_output_variants, launch_ab,
                                         log, record_cell,
@@ -323,6 +325,8 @@ def main(argv=None) -> int:
                         help="code books --codebook-ab / --word-order-ab time")
     parser.add_argument("--small-m-launch-ab", action="store_true",
                         help="the M ≤ 16 default launch against its neighbours")
+    parser.add_argument("--decode-ab", action="store_true",
+                        help="the M ≤ 16 default against the one before it (--ab-cells)")
     parser.add_argument("--final-output-ab", action="store_true",
                         help="XLA-summed partials vs the kernel's own final output")
     parser.add_argument("--launch-overhead-probe", action="store_true",
@@ -380,6 +384,10 @@ def main(argv=None) -> int:
         launch_ab(out, plan, small_m_launch_variants, "small_m_launch_ab.json",
                   every_kernel_alone=True)
         gpu_state(out, "after small-M launches")
+    if args.decode_ab:
+        plan = (tuple(("int4_g128", *c) for c in cells) if cells else SMALL_M_LAUNCH_PLAN)
+        launch_ab(out, plan, decode_default_variants, "decode_ab.json")
+        gpu_state(out, "after decode ab")
     if args.final_output_ab:
         plan = (tuple(("int4_g128", *c) for c in cells) if cells else FINAL_OUTPUT_PLAN)
         launch_ab(out, plan, final_output_variants, "final_output_ab.json")

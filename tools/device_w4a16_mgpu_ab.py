@@ -34,8 +34,10 @@ def weight_operands(n: int, k: int, key, scheme: str = "int4_g128", with_bf16: b
                         word_order=word_order)
     packs = [packed] + [jax.tree_util.tree_map(lambda a: a.copy(), packed)
                         for _ in range(copies_for(packed.nbytes, max_copies=64) - 1)]
+    # As many bf16 copies as the bench takes (≥ 1 GiB per program): with 4, XLA's calls on the
+    # small shapes were timed at the host's dispatch pace (bench/NOTES.md, session 10).
     w_bf16 = [jax.random.normal(jax.random.fold_in(key, 50 + c), (k, n), jnp.bfloat16)
-              for c in range(copies_for(k * n * 2, max_copies=4) if with_bf16 else 0)]
+              for c in range(copies_for(k * n * 2, max_copies=64) if with_bf16 else 0)]
     return weight, packs, w_bf16
 
 
@@ -206,7 +208,8 @@ def small_m_launch_variants(base, packed, m) -> dict:
 
 def final_output_variants(base, packed, m) -> dict:
     """Around the default: the kernel's own final output and fp32 partials summed by XLA, at
-    split-K 1, 2 and (M ≤ 16) 4 (a cluster per output tile)."""
+    split-K 1, 2 and (M ≤ 16) 4 (a cluster per output tile), at M ≤ 16 also the final output
+    4 and 6 stages deep."""
     if base.compute_wgs != 1:   # split-K 1 only: the final output or fp32 partials
         flipped = dataclasses.replace(base, final_output=not base.final_output)
         return {"partials" if base.final_output else "final": flipped}
@@ -218,7 +221,27 @@ def final_output_variants(base, packed, m) -> dict:
             cfg = dataclasses.replace(base, split_k=sp, final_output=final)
             if cfg != base:
                 alts[f"{'final' if final else 'partials'}_sp{sp}"] = cfg
+        if m <= 16:   # fewer, longer CTAs per tile may want a deeper pipeline (stream probe)
+            for st in (4, 6):
+                cfg = dataclasses.replace(base, split_k=sp, final_output=True,
+                                          max_concurrent_steps=st)
+                if cfg != base:
+                    alts[f"final_sp{sp}_st{st}"] = cfg
     return alts
+
+
+def decode_default_variants(base, packed, m) -> dict:
+    """The M ≤ 16 default (session 11: the final output at split-K 2, 4 stages) against the one
+    before it (fp32 partials at split-K 4, 3 stages, summed by XLA) and its nearest rivals in
+    session 11's first A/B."""
+    del m
+    alts = {"partials_sp4_st3": dataclasses.replace(base, split_k=4, max_concurrent_steps=3,
+                                                    final_output=False),
+            "final_sp2_st3": dataclasses.replace(base, max_concurrent_steps=3),
+            "final_sp1_st6": dataclasses.replace(base, split_k=1, max_concurrent_steps=6)}
+    return {name: cfg for name, cfg in alts.items() if cfg != base
+            and not packed.k_pad % (cfg.split_k * cfg.block_k)
+            and packed.k_pad // (cfg.split_k * cfg.block_k) >= 2}
 
 
 # Session 9: where the split is 1 or 2 (M ≥ 32, and the small shapes) the final output saves
