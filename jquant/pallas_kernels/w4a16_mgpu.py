@@ -16,7 +16,7 @@ last ``× 2^126``); table codes (NF4, bitsandbytes FP4) are looked up with ``prm
 16 / 32 pick their scale per column inside each 64-wide chunk.
 
 Grid: (N / block_n, split_k, M / block_m). Each CTA streams its K range. With
-``MgpuConfig.final_output`` (the default up to split-K 2) the split-K CTAs of a tile form a
+``MgpuConfig.final_output`` (every default launch) the split-K CTAs of a tile form a
 cluster and the kernel writes the final ``[M, N]`` itself (``w4a16_mgpu_epilogue``); otherwise
 each CTA writes an fp32 ``[block_n, block_m]`` partial and XLA sums and transposes them.
 
@@ -302,10 +302,11 @@ def _e2m1_prescale(scale, global_scale):
 
 
 def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
-    """The launch for ``m`` rows, from the H200 sweep (bench/NOTES.md, "Mosaic GPU kernel"):
-    decode (M ≤ 16) wants narrow 64-row tiles and split-K 4 (thousands of small CTAs keep the
-    TMA engines busy); larger M wants 128-row tiles of 128 K (so 3 stages of a 128-row x tile fit
-    in shared memory) and split-K 2 only while there are fewer CTAs than ~2 per SM."""
+    """The launch for ``m`` rows, from the H200 sweeps and A/Bs (bench/NOTES.md): decode
+    (M ≤ 16) wants narrow 64-row tiles, 256-code steps 4 deep and split-K 2 (many small CTAs
+    keep the TMA engines busy); larger M wants 128-row tiles of 128 K (so 3 stages of a 128-row
+    x tile fit in shared memory) and split-K 2 only while there are fewer CTAs than ~2 per SM.
+    Every default launch writes the final output itself."""
     block_m = min(_round_up(m, 8), 128)
     if block_m >= 64 and packed.n_pad % 256 == 0 and packed.n_pad // 256 >= 100:
         # Two warpgroups × 128 rows share each x tile: half the x traffic from L2, which bounds
@@ -314,9 +315,10 @@ def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
                           max_concurrent_steps=6 if block_m <= 64 else 4, compute_wgs=2,
                           final_output=True)
     if block_m <= 16:
-        # Split-K 4 (it was 8 at M ≤ 8): with the word-order decode, fewer, longer CTAs and half
-        # the partials won every M = 1 A/B on the large shapes (bench/NOTES.md, session 7).
-        bn, bk, stages, split = 64, 256, 3, 4
+        # Split-K 2 in a cluster, 4 stages, the kernel's own output: one op per call, even with
+        # split-K 4 and XLA-summed partials on the large shapes and 2-4 µs faster on the small
+        # ones, where a second op costs most (H200 A/B timed past the host's pace, session 11).
+        bn, bk, stages, split = 64, 256, 4, 2
     elif block_m <= 64:   # 128-row tiles once they still give ~1 CTA per SM (A/B run, NOTES.md)
         bn, bk, stages, split = (128 if packed.n_pad // 128 >= 132 else 64), 128, 3, 2
     else:
@@ -341,14 +343,13 @@ def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
     # columns the second accumulator costs registers (8192×28672 M = 128: 301 vs 167 µs).
     # 128-byte weight rows: the TMA engine moves 32-byte rows at ~3 TB/s and 128-byte rows at
     # the byte floor (H200 copy probe; kernel 5-10 % faster, bench/NOTES.md "Session 5").
-    # The kernel's own final output up to split-K 2: one op per call, no fp32 partials (H200
-    # A/B, session 9: never slower, 1536×576 −2 µs of 20, 8192×28672 M = 64 −8 of 90); at
-    # split-K 4 (M ≤ 16) fp32 partials summed by XLA: the 4-CTA cluster was no faster on the
-    # quiet runs (8192×8192 M = 1 slower in all four; session 8).
+    # The kernel's own final output (split-K ≤ 2): one op per call, no fp32 partials (H200
+    # A/B, session 9: never slower, 1536×576 −2 µs of 20, 8192×28672 M = 64 −8 of 90;
+    # session 11 at M ≤ 16).
     return MgpuConfig(block_n=bn, block_k=bk, block_m=block_m, split_k=split,
                       max_concurrent_steps=stages,
                       group_acc=block_m <= 16 and group_acc_fits(g, bk, 1), wide_rows=True,
-                      final_output=split <= 2)
+                      final_output=True)
 
 
 def w4a16_mgpu_matmul(x2: jax.Array, packed: PackedW4NK, bias=None, *,

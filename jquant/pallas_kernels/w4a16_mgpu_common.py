@@ -29,7 +29,8 @@ class MgpuConfig:
     block_n: weight rows per CTA (wgmma M; 64 per warpgroup instruction).
     block_k: K per pipeline step (a multiple of 64 dividing the per-split K range).
     block_m: activation rows per CTA (wgmma N: a multiple of 8, at most 256).
-    split_k: K ranges run by separate CTAs, summed by XLA afterwards.
+    split_k: K ranges run by separate CTAs, summed inside a cluster (``final_output``) or
+      by XLA afterwards.
     max_concurrent_steps: TMA pipeline depth.
     wide_rows: stage the weight tile in shared memory with 128-byte swizzle rows (256 codes; a
       64-byte swizzle at block_k = 128) instead of one 32-byte row per 64-code chunk, so the TMA
