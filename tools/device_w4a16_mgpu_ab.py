@@ -201,9 +201,13 @@ def small_m_launch_variants(base, packed, m) -> dict:
     alts["bk128"] = dataclasses.replace(base, block_k=128)
     alts["bn128"] = dataclasses.replace(base, block_n=128)
     alts["bm16"] = dataclasses.replace(base, block_m=16)
-    return {name: cfg for name, cfg in alts.items()
-            if not packed.k_pad % (cfg.split_k * cfg.block_k)
-            and packed.k_pad // (cfg.split_k * cfg.block_k) >= 2}
+    return {name: cfg for name, cfg in alts.items() if splits_k_evenly(cfg, packed)}
+
+
+def splits_k_evenly(cfg, packed) -> bool:
+    """Whether ``cfg``'s split-K ranges tile K_pad in whole steps, at least 2 per CTA."""
+    step = cfg.split_k * cfg.block_k
+    return not packed.k_pad % step and packed.k_pad // step >= 2
 
 
 def final_output_variants(base, packed, m) -> dict:
@@ -215,7 +219,7 @@ def final_output_variants(base, packed, m) -> dict:
         return {"partials" if base.final_output else "final": flipped}
     alts = {}
     for sp in (1, 2, 4) if m <= 16 else (1, 2):
-        if packed.k_pad % (sp * base.block_k) or packed.k_pad // (sp * base.block_k) < 2:
+        if not splits_k_evenly(dataclasses.replace(base, split_k=sp), packed):
             continue
         for final in (True, False):
             cfg = dataclasses.replace(base, split_k=sp, final_output=final)
@@ -237,11 +241,11 @@ def decode_default_variants(base, packed, m) -> dict:
     del m
     alts = {"partials_sp4_st3": dataclasses.replace(base, split_k=4, max_concurrent_steps=3,
                                                     final_output=False),
-            "final_sp2_st3": dataclasses.replace(base, max_concurrent_steps=3),
+            "final_sp2_st3": dataclasses.replace(base, split_k=2, max_concurrent_steps=3,
+                                                 final_output=True),
             "final_sp1_st6": dataclasses.replace(base, split_k=1, max_concurrent_steps=6)}
-    return {name: cfg for name, cfg in alts.items() if cfg != base
-            and not packed.k_pad % (cfg.split_k * cfg.block_k)
-            and packed.k_pad // (cfg.split_k * cfg.block_k) >= 2}
+    return {name: cfg for name, cfg in alts.items()
+            if cfg != base and splits_k_evenly(cfg, packed)}
 
 
 # Session 9: where the split is 1 or 2 (M ≥ 32, and the small shapes) the final output saves
