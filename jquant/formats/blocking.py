@@ -58,9 +58,24 @@ def per_block(values: jax.Array, ndim: int) -> jax.Array:
     return jnp.expand_dims(values, block_axes(ndim))
 
 
+def nan_max(x: jax.Array, axis=None) -> jax.Array:
+    """``jnp.max`` that returns NaN for any reduction holding a NaN, at every size.
+
+    XLA's CPU backend drops NaN from vectorized max/min reductions of ~4096 elements and more (a
+    [4096] array with one NaN reduces to its largest number, also blockwise), so the NaN test is
+    its own reduction.
+    """
+    return jnp.where(jnp.any(jnp.isnan(x), axis=axis), jnp.nan, jnp.max(x, axis=axis)).astype(x.dtype)
+
+
+def nan_min(x: jax.Array, axis=None) -> jax.Array:
+    """``jnp.min`` with ``nan_max``'s NaN guarantee."""
+    return jnp.where(jnp.any(jnp.isnan(x), axis=axis), jnp.nan, jnp.min(x, axis=axis)).astype(x.dtype)
+
+
 def block_amax(x: jax.Array, block: tuple[int, ...]) -> jax.Array:
-    """Max |x| of each block, shape ``shape / block`` (NaN propagates)."""
-    return jnp.max(jnp.abs(to_blocks(x, block)), axis=block_axes(x.ndim))
+    """Max |x| of each block, shape ``shape / block`` (a block holding a NaN gives NaN)."""
+    return nan_max(jnp.abs(to_blocks(x, block)), axis=block_axes(x.ndim))
 
 
 def pad_to_blocks(x: jax.Array, block: tuple[int, ...]) -> jax.Array:
