@@ -93,8 +93,19 @@ class Scheme:
                 return Prepared(data=data, impl=impl.name, shape=qweight.shape)
         raise AssertionError("the XLA implementation takes every weight")
 
-    def apply(self, x: jax.Array, weight: "Prepared | QTensor", bias: jax.Array | None = None) -> jax.Array:
-        """``x @ W.T + bias`` for ``x [..., K]`` and a prepared (or plain QTensor) weight ``[N, K]``."""
+    def apply(self, x: jax.Array, weight: "Prepared | QTensor", bias: jax.Array | None = None, *,
+              input_scale: jax.Array | None = None) -> jax.Array:
+        """``x @ W.T + bias`` for ``x [..., K]`` (bf16, fp16 or fp32) and a prepared (or plain QTensor)
+        weight ``[N, K]``.
+
+        ``input_scale`` is the calibrated activation scale of a static scheme (a checkpoint's per-weight
+        ``input_scale``; QParam passes its own); without it a static scheme uses its ``input_scale`` option.
+        """
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize < 2:
+            # Integer codes would enter the dot as they are (and come back as zeros or garbage).
+            raise TypeError(f"scheme {self.name!r}: activations x must be bfloat16, float16 or float32, got "
+                            f"{dtype}; cast them first (x.astype(jnp.bfloat16))")
         if isinstance(weight, QTensor):
             _check_weight(self, weight)
             weight = Prepared(data=weight, impl="xla", shape=weight.shape)
@@ -105,7 +116,19 @@ class Scheme:
                              f"K={weight.shape[1]} (weight shape {weight.shape})")
         if bias is not None and bias.shape != (weight.shape[0],):
             raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-        return _IMPLS[weight.impl].run(self, x, weight.data, bias)
+        if self.activation != "static":
+            return _IMPLS[weight.impl].run(self, x, weight.data, bias)
+        if input_scale is None:
+            if "input_scale" not in dict(self.activation_options):
+                raise ValueError(f"scheme {self.name!r} quantizes activations with a static scale: pass "
+                                 "input_scale= (a checkpoint's per-weight input_scale), or use a QParam that "
+                                 "carries one (load_hf_checkpoint does)")
+            input_scale = dict(self.activation_options)["input_scale"]
+        input_scale = jnp.asarray(input_scale)
+        if input_scale.size != 1 or not jnp.issubdtype(input_scale.dtype, jnp.floating):
+            raise ValueError(f"scheme {self.name!r}: input_scale must be one float (per tensor), got "
+                             f"{input_scale.dtype} with shape {tuple(input_scale.shape)}")
+        return _IMPLS[weight.impl].run(self, x, weight.data, bias, input_scale=input_scale.reshape(()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +145,11 @@ jax.tree_util.register_dataclass(Prepared, data_fields=["data"], meta_fields=["i
 
 @dataclasses.dataclass(frozen=True)
 class Impl:
-    """An implementation of ``apply`` for the schemes it ``supports`` on a device capability."""
+    """An implementation of ``apply`` for the schemes it ``supports`` on a device capability.
+
+    ``run(scheme, x, data, bias)``; for schemes with static activations ``apply`` also passes
+    ``input_scale=`` (a 0-d fp32 array), so an implementation that supports them takes that keyword.
+    """
 
     name: str
     supports: Callable[[Scheme, int, str], bool]

@@ -17,8 +17,9 @@ from jquant.registry import Impl, Scheme, register_impl
 FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
 
 
-def quantize_activation(scheme: Scheme, x: jax.Array) -> QTensor:
-    """Quantizes activations ``x [..., K]`` the way ``scheme`` says."""
+def quantize_activation(scheme: Scheme, x: jax.Array, input_scale: jax.Array | None = None) -> QTensor:
+    """Quantizes activations ``x [..., K]`` the way ``scheme`` says (static schemes: with ``input_scale``,
+    else the scheme's ``input_scale`` option)."""
     opts = dict(scheme.activation_options)
     fmt = opts.get("format", "fp8_e4m3")
     if scheme.activation == "dynamic_per_token":
@@ -29,9 +30,10 @@ def quantize_activation(scheme: Scheme, x: jax.Array) -> QTensor:
     if scheme.activation == "dynamic_per_tensor":
         return fp8_format.quantize_fp8_dynamic_per_tensor(x, fmt=fmt)
     if scheme.activation == "static":
-        if "input_scale" not in opts:
-            raise ValueError(f"scheme {scheme.name!r} has static activations but no input_scale option")
-        return fp8_format.quantize_fp8_static(x, jnp.float32(opts["input_scale"]), fmt=fmt)
+        if input_scale is None and "input_scale" not in opts:
+            raise ValueError(f"scheme {scheme.name!r} has static activations but no input_scale")
+        scale = opts["input_scale"] if input_scale is None else input_scale
+        return fp8_format.quantize_fp8_static(x, jnp.asarray(scale, jnp.float32), fmt=fmt)
     raise ValueError(f"scheme {scheme.name!r} does not quantize activations")
 
 
@@ -49,12 +51,13 @@ def _row_scales(qt: QTensor) -> jax.Array | None:
     return None
 
 
-def xla_apply(scheme: Scheme, x: jax.Array, qweight: QTensor, bias: jax.Array | None) -> jax.Array:
+def xla_apply(scheme: Scheme, x: jax.Array, qweight: QTensor, bias: jax.Array | None,
+              input_scale: jax.Array | None = None) -> jax.Array:
     if scheme.weight_only:
         y = _contract_last(x, qweight.dequantize(x.dtype))
     else:
         lead = x.shape[:-1]
-        xq = quantize_activation(scheme, x.reshape(-1, x.shape[-1]))
+        xq = quantize_activation(scheme, x.reshape(-1, x.shape[-1]), input_scale)
         xs, ws = _row_scales(xq), _row_scales(qweight)
         native = (jax.default_backend() == "gpu" and xs is not None and ws is not None
                   and xq.fmt in FP8_FORMATS and qweight.fmt in FP8_FORMATS)

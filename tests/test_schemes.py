@@ -95,3 +95,50 @@ def test_every_scheme_exports_to_its_checkpoint_layout_losslessly(name):
     tensors = jquant.to_checkpoint(qw, scheme.checkpoint_layout, **dict(scheme.layout_options))
     back = jquant.from_checkpoint(tensors, scheme.checkpoint_layout, **layout_meta(scheme))
     np.testing.assert_array_equal(back.dequantize(jnp.float32), qw.dequantize(jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.int32, jnp.uint8, jnp.bool_, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("name", ["int4_g128", "fp8_e4m3_tensor", "nf4"])
+def test_apply_refuses_non_float_activations(name, dtype):
+    # Integer activations used to flow into the dot and come back as zeros.
+    scheme = get_scheme(name)
+    w, x, _ = _data()
+    qw = scheme.quantize_weight(w)
+    with pytest.raises(TypeError, match=r"activations x must be bfloat16, float16 or float32"):
+        scheme.apply(jnp.ones_like(x, dtype=dtype), scheme.process_weights_after_loading(qw))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_apply_takes_every_16_and_32_bit_float(dtype):
+    scheme = get_scheme("int8_ch")
+    w, x, _ = _data()
+    y = scheme.apply(x.astype(dtype), scheme.quantize_weight(w))
+    assert y.dtype == dtype and bool(jnp.all(jnp.isfinite(y)))
+
+
+def _static_reference(x, qw, input_scale, bias=None):
+    """vLLM's static per-tensor FP8 linear in numpy: codes sat(x · (1/s)) in e4m3, then
+    (codes · W_codesᵀ) · s · w_scale (+ bias), accumulated in float64 here."""
+    import ml_dtypes
+
+    inv = np.float32(1.0) / np.float32(input_scale)
+    codes = np.clip(np.asarray(x, np.float32) * inv, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
+    w_codes = np.asarray(qw.data).astype(np.float64)
+    y = codes.astype(np.float64) @ w_codes.T * float(input_scale) * float(np.asarray(qw.scale).reshape(()))
+    return y if bias is None else y + np.asarray(bias, np.float64)
+
+
+def test_static_fp8_apply_uses_the_given_input_scale():
+    from jquant.builtin_schemes import fp8_tensor
+
+    scheme = fp8_tensor(static_activations=True)
+    w, x, b = _data()
+    x = x.astype(jnp.float32).at[0, :4].set(jnp.array([1e4, -1e4, 0.0, -0.0]))  # saturates at ±448
+    qw = scheme.quantize_weight(w)
+    s = jnp.float32(0.0137)
+    y = jax.jit(lambda x, s: scheme.apply(x, scheme.process_weights_after_loading(qw), b, input_scale=s))(x, s)
+    np.testing.assert_allclose(np.asarray(y), _static_reference(x, qw, s, b), rtol=2e-5, atol=2e-4)
+    with pytest.raises(ValueError, match="input_scale="):
+        scheme.apply(x, qw)
+    with pytest.raises(ValueError, match="one float"):
+        scheme.apply(x, qw, input_scale=jnp.ones(3))
