@@ -8,7 +8,9 @@ Accepted: ``fp8`` (with ``weight_block_size`` and ``scale_fmt``), ``awq``, ``gpt
 
 from __future__ import annotations
 
-from typing import Any
+import fnmatch
+import re
+from typing import Any, Callable
 
 from jquant import builtin_schemes as bs
 from jquant.registry import Scheme
@@ -62,7 +64,22 @@ def _fp8(cfg: dict) -> Scheme:
     return bs.fp8_tensor(static_activations=act == "static", element=f"fp8_{fmt}", layout="fp8")
 
 
+# AutoAWQ / transformers ``version``: exllama(v2) and ipex kernels load GEMM checkpoints and repack at
+# load time; GEMV, GEMV-fast and Marlin checkpoints store other tensor shapes and nibble orders.
+_AWQ_GEMM_PACKED = ("gemm", "exllama", "exllamav2", "ipex")
+_AWQ_OTHER_PACKING = {"gemv": "qweight [N, K/8] packed along K", "gemv_fast": "interleaved [N/4, K/2] words",
+                      "marlin": "Marlin tiles"}
+
+
 def _awq(cfg: dict) -> Scheme:
+    version = _get(cfg, "version", str, "gemm").lower()
+    if version in _AWQ_OTHER_PACKING:
+        raise ValueError(f"quantization_config['version'] {version!r}: AWQ {version} checkpoints store "
+                         f"{_AWQ_OTHER_PACKING[version]}, not the GEMM layout jquant reads; re-export the model "
+                         "with version 'gemm'")
+    if version not in _AWQ_GEMM_PACKED:
+        raise ValueError(f"quantization_config['version'] must be one of {list(_AWQ_GEMM_PACKED)} (GEMM-packed "
+                         f"AWQ), got {version!r}")
     bits = _get(cfg, "bits", int, _get(cfg, "w_bit", int, 4))
     if bits != 4:
         raise ValueError(f"quantization_config['bits'] must be 4 for AWQ, got {bits}")
@@ -128,6 +145,7 @@ def _compressed_tensors(cfg: dict) -> Scheme:
             return bs.fp8_channel(layout="compressed-tensors", weight_only=acts is None)
         return bs.fp8_tensor(layout="compressed-tensors", weight_only=acts is None)
     if fmt == "nvfp4-pack-quantized":
+        _nvfp4_group(_get(weights, "group_size", int, 16, where=wwhere), wwhere)
         return bs.nvfp4(convention="compressed-tensors")
     raise ValueError(f"quantization_config['format'] {fmt!r} is not supported; expected 'pack-quantized', "
                      "'float-quantized' or 'nvfp4-pack-quantized'")
@@ -141,8 +159,15 @@ def _modelopt(cfg: dict) -> Scheme:
     if algo.upper() == "FP8":
         return bs.fp8_tensor(static_activations=True, layout="modelopt")
     if algo.upper() == "NVFP4":
+        where = "quantization_config['quantization']" if inner is not cfg else "quantization_config"
+        _nvfp4_group(_get(inner, "group_size", int, 16, where=where), where)
         return bs.nvfp4(convention="modelopt")
     raise ValueError(f"quantization_config['quant_algo'] must be 'FP8' or 'NVFP4' for modelopt, got {algo!r}")
+
+
+def _nvfp4_group(group: int, where: str) -> None:
+    if group != 16:
+        raise ValueError(f"{where}['group_size'] must be 16 for NVFP4 (one E4M3 scale per 16 values), got {group}")
 
 
 def _bitsandbytes(cfg: dict) -> Scheme:
@@ -168,16 +193,122 @@ _METHODS = {
 }
 
 
-def scheme_from_config(quantization_config: dict) -> Scheme:
-    """The Scheme for a HF ``quantization_config`` dict (the ``config.json`` entry vLLM reads)."""
+def _method(quantization_config: dict) -> str:
     if not isinstance(quantization_config, dict):
         raise TypeError(f"quantization_config must be a dict, got {type(quantization_config).__name__}")
+    if "quantization_config" in quantization_config:
+        raise ValueError("this looks like a whole config.json (it has a 'quantization_config' key); pass "
+                         "config['quantization_config'] instead")
     method = quantization_config.get("quant_method")
+    if method is None and ("model_type" in quantization_config or "architectures" in quantization_config):
+        raise ValueError("this looks like a config.json without a 'quantization_config' entry (it has "
+                         "'model_type'/'architectures'): the model is not quantized; pass "
+                         "config['quantization_config'] of a quantized model")
     if method is None and "quantization" in quantization_config:
         method = "modelopt"  # hf_quant_config.json carries no quant_method
     if not isinstance(method, str):
         raise ValueError(f"quantization_config needs a 'quant_method' string, got {method!r}")
-    parse = _METHODS.get(method.lower())
-    if parse is None:
+    if method.lower() not in _METHODS:
         raise ValueError(f"quant_method {method!r} is not supported; supported: {sorted(set(_METHODS) - {'compressed_tensors'})}")
-    return parse(quantization_config)
+    return "compressed-tensors" if method.lower() == "compressed_tensors" else method.lower()
+
+
+def scheme_from_config(quantization_config: dict) -> Scheme:
+    """The Scheme for a HF ``quantization_config`` dict (the ``config.json`` entry vLLM reads).
+
+    A whole ``config.json`` is refused with a hint to pass its ``quantization_config``.
+    """
+    return _METHODS[_method(quantization_config)](quantization_config)
+
+
+def _names(cfg: dict, key: str, where: str = "quantization_config") -> list[str]:
+    names = _get(cfg, key, (list, tuple, type(None)), None, where=where) or []
+    if not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{where}[{key!r}] must be a list of module names, got {names!r}")
+    return list(names)
+
+
+def _regex(pattern: str, key: str):
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"quantization_config[{key!r}]: {pattern!r} is not a valid regex: {e}") from e
+
+
+def _exact(names):
+    return lambda module: module in names
+
+
+def _substring(names):
+    return lambda module: any(n in module for n in names)
+
+
+def _compressed_tensors_ignore(cfg: dict):
+    # vLLM: "re:<regex>" entries by re.match (anchored at the start only), others by equality.
+    names = _names(cfg, "ignore")
+    regexes = [_regex(n[3:], "ignore") for n in names if n.startswith("re:")]
+    exact = {n for n in names if not n.startswith("re:")}
+    return lambda module: module in exact or any(r.match(module) for r in regexes)
+
+
+def _modelopt_exclude(cfg: dict):
+    # vLLM: exact name, substring (older ModelOpt lists), or a glob (fnmatch) over the module name.
+    inner = cfg.get("quantization", cfg)
+    where = "quantization_config['quantization']" if inner is not cfg else "quantization_config"
+    names = _names(inner, "exclude_modules", where) + (_names(cfg, "ignore") if inner is cfg else [])
+    return lambda module: any(n in module or fnmatch.fnmatchcase(module, n) for n in names)
+
+
+def _gptq_skip(cfg: dict):
+    # GPTQModel's per-module "dynamic" rules: "-:<regex>" (re.match) keeps a module unquantized.
+    dynamic = _get(cfg, "dynamic", (dict, type(None)), None) or {}
+    negative = [_regex(k[2:], "dynamic") for k in dynamic if isinstance(k, str) and k.startswith("-:")]
+    overrides = [k for k, v in dynamic.items() if not str(k).startswith("-:") and v]
+    if overrides:
+        raise ValueError(f"quantization_config['dynamic']: per-module overrides {overrides} (other bits or group "
+                         "sizes per module) are not supported; only '-:' exclusions are")
+    substring = _substring(_names(cfg, "modules_to_not_convert"))
+    return lambda module: substring(module) or any(r.match(module) for r in negative)
+
+
+def _bnb_skip(cfg: dict):
+    # vLLM: a skip entry equal to one dotted component of the name, or to a dotted prefix of it.
+    names = set(_names(cfg, "llm_int8_skip_modules")) | set(_names(cfg, "modules_to_not_convert"))
+
+    def skipped(module: str) -> bool:
+        parts = module.split(".")
+        return any(p in names for p in parts) or any(".".join(parts[:i]) in names for i in range(1, len(parts) + 1))
+    return skipped
+
+
+def _fp8_skip(cfg: dict):
+    # vLLM reads 'ignored_layers', else 'modules_to_not_convert', and matches whole module names.
+    return _exact(set(_names(cfg, "ignored_layers") or _names(cfg, "modules_to_not_convert")))
+
+
+def _mxfp4_skip(cfg: dict):
+    names = _names(cfg, "modules_to_not_convert")  # gpt-oss lists globs ("model.layers.*.self_attn")
+    # A listed module covers its submodules too (self_attn → self_attn.q_proj).
+    return lambda module: any(fnmatch.fnmatchcase(module, n) or fnmatch.fnmatchcase(module, n + ".*")
+                              for n in names)
+
+
+_SKIPS = {
+    "fp8": _fp8_skip,
+    "awq": lambda cfg: _substring(_names(cfg, "modules_to_not_convert")),  # vLLM: substring of the name
+    "gptq": _gptq_skip,
+    "compressed-tensors": _compressed_tensors_ignore,
+    "modelopt": _modelopt_exclude,
+    "mxfp4": _mxfp4_skip,
+    "bitsandbytes": _bnb_skip,
+}
+
+
+def skipped_modules(quantization_config: dict) -> Callable[[str], bool]:
+    """A predicate on HF module names (``model.layers.0.mlp.down_proj``, ``lm_head``): True for the
+    modules the config keeps in float, matched the way vLLM matches each format's list —
+    compressed-tensors ``ignore`` (names, ``re:`` regexes), ``modules_to_not_convert`` (AWQ: substrings;
+    fp8: whole names, or ``ignored_layers``; GPTQ: substrings, plus ``dynamic`` ``-:`` regexes;
+    mxfp4: names or globs), bitsandbytes ``llm_int8_skip_modules`` (name components or dotted
+    prefixes) and ModelOpt ``exclude_modules`` (names, substrings or globs)."""
+    return _SKIPS[_method(quantization_config)](quantization_config)

@@ -83,3 +83,90 @@ def test_block_fp8_ue8m0_carries_over():
 def test_malformed_configs(config, err, match):
     with pytest.raises(err, match=match):
         scheme_from_config(config)
+
+
+@pytest.mark.parametrize("version", ["gemm", "GEMM", "exllama", "exllamav2", "ipex"])
+def test_awq_versions_with_gemm_packing_load(version):
+    s = scheme_from_config({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                            "version": version})
+    assert s.checkpoint_layout == "awq"
+
+
+@pytest.mark.parametrize("version, match", [("gemv", "packed along K"), ("GEMV_FAST", "interleaved"),
+                                            ("marlin", "Marlin"), ("gemm_v9", "must be one of")])
+def test_awq_versions_with_other_packing_are_refused(version, match):
+    with pytest.raises(ValueError, match=rf"'version'.*{match}"):
+        scheme_from_config({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                            "version": version})
+
+
+@pytest.mark.parametrize("config", [
+    {"quantization": {"quant_algo": "NVFP4", "group_size": 32}},
+    {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 8},
+    {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                           "group_size": 32}}}},
+])
+def test_nvfp4_group_size_other_than_16_is_refused(config):
+    with pytest.raises(ValueError, match=r"'group_size'\] must be 16"):
+        scheme_from_config(config)
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+     "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}},
+    {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64},
+])
+def test_whole_config_json_gets_a_hint(config):
+    with pytest.raises(ValueError, match=r"config\['quantization_config'\]"):
+        scheme_from_config(config)
+    with pytest.raises(ValueError, match=r"config\['quantization_config'\]"):
+        jquant.hf_config.skipped_modules(config)
+
+
+NAMES = ["lm_head", "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+         "model.layers.1.mlp.down_proj", "model.layers.11.mlp.down_proj", "model.layers.1.mlp.up_proj"]
+CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+    "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}}
+
+
+@pytest.mark.parametrize("config, skipped", [
+    # compressed-tensors: equality, and "re:" regexes matched at the start only (re.match).
+    (dict(CT_FP8, ignore=["lm_head", "re:.*layers\\.1\\.mlp\\.down"]), {0, 3}),
+    (dict(CT_FP8, ignore=["re:layers\\.1"]), set()),  # not anchored at the start of the name
+    (dict(CT_FP8, ignore=["model.layers.1.mlp"]), set()),  # a parent name is not a match
+    # AWQ: substrings ("down_proj" hits both layers; "layers.1." does not hit "layers.11.").
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+      "modules_to_not_convert": ["down_proj", "layers.1."]}, {3, 4, 5}),
+    # fp8: whole names, from ignored_layers, else modules_to_not_convert.
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "modules_to_not_convert": ["lm_head", "down_proj"]},
+     {0}),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ["model.layers.0.self_attn.k_proj"],
+      "modules_to_not_convert": ["lm_head"]}, {2}),
+    # GPTQModel dynamic "-:" exclusions (re.match) and modules_to_not_convert substrings.
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*self_attn\\.q": {}}, "modules_to_not_convert": ["lm_"]},
+     {0, 1}),
+    # bitsandbytes: a dotted component, or a dotted prefix.
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "llm_int8_skip_modules": ["lm_head", "model.layers.1"]},
+     {0, 3, 5}),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "llm_int8_skip_modules": ["k_proj", "model.layers.1.m"]},
+     {2}),
+    # ModelOpt: exact, substring or glob, under "quantization" (hf_quant_config.json) or flat ("ignore").
+    ({"quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head", "model.layers.*.k_proj"]}}, {0, 2}),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["*down_proj"]}, {3, 4}),
+    ({"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]}, {0, 1, 2}),
+])
+def test_skipped_modules_match_like_vllm(config, skipped):
+    skip = jquant.hf_config.skipped_modules(config)
+    assert {i for i, n in enumerate(NAMES) if skip(n)} == skipped
+
+
+@pytest.mark.parametrize("config, match", [
+    (dict(CT_FP8, ignore="lm_head"), "'ignore'"),
+    (dict(CT_FP8, ignore=["re:("]), "valid regex"),
+    ({"quant_method": "awq", "modules_to_not_convert": [3]}, "modules_to_not_convert"),
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*down": {"bits": 8}}}, "per-module overrides"),
+])
+def test_bad_skip_lists(config, match):
+    with pytest.raises(ValueError, match=match):
+        jquant.hf_config.skipped_modules(config)
