@@ -8,16 +8,17 @@ quantized projections are QParams, bit-identical to what was saved.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
-from typing import Any
+from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
 
 from jquant.checkpoint import from_checkpoint, to_checkpoint
-from jquant.hf_config import scheme_from_config
+from jquant.hf_config import scheme_from_config, skipped_modules
 from jquant.nn.qparam import QParam
 from jquant.registry import Scheme
 
@@ -42,6 +43,19 @@ def hf_module_name(flax_module: str) -> str:
     if flax_module in fixed:
         return fixed[flax_module]
     raise ValueError(f"no HF Llama name for Flax module {flax_module!r}")
+
+
+def skip_from_config(quantization_config: dict) -> Callable[[str], bool]:
+    """A ``quantize_params`` skip predicate on Flax paths (``layers_0/down_proj/kernel``): True where the
+    config's ignore list keeps the HF module (``model.layers.0.mlp.down_proj``) in float."""
+    skipped = skipped_modules(quantization_config)
+
+    def skip(path: str) -> bool:
+        try:
+            return skipped(hf_module_name(path.rsplit("/", 1)[0]))
+        except ValueError:  # not a Llama module: no HF name to match
+            return False
+    return skip
 
 
 def _flat(params: dict, prefix: str = "") -> dict[str, Any]:
@@ -87,9 +101,12 @@ def save_hf_checkpoint(params: dict, directory, *, quantization_config: dict | N
         name = hf_module_name(module)
         if isinstance(leaf, QParam):
             scheme = leaf.scheme
-            for key, t in to_checkpoint(leaf.qtensor, scheme.checkpoint_layout, **dict(scheme.layout_options)).items():
+            opts = dict(scheme.layout_options)
+            if leaf.input_scale is not None:
+                opts["input_scale"] = np.asarray(leaf.input_scale)
+            for key, t in to_checkpoint(leaf.qtensor, scheme.checkpoint_layout, **opts).items():
                 sep = "_" if scheme.checkpoint_layout == "gpt-oss" else "."
-                tensors[f"{name}{sep}{key}"] = np.ascontiguousarray(t)
+                tensors[f"{name}{sep}{key}"] = np.asarray(t, order="C")  # keeps 0-d scales 0-d
         elif leaf_name == "kernel":
             tensors[f"{name}.weight"] = np.ascontiguousarray(np.asarray(leaf).T)  # Flax [K, N] → [N, K]
         else:
@@ -107,7 +124,11 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
     """Reads an HF Llama checkpoint into the structure of ``like`` (the model's float params, or their
     ``jax.eval_shape``). Projections stored quantized become QParams of the config's scheme;
     ``quantize`` (a scheme name) quantizes a float checkpoint's projections as they load (online
-    quantization).
+    quantization). Float tensors load in any float dtype (fp32, bf16, fp16; FP8 without scales), cast to
+    ``like``'s dtypes. Modules the config's ignore list names (``skipped_modules``) must be stored in
+    float and stay float. Static-activation FP8 projections carry their checkpoint ``input_scale``; as
+    vLLM fuses q/k/v and gate/up into one GEMM with one activation scale, each such group shares the
+    largest of its scales.
 
     Raises ValueError naming the parameter when tensors are missing, left over, or disagree with the config.
     """
@@ -123,13 +144,18 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
     if quantization_config is None and (directory / "config.json").exists():
         quantization_config = json.loads((directory / "config.json").read_text()).get("quantization_config")
     scheme = scheme_from_config(quantization_config) if quantization_config else None
+    skipped = skipped_modules(quantization_config) if quantization_config else (lambda name: False)
     used: set[str] = set()
     out: dict[str, Any] = {}
     for path, ref in _flat(like).items():
         module, leaf_name = path.rsplit("/", 1)
         name = hf_module_name(module)
-        if f"{name}.weight" in tensors and tensors[f"{name}.weight"].dtype.kind == "f":
-            value = tensors[f"{name}.weight"]
+        value = _float_weight(tensors, name)
+        stored = sorted(k for k in tensors if k.startswith(name + "."))
+        if value is None and stored and skipped(name):
+            raise ValueError(f"parameter {path!r}: the quantization_config keeps {name} in float (its ignore "
+                             f"list), but the checkpoint stores {stored} for it")
+        if value is not None:
             used.add(f"{name}.weight")
             value = value.T if leaf_name == "kernel" else value
             if value.shape != tuple(ref.shape):
@@ -153,7 +179,9 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
             raise ValueError(f"parameter {path!r}: checkpoint holds a {qt.shape} weight, the model expects "
                              f"{(ref.shape[1], ref.shape[0])}")
         used.update(prefix + k for k in own)
-        out[path] = QParam(scheme.process_weights_after_loading(qt) if prepare else qt, scheme)
+        input_scale = _static_input_scale(own, scheme, path, name) if scheme.activation == "static" else None
+        out[path] = QParam(scheme.process_weights_after_loading(qt) if prepare else qt, scheme, input_scale)
+    _share_fused_input_scales(out)
     extra = sorted(set(tensors) - used)
     if extra:
         raise ValueError(f"checkpoint tensors {extra[:8]}{'...' if len(extra) > 8 else ''} match no model parameter")
@@ -165,6 +193,44 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
 
         return quantize_params(_unflat(out), [(PROJECTIONS, quantize)], prepare=prepare)[0]
     return _unflat(out)
+
+
+def _float_weight(tensors: dict, name: str):
+    """``name.weight`` when it is a float tensor (any float dtype) that is not the codes of a quantized
+    weight: FP8 codes come with scales under the same module; else None."""
+    weight = tensors.get(f"{name}.weight")
+    if weight is None or not jnp.issubdtype(weight.dtype, jnp.floating):
+        return None
+    if jnp.dtype(weight.dtype).itemsize == 1 and any(k.startswith(name + ".") and k != f"{name}.weight"
+                                                    for k in tensors):
+        return None
+    return weight
+
+
+def _static_input_scale(own: dict, scheme: Scheme, path: str, name: str) -> jnp.ndarray:
+    if "input_scale" not in own:
+        raise ValueError(f"parameter {path!r}: scheme {scheme.name} quantizes activations with a static scale, "
+                         f"but the checkpoint has no {name}.input_scale")
+    scale = np.asarray(own["input_scale"]).astype(np.float32)
+    if scale.size == 0 or not np.all(np.isfinite(scale)) or not np.all(scale > 0):
+        raise ValueError(f"parameter {path!r}: {name}.input_scale must hold positive finite floats, got {scale}")
+    return jnp.asarray(scale.max())  # vLLM keeps one per-tensor scale: the max over stored shards
+
+
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+          "up_proj": "gate_up_proj"}
+
+
+def _share_fused_input_scales(out: dict[str, Any]) -> None:
+    groups: dict[tuple[str, str], list[str]] = {}
+    for path, leaf in out.items():
+        if isinstance(leaf, QParam) and leaf.input_scale is not None:
+            layer, _, proj = path.rsplit("/", 1)[0].rpartition("/")
+            groups.setdefault((layer, _FUSED.get(proj, proj)), []).append(path)
+    for paths in groups.values():
+        shared = jnp.max(jnp.stack([out[p].input_scale for p in paths]))
+        for p in paths:
+            out[p] = dataclasses.replace(out[p], input_scale=shared)
 
 
 def _unflat(flat: dict[str, Any]) -> dict:

@@ -15,11 +15,14 @@ class QParam:
     """A Dense kernel quantized under ``scheme``.
 
     ``weight`` is the scheme's prepared weight (``[N, K]``, laid out for its kernel) or the plain QTensor;
-    ``scheme`` is static, so a jitted forward specialises on it.
+    ``scheme`` is static, so a jitted forward specialises on it. ``input_scale`` is the calibrated
+    per-tensor activation scale of a static scheme (a checkpoint's ``input_scale``, a 0-d fp32 array
+    leaf, so it jits and saves with the weight); None for every other scheme.
     """
 
     weight: Prepared | QTensor
     scheme: Scheme
+    input_scale: jax.Array | None = None
 
     @property
     def qtensor(self) -> QTensor:
@@ -34,7 +37,7 @@ class QParam:
 
     def apply(self, x: jax.Array, bias: jax.Array | None = None) -> jax.Array:
         """``x @ kernel + bias`` where kernel is the Flax ``[K, N]`` matrix this QParam replaced."""
-        return self.scheme.apply(x, self.weight, bias)
+        return self.scheme.apply(x, self.weight, bias, input_scale=self.input_scale)
 
 
-jax.tree_util.register_dataclass(QParam, data_fields=["weight"], meta_fields=["scheme"])
+jax.tree_util.register_dataclass(QParam, data_fields=["weight", "input_scale"], meta_fields=["scheme"])

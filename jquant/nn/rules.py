@@ -4,14 +4,15 @@ Paths are the tree's keys joined by ``/`` (``layers_3/q_proj/kernel``; NNX: ``la
 Rules are tried in order and the first whose regex fully matches a path wins (as in qwix); a rule whose
 scheme is None keeps that path in float. Only 2-D ``kernel`` leaves are candidates, so embeddings, norms
 and biases stay in float unless a model names an embedding ``kernel``; ``skip`` patterns (default:
-anything with ``embed`` in its path) are never quantized.
+anything with ``embed`` in its path) and predicates (e.g. a checkpoint config's ignore list,
+``jquant.models.hf_checkpoint.skip_from_config``) are never quantized.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -72,20 +73,36 @@ def _is_leaf(x) -> bool:
     return isinstance(x, (QParam, QTensor))
 
 
-def quantize_params(params: Any, rules: str | Scheme | Sequence, *, skip: Sequence[str] = DEFAULT_SKIP,
-                    prepare: bool = True, strict: bool = True):
+def _check_skip(skip) -> tuple:
+    if isinstance(skip, str) or callable(skip):
+        skip = (skip,)
+    for s in skip:
+        if not (isinstance(s, str) or callable(s)):
+            raise TypeError(f"each skip entry must be a regex or a predicate on paths, got {s!r}")
+    return tuple(skip)
+
+
+def _skipped(skip: tuple, name: str) -> bool:
+    return any(s(name) if callable(s) else re.fullmatch(s, name) for s in skip)
+
+
+def quantize_params(params: Any, rules: str | Scheme | Sequence, *,
+                    skip: Sequence[str | Callable[[str], bool]] = DEFAULT_SKIP, prepare: bool = True,
+                    strict: bool = True):
     """Returns ``(quantized_params, report)``.
 
     Args:
       params: a linen params dict or an NNX ``State`` (from ``nnx.split``); float kernels ``[K, N]``.
       rules: a scheme name / Scheme (every candidate kernel), or a sequence of ``(regex, scheme)`` pairs /
         ``Rule``s, first match wins; scheme None keeps a path in float.
-      skip: regexes of paths never quantized (default: embeddings).
+      skip: regexes (full match) or predicates of paths never quantized (default: embeddings); add
+        ``skip_from_config(quantization_config)`` to keep a config's ignored modules in float.
       prepare: lay weights out for this device's kernels (``process_weights_after_loading``); False keeps
         plain QTensors (for export and inspection).
       strict: raise when a rule matches no path (else it is only reported).
     """
     rules = _as_rules(rules)
+    skip = _check_skip(skip)
     used: set[int] = set()
     quantized: dict[str, str] = {}
     kept: list[str] = []
@@ -94,7 +111,7 @@ def quantize_params(params: Any, rules: str | Scheme | Sequence, *, skip: Sequen
         name = path_str(path)
         candidate = (hasattr(leaf, "ndim") and leaf.ndim == 2 and name.split("/")[-1] == "kernel"
                      and jnp.issubdtype(leaf.dtype, jnp.floating))
-        if not candidate or any(re.fullmatch(s, name) for s in skip):
+        if not candidate or _skipped(skip, name):
             return leaf
         for i, rule in enumerate(rules):
             if re.fullmatch(rule.pattern, name):
@@ -126,7 +143,7 @@ def prepare_params(params: Any) -> Any:
     this itself; use it after inspecting or exporting ``prepare=False`` params)."""
     def prepare(leaf):
         if isinstance(leaf, QParam) and isinstance(leaf.weight, QTensor):
-            return QParam(leaf.scheme.process_weights_after_loading(leaf.weight), leaf.scheme)
+            return QParam(leaf.scheme.process_weights_after_loading(leaf.weight), leaf.scheme, leaf.input_scale)
         return leaf
 
     return jax.tree.map(prepare, params, is_leaf=_is_leaf)
