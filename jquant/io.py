@@ -86,6 +86,9 @@ def save_quantized(directory: str | os.PathLike, params: Any) -> None:
         key = _path_key(path)
         if isinstance(leaf, QParam):
             nodes[key] = {"qparam": _encode_qtensor(leaf.qtensor, key, arrays), "scheme": _scheme_json(leaf.scheme)}
+            if leaf.input_scale is not None:
+                arrays[f"{key}.input_scale"] = np.asarray(leaf.input_scale)
+                nodes[key]["input_scale"] = f"{key}.input_scale"
         elif isinstance(leaf, QTensor):
             nodes[key] = {"qtensor": _encode_qtensor(leaf, key, arrays)}
         else:
@@ -123,7 +126,8 @@ def restore_quantized(directory: str | os.PathLike, *, prepare: bool = True) -> 
             return _decode_qtensor(node["qtensor"], arrays)
         scheme = Scheme(**{k: _from_json(v) for k, v in node["scheme"].items()})
         qt = _decode_qtensor(node["qparam"], arrays)
-        return QParam(scheme.process_weights_after_loading(qt) if prepare else qt, scheme)
+        input_scale = jnp.asarray(arrays[node["input_scale"]]) if "input_scale" in node else None
+        return QParam(scheme.process_weights_after_loading(qt) if prepare else qt, scheme, input_scale)
 
     return _map_skeleton(structure["skeleton"], build)
 
@@ -159,8 +163,10 @@ def export_safetensors(params: Any, path: str | os.PathLike, *, name_map: Callab
                 raise ValueError(f"parameter {key!r}: scheme {leaf.scheme.name!r} names no checkpoint layout; "
                                  "pass layout=")
             opts = dict(leaf.scheme.layout_options) | layout_options
+            if leaf.input_scale is not None:
+                opts["input_scale"] = np.asarray(leaf.input_scale)
             for name, t in to_checkpoint(leaf.qtensor, lay, **opts).items():
-                tensors[f"{name_map(module)}.{name}"] = np.ascontiguousarray(t)
+                tensors[f"{name_map(module)}.{name}"] = np.asarray(t, order="C")  # keeps 0-d scales 0-d
         elif isinstance(leaf, QTensor):
             raise ValueError(f"parameter {key!r} is a bare QTensor; wrap it in a QParam to export it")
         elif isinstance(leaf, Prepared):

@@ -62,3 +62,19 @@ def test_safetensors_export_in_gptq_layout(tmp_path):
                                 bits=4, group_size=128, sym=True)
     original = qparams["layers_0"]["q_proj"]["kernel"].qtensor
     np.testing.assert_array_equal(qt.dequantize(jnp.float32), original.dequantize(jnp.float32))
+
+
+@pytest.mark.parametrize("layout, shape", [("fp8", ()), ("modelopt", ()), ("compressed-tensors", (1,))])
+def test_safetensors_export_writes_a_static_input_scale(tmp_path, layout, shape):
+    from jquant.builtin_schemes import fp8_tensor
+    from jquant.safetensors_io import load_file
+
+    scheme = fp8_tensor(static_activations=True, layout=layout)
+    qparams, _ = quantize_params(_params(), [(r".*q_proj/kernel", scheme), (r".*", None)], prepare=False)
+    q = qparams["layers_0"]["q_proj"]["kernel"]
+    qparams["layers_0"]["q_proj"]["kernel"] = QParam(q.weight, q.scheme, jnp.float32(0.0123))
+    export_safetensors(qparams, tmp_path / "model.safetensors")
+    loaded = load_file(str(tmp_path / "model.safetensors"))
+    scale = loaded["layers_0.q_proj.input_scale"]
+    assert scale.shape == shape and scale.dtype == np.float32 and float(scale.reshape(())) == np.float32(0.0123)
+    assert loaded["layers_0.q_proj.weight_scale"].shape == (() if layout != "compressed-tensors" else (1,))

@@ -4,6 +4,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -123,3 +124,31 @@ def test_prepare_params_after_inspection():
     prepared = prepare_params(raw)
     assert isinstance(prepared["up_proj"]["kernel"].weight, Prepared)
     chex.assert_trees_all_equal(prepared["up_proj"]["kernel"].qtensor.data, raw["up_proj"]["kernel"].qtensor.data)
+
+
+def test_skip_takes_predicates_and_a_single_pattern():
+    _, params, _ = _linen()
+    qparams, report = quantize_params(params, "int8_ch", skip=(r".*embed.*", lambda path: path.startswith("down")))
+    assert set(report.quantized) == {"up_proj/kernel", "head/kernel"}
+    assert not isinstance(qparams["down_proj"]["kernel"], QParam)
+    _, report = quantize_params(params, "int8_ch", skip=r"head/kernel")  # one regex, not its characters
+    assert set(report.quantized) == {"up_proj/kernel", "down_proj/kernel"}
+    with pytest.raises(TypeError, match="skip entry"):
+        quantize_params(params, "int8_ch", skip=(3,))
+
+
+def test_static_scheme_input_scale_rides_in_the_qparam():
+    from jquant.builtin_schemes import fp8_tensor
+    from jquant.nn import prepare_params
+
+    model, params, ids = _linen()
+    scheme = fp8_tensor(static_activations=True)
+    raw, _ = quantize_params(params, [(r".*_proj/kernel", scheme), (r".*", None)], prepare=False)
+    raw = jax.tree.map(lambda l: QParam(l.weight, l.scheme, jnp.float32(0.02)) if isinstance(l, QParam) else l, raw,
+                       is_leaf=lambda l: isinstance(l, QParam))
+    prepared = prepare_params(raw)
+    assert float(prepared["up_proj"]["kernel"].input_scale) == np.float32(0.02)
+    out = jax.jit(lambda p, i: quantized_apply(model, {"params": p}, i))(prepared, ids)
+    assert _rel_err(out, model.apply({"params": params}, ids)) < 0.1
+    leaves = jax.tree_util.tree_leaves(prepared["up_proj"]["kernel"])
+    assert any(leaf.shape == () and leaf.dtype == jnp.float32 for leaf in leaves)  # an array leaf, not static

@@ -73,7 +73,7 @@ def _input_scale(value, shape) -> dict[str, np.ndarray]:
     if value is None:
         return {}
     scale = np.asarray(value)
-    if scale.size != 1 or not np.issubdtype(scale.dtype, np.floating):
+    if scale.size != 1 or not jnp.issubdtype(scale.dtype, jnp.floating):
         raise ValueError(f"input_scale must be a single float, got {scale.dtype} with shape {scale.shape}")
     return {"input_scale": scale.astype(np.float32).reshape(shape)}
 
@@ -103,7 +103,7 @@ def _check_input_scale(tensors, layout, shapes):
     if "input_scale" not in tensors:
         return
     scale = np.asarray(tensors["input_scale"])
-    if scale.shape not in shapes or not np.issubdtype(scale.dtype, np.floating):
+    if scale.shape not in shapes or not jnp.issubdtype(scale.dtype, jnp.floating):
         raise ValueError(f"{layout}: tensor 'input_scale' must be a float of shape "
                          f"{' or '.join(map(str, shapes))}, got {scale.dtype} with shape {scale.shape}")
 
