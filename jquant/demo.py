@@ -58,13 +58,16 @@ def run(argv=None) -> int:
     parser.add_argument("--schemes", default="", help="comma-separated subset of the registered schemes")
     parser.add_argument("--max-new-tokens", type=int, default=40)
     args = parser.parse_args(argv)
+    names = [s for s in args.schemes.split(",") if s] or list(schemes())
+    unknown = [n for n in names if n not in schemes()]
+    if unknown:   # before minutes of loading and evaluating
+        parser.error(f"unknown schemes {unknown}; registered: {', '.join(schemes())}")
 
     config, variables, tok_meta = load_gguf(smollm2_path())
     tokenizer = build_tokenizer(tok_meta)
     model = LlamaForCausalLM(config)
     params = variables["params"]
     ids = jnp.asarray(eval_batches(tokenizer, args.seq_len, args.num_seqs))
-    names = [s for s in args.schemes.split(",") if s] or list(schemes())
 
     def forward(m, p, i):
         return quantized_apply(m, {"params": p}, i)[0]
@@ -82,7 +85,7 @@ def run(argv=None) -> int:
             qparams, _ = quantize_params(params, [(PROJECTIONS, scheme)], prepare=False)
         except ValueError as e:
             rows.append((name, float("nan"), 0, float("nan"), float("nan"), float("nan"), 0.0,
-                         f"n/a: {str(e).split(': ', 2)[-1][:90]}"))
+                         f"n/a: {e}"))
             continue
         ledger = weight_ledger(qparams)  # of the QTensors; kernel layouts may pad
         qparams = prepare_params(qparams)  # the Pallas kernels' layout on Hopper, else unchanged
@@ -90,7 +93,7 @@ def run(argv=None) -> int:
             ppl, top1, tps = _evaluate(model, qparams, ids, forward)
         except Exception as e:  # one scheme failing must not hide the other rows
             rows.append((name, float("nan"), 0, float("nan"), float("nan"), float("nan"), 0.0,
-                         f"failed: {type(e).__name__}: {str(e)[:60]}"))
+                         f"failed: {type(e).__name__}: {e}"))
             continue
         quantized[name] = (qparams, ppl)
         rows.append((name, ledger.bits_per_quantized_weight, ledger.total, ppl, ppl - base_ppl,

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jquant.nn import quantize_params
 from jquant.nn.qparam import QParam
 from jquant.qtensor import QTensor
 
@@ -96,7 +97,24 @@ def serving_ledger(name: str, params, *, num_layers: int, num_kv_heads: int, hea
                          kv_cache_bytes(batch=1, **kv))
 
 
-def format_table(rows: list[ServingLedger], budget_bytes: int | None = None) -> str:
+@dataclasses.dataclass(frozen=True)
+class NotApplicable:
+    """A scheme that does not fit the model, with the reason (a row of its own in ``format_table``)."""
+    name: str
+    reason: str
+
+
+def scheme_ledger(name: str, params, pattern: str, **kv) -> ServingLedger | NotApplicable:
+    """``serving_ledger`` of ``params`` with the kernels matching ``pattern`` quantized by scheme ``name``
+    (``kv``: ``serving_ledger``'s keywords), or why that scheme cannot quantize them."""
+    try:
+        qparams, _ = quantize_params(params, [(pattern, name)], prepare=False)
+    except ValueError as e:   # e.g. a group size that does not divide a kernel's K
+        return NotApplicable(name, str(e))
+    return serving_ledger(name, qparams, **kv)
+
+
+def format_table(rows: list[ServingLedger | NotApplicable], budget_bytes: int | None = None) -> str:
     """A side-by-side table; the first row is the baseline for the ratios."""
     mib = 1 << 20
     head = (f"{'scheme':<24}{'codes MiB':>11}{'scales MiB':>12}{'float MiB':>11}{'weights MiB':>13}"
@@ -106,12 +124,15 @@ def format_table(rows: list[ServingLedger], budget_bytes: int | None = None) -> 
     lines = [head, "-" * len(head)]
     base = rows[0].max_sequences(budget_bytes) if budget_bytes else None
     for r in rows:
+        if isinstance(r, NotApplicable):
+            lines.append(f"{r.name:<24}n/a: {r.reason}")
+            continue
         w = r.weights
         line = (f"{r.name:<24}{w.codes / mib:>11.2f}{w.metadata / mib:>12.2f}{w.float_params / mib:>11.2f}"
                 f"{w.total / mib:>13.2f}{r.kv_cache / mib:>10.2f}{r.total / mib:>11.2f}"
                 f"{w.bits_per_quantized_weight:>8.2f}")
         if budget_bytes:
             n = r.max_sequences(budget_bytes)
-            line += f"{n:>10d}{(n / base if base else float('nan')):>8.2f}x"
+            line += f"{n:>10d}" + (f"{n / base:>8.2f}x" if base else f"{'-':>9}")   # no base sequence fits
         lines.append(line)
     return "\n".join(lines)

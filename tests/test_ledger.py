@@ -3,7 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jquant.ledger import format_table, kv_cache_bytes, serving_ledger, weight_ledger
+from jquant.ledger import (NotApplicable, format_table, kv_cache_bytes, scheme_ledger, serving_ledger,
+                           weight_ledger)
 from jquant.nn import quantize_params
 
 
@@ -70,3 +71,24 @@ def test_bad_kv_arguments(kw, match):
     args = dict(num_layers=2, num_kv_heads=2, head_dim=64, batch=1, context=16) | kw
     with pytest.raises(ValueError, match=match):
         kv_cache_bytes(**args)
+
+
+def test_a_scheme_that_does_not_fit_is_a_row_with_its_reason():
+    params = {"mlp": {"kernel": jnp.ones((96, 64))}, "out": {"kernel": jnp.ones((64, 128))}}
+    kw = dict(num_layers=1, num_kv_heads=1, head_dim=64, batch=1, context=16)
+    row = scheme_ledger("int4_g128", params, r".*kernel", **kw)
+    assert row == NotApplicable("int4_g128", row.reason)
+    assert row.reason.startswith("parameter 'mlp/kernel' (shape (96, 64)) cannot be quantized with scheme "
+                                 "'int4_g128'") and row.reason.endswith("not divisible by group_size 128")
+    fits = scheme_ledger("int8_ch", params, r".*kernel", **kw)
+    assert fits.weights.quantized_params == 96 * 64 + 64 * 128
+    lines = format_table([serving_ledger("f32", params, **kw), row, fits], 2**20).splitlines()
+    assert lines[3] == f"{'int4_g128':<24}n/a: {row.reason}" and lines[4].startswith("int8_ch ")
+
+
+def test_ratio_is_a_dash_when_no_baseline_sequence_fits():
+    params = _params()
+    kw = dict(num_layers=2, num_kv_heads=2, head_dim=64, batch=4, context=1024)
+    base = serving_ledger("f32", params, **kw)
+    table = format_table([base, base], base.weights.total // 2)
+    assert "nan" not in table and table.splitlines()[-1].endswith(f"{0:>10d}{'-':>9}")

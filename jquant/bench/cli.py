@@ -1,8 +1,13 @@
-"""``python -m jquant.bench w4a16 --out bench/results [--shapes 28672x8192,...] [--ms 1,16] [--quick]``."""
+"""``jquant bench w4a16 --out bench/results [--shapes 28672x8192,...] [--ms 1,16] [--quick]``.
+
+Times the Mosaic GPU W4A16 kernels against XLA on a CUDA GPU (Hopper for the kernels themselves);
+``--interpret`` runs the same plumbing on CPU in Pallas interpret mode, whose timings mean nothing.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def _shapes(text: str) -> tuple[tuple[int, int], ...]:
@@ -20,8 +25,9 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jquant.bench", description=__doc__)
-    sub = parser.add_subparsers(dest="bench", required=True)
+    parser = argparse.ArgumentParser(prog="jquant bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
     w4 = sub.add_parser("w4a16", help="4-bit weight-only GEMM kernels against XLA")
     w4.add_argument("--out", default="bench/results", help="folder for w4a16.json and w4a16.md")
     w4.add_argument("--shapes", type=_shapes, default=None, help="NxK list, e.g. 28672x8192,8192x8192")
@@ -38,15 +44,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    from jquant.bench import w4a16   # imports jax: keep --help fast
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    import jax   # imported here: keep --help fast
+    from jquant.bench import w4a16
 
     shapes = args.shapes or (w4a16.QUICK_SHAPES if args.quick else w4a16.SHAPES)
     ms = args.ms or (w4a16.QUICK_MS if args.quick else w4a16.MS)
     schemes = tuple(args.schemes.split(",")) if args.schemes else tuple(w4a16.SCHEMES)
-    unknown = set(schemes) - set(w4a16.SCHEMES)
+    unknown = [s for s in schemes if s not in w4a16.SCHEMES]
     if unknown:
-        raise SystemExit(f"unknown schemes {sorted(unknown)}; known: {sorted(w4a16.SCHEMES)}")
+        parser.error(f"--schemes: unknown {unknown}; known: {', '.join(w4a16.SCHEMES)}")
+    backend = jax.default_backend()
+    if backend != "gpu" and not args.interpret:
+        print(f"jquant bench: no GPU present (JAX runs on {backend}); the benchmark times CUDA kernels. "
+              "Run it on a machine with an NVIDIA GPU (Hopper for the Mosaic GPU kernels) and jax[cuda12] "
+              "installed, or add --interpret to check the plumbing on CPU (its timings mean nothing).",
+              file=sys.stderr)
+        return 1
     records = []
     for shape in shapes:   # rewrite the files after every shape: a run cut short keeps its rows
         records += w4a16.run((shape,), ms, schemes, impls=tuple(args.impls.split(",")),
