@@ -167,11 +167,25 @@ def test_v1_zero_point_zero_round_trips():
     chex.assert_trees_all_equal(from_checkpoint(v1, "gptq", sym=False, dtype=jnp.float32), qt)
 
 
-def test_gptq_float32_scales_stored_as_float16():
+def test_gptq_float32_scales_are_refused_unless_lossy():
     qt = _qt("uint4", scale_dtype=jnp.float32)
-    tensors = to_checkpoint(qt, "gptq")
-    assert tensors["scales"].dtype == np.float16
-    np.testing.assert_array_equal(tensors["scales"], np.asarray(qt.scale).T.astype(np.float16))
+    for layout in ("gptq", "awq"):
+        with pytest.raises(ValueError, match=rf"{layout}: tensor 'scales' \(float32 QTensor scales stored as "
+                                             r"float16\) changes \d+ of 64 values, by up to .*scale_dtype=jnp.float16"):
+            to_checkpoint(qt, layout)
+        with pytest.warns(UserWarning, match=rf"{layout}: tensor 'scales'.*lossy=True"):
+            tensors = to_checkpoint(qt, layout, lossy=True)
+        assert tensors["scales"].dtype == np.float16
+        np.testing.assert_array_equal(tensors["scales"], np.asarray(qt.scale).T.astype(np.float16))
+    # float32 scales that float16 holds exactly (powers of two, -0.0, zero, NaN) store silently.
+    exact = qt.replace(scale=jnp.asarray(np.array([2.0 ** -14, -0.0, 0.0, np.nan] * 16, np.float32).reshape(32, 2)))
+    np.testing.assert_array_equal(to_checkpoint(exact, "gptq")["scales"], np.asarray(exact.scale).T.astype(np.float16))
+    tiny = exact.replace(scale=exact.scale.at[0, 0].set(2.0 ** -25))  # below float16's smallest subnormal
+    with pytest.raises(ValueError, match="changes 1 of 64 values"):
+        to_checkpoint(tiny, "gptq")
+    huge = exact.replace(scale=exact.scale.at[0, 0].set(65520.0))  # rounds to inf
+    with pytest.raises(ValueError, match="by up to inf"):
+        to_checkpoint(huge, "gptq")
 
 
 def test_per_channel_and_bfloat16_scales():

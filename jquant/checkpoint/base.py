@@ -5,11 +5,17 @@ A layout name may have variants (``"compressed-tensors"`` stores int4 as ``pack-
 ``"<layout>/<variant>"`` with the QTensor formats it writes and, optionally, a ``detect(tensors)``
 that recognises its tensors; ``to_checkpoint(qt, "<layout>")`` then picks the variant by ``qt.fmt``
 and ``from_checkpoint(tensors, "<layout>")`` by ``variant=`` or by detection.
+
+Exports are exact: a layout whose storage dtypes cannot hold the QTensor's values (GPTQ's float16
+scales of float32 ones, NVFP4's per-tensor scale as the other convention's reciprocal) raises a
+ValueError naming the tensor, the dtypes, the largest change and how to quantize for it; such a layout
+registers ``rounds=True`` and its export takes ``lossy=True`` to round anyway, with a warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -24,13 +30,14 @@ class Layout:
     from_fn: Callable[..., QTensor]
     fmts: tuple[str, ...] = ()
     detect: Callable[[dict], bool] | None = None
+    rounds: bool = False  # to_fn takes lossy= (its storage dtypes may not hold every QTensor exactly)
 
 
 _LAYOUTS: dict[str, Layout] = {}
 
 
-def register_layout(name: str, to_fn, from_fn, fmts=(), detect=None) -> None:
-    _LAYOUTS[name] = Layout(name, to_fn, from_fn, tuple(fmts), detect)
+def register_layout(name: str, to_fn, from_fn, fmts=(), detect=None, rounds: bool = False) -> None:
+    _LAYOUTS[name] = Layout(name, to_fn, from_fn, tuple(fmts), detect, rounds)
 
 
 def layouts() -> tuple[str, ...]:
@@ -48,10 +55,12 @@ def _variants(layout: str) -> list[Layout]:
     return found
 
 
-def to_checkpoint(qt: QTensor, layout: str, **options) -> dict[str, np.ndarray]:
+def to_checkpoint(qt: QTensor, layout: str, *, lossy: bool = False, **options) -> dict[str, np.ndarray]:
     """Tensors (name → numpy array, names without the module prefix) as ``layout`` stores ``qt``.
 
     ``qt`` is a weight in PyTorch orientation ``[N, K]`` (out_features, in_features) quantized along K.
+    A ValueError says when ``layout`` cannot store ``qt`` exactly; ``lossy=True`` rounds it instead
+    (with a warning).
     """
     if not isinstance(qt, QTensor):
         raise TypeError(f"to_checkpoint expects a QTensor, got {type(qt).__name__}")
@@ -61,7 +70,9 @@ def to_checkpoint(qt: QTensor, layout: str, **options) -> dict[str, np.ndarray]:
         if not variants:
             raise ValueError(f"layout {layout!r} cannot store QTensor.fmt={qt.fmt!r}; it stores "
                              f"{sorted({f for v in _variants(layout) for f in v.fmts})}")
-    return variants[0].to_fn(qt, **options)
+    if not isinstance(lossy, bool):
+        raise TypeError(f"to_checkpoint: lossy must be a bool, got {lossy!r}")
+    return variants[0].to_fn(qt, lossy=lossy, **options) if variants[0].rounds else variants[0].to_fn(qt, **options)
 
 
 def from_checkpoint(tensors: dict[str, np.ndarray], layout: str, variant: str | None = None,
@@ -83,3 +94,21 @@ def require(tensors: dict, names, layout: str) -> None:
     missing = [n for n in names if n not in tensors]
     if missing:
         raise ValueError(f"{layout} checkpoint is missing tensor(s) {missing}; got {sorted(tensors)}")
+
+
+def check_exact(original, stored, *, what: str, layout: str, fix: str, lossy: bool) -> None:
+    """Raises a ValueError (warns, with ``lossy``) when ``stored`` differs from ``original`` anywhere.
+
+    ``what`` names the tensor and its dtypes, ``fix`` says how to quantize for ``layout``; NaNs match NaNs.
+    """
+    a, b = np.asarray(original, np.float64), np.asarray(stored, np.float64)
+    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    if np.all(same):
+        return
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(a - b)[~same]
+    error = np.nanmax(diff) if np.any(~np.isnan(diff)) else np.nan
+    message = (f"{layout}: {what} changes {int(np.sum(~same))} of {same.size} values, by up to {error:.3g}")
+    if not lossy:
+        raise ValueError(f"{message}; {fix}, or pass lossy=True to round them")
+    warnings.warn(f"{message} (lossy=True)", stacklevel=5)  # the caller of to_checkpoint

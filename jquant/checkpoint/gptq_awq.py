@@ -17,13 +17,19 @@ three words), scales, and zero points; symmetric ``int*`` tensors store the zero
   ``scales`` ``[K/G, N]``.
 * ``compressed-tensors/pack-quantized`` (4 and 8 bits): ``weight_packed`` int32 ``[N, ⌈K·b/32⌉]``
   (packed along K), ``weight_scale`` ``[N, K/G]`` in the QTensor's scale dtype, ``weight_shape`` int64
-  ``[N, K]`` and, for ``uint*``, ``weight_zero_point`` int32 ``[⌈N·b/32⌉, K/G]`` (packed along N).
-  compressed-tensors keeps signed codes and adds ``2**(b-1)`` when packing, which is exactly the
-  stored unsigned code here.
+  ``[N, K]``, for ``uint*`` ``weight_zero_point`` int32 ``[⌈N·b/32⌉, K/G]`` (packed along N) and, for
+  act-order (``actorder: "group"``), ``weight_g_idx`` int32 ``[K]``, GPTQ's ``g_idx``: it is read
+  whenever present, so loading needs nothing from the config. compressed-tensors keeps signed codes
+  and adds ``2**(b-1)`` when packing, which is exactly the stored unsigned code here.
+
+Exports are exact: GPTQ/AWQ scales that float16 cannot hold exactly (float32 scales in general)
+raise a ValueError naming the tensor and the error, unless ``lossy=True`` asks to round them (with a
+warning); quantize with ``scale_dtype=jnp.float16`` (the gptq and awq schemes do) to export as is.
 
 ``from_checkpoint`` takes ``sym`` (None: GPTQ/AWQ infer it from all zero points being ``2**(b-1)``,
 compressed-tensors from ``weight_zero_point`` being absent), ``bits`` and ``group_size`` (inferred from
-the shapes when None, checked when given) and ``dtype`` (the logical dtype; default: the scales').
+the shapes when None, checked when given) and ``dtype`` (the logical dtype ``QTensor.dtype``; default
+float32 whatever the stored scales' dtype).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jquant.checkpoint.base import register_layout, require
+from jquant.checkpoint.base import check_exact, register_layout, require
 from jquant.formats.integer import int_format, parse_int_format
 from jquant.formats.packing import bytes_to_int32, codes_per_group, int32_to_bytes, pack_bits, unpack_bits
 from jquant.qtensor import QTensor
@@ -94,10 +100,17 @@ def _unsigned_codes(qt: QTensor, bits: int) -> np.ndarray:
     return data if qt.pack_axis is None else np.asarray(unpack_bits(data, bits, qt.pack_axis))
 
 
-def _store_scale_16(scale) -> np.ndarray:
-    """GPTQ/AWQ scales: float16 (gptqmodel casts float32 scales to float16), bfloat16 kept."""
-    scale = np.asarray(scale)
-    return scale if scale.dtype in (np.float16, jnp.bfloat16) else scale.astype(np.float16)
+def _store_scale_16(qt: QTensor, layout: str, lossy: bool) -> np.ndarray:
+    """GPTQ/AWQ scales [N, K/G]: float16 (gptqmodel casts float32 scales to float16), bfloat16 kept."""
+    scale = np.asarray(qt.scale)
+    if scale.dtype in (np.float16, jnp.bfloat16):
+        return scale
+    with np.errstate(over="ignore"):  # overflow to inf is reported by check_exact
+        stored = scale.astype(np.float16)
+    check_exact(scale, stored, what=f"tensor 'scales' ({scale.dtype} QTensor scales stored as float16)",
+                layout=layout, lossy=lossy,
+                fix=f"quantize with scale_dtype=jnp.float16 (as the {layout} schemes do)")
+    return stored
 
 
 def _tensor(tensors: dict, name: str, layout: str, shape=None, kind: str = "int32") -> np.ndarray:
@@ -129,6 +142,15 @@ def _group_size(k: int, groups: int, group_size, layout: str, scales_name: str) 
     return g
 
 
+def _group_index(g_idx: np.ndarray | None, k: int, groups: int, group: int, layout: str, name: str):
+    """An act-order ``g_idx`` as ``QTensor.group_index``; None when absent or ``i // G`` (no act-order)."""
+    if g_idx is None or np.array_equal(g_idx, np.arange(k) // group):
+        return None
+    if g_idx.min() < 0 or g_idx.max() >= groups:
+        raise ValueError(f"{layout}: {name} values must lie in [0, {groups}), got [{g_idx.min()}, {g_idx.max()}]")
+    return g_idx
+
+
 def _is_symmetric(zeros: np.ndarray, bits: int, sym, layout: str) -> bool:
     all_mid = bool(np.all(zeros == 2 ** (bits - 1)))
     if sym and not all_mid:
@@ -143,8 +165,7 @@ def _qtensor(codes_nk, zeros_ngroups, scales_ngroups, bits, symmetric, group, dt
     return QTensor(data=jnp.asarray(data), scale=jnp.asarray(scales_ngroups),
                    zero=None if symmetric else jnp.asarray(zeros_ngroups, jnp.uint8),
                    group_index=None if group_index is None else jnp.asarray(group_index, jnp.int32),
-                   fmt=int_format(bits, symmetric), shape=(n, k),
-                   dtype=scales_ngroups.dtype if dtype is None else dtype,
+                   fmt=int_format(bits, symmetric), shape=(n, k), dtype=dtype,
                    block=(1, group), pack_axis=None if bits == 8 else 1)
 
 
@@ -154,7 +175,8 @@ def _check_checkpoint_format(checkpoint_format):
         raise ValueError(f"checkpoint_format must be one of {GPTQ_CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
 
 
-def gptq_to_checkpoint(qt: QTensor, checkpoint_format: str = "gptq", desc_act: bool | None = None):
+def gptq_to_checkpoint(qt: QTensor, checkpoint_format: str = "gptq", desc_act: bool | None = None,
+                       lossy: bool = False):
     _check_checkpoint_format(checkpoint_format)
     bits, _, n, k, group = _check_qtensor(qt, "gptq", GPTQ_BITS)
     if k * bits % 32:
@@ -168,7 +190,7 @@ def gptq_to_checkpoint(qt: QTensor, checkpoint_format: str = "gptq", desc_act: b
     return {
         "qweight": np.ascontiguousarray(_codes_to_words(_unsigned_codes(qt, bits).T, bits, axis=0)),
         "qzeros": _codes_to_words(np.ascontiguousarray(zeros.T).astype(np.uint8), bits, axis=1),
-        "scales": np.ascontiguousarray(_store_scale_16(qt.scale).T),
+        "scales": np.ascontiguousarray(_store_scale_16(qt, "gptq", lossy).T),
         "g_idx": np.asarray(g_idx, np.int32),
     }
 
@@ -186,7 +208,7 @@ def _infer_gptq_bits(qweight, qzeros, n, k, layout):
 
 def gptq_from_checkpoint(tensors: dict, checkpoint_format: str = "gptq", sym: bool | None = None,
                          bits: int | None = None, group_size: int | None = None, desc_act: bool | None = None,
-                         dtype=None) -> QTensor:
+                         dtype=jnp.float32) -> QTensor:
     layout = "gptq"
     _check_checkpoint_format(checkpoint_format)
     require(tensors, ("qweight", "qzeros", "scales"), layout)
@@ -204,13 +226,9 @@ def gptq_from_checkpoint(tensors: dict, checkpoint_format: str = "gptq", sym: bo
     group = _group_size(k, groups, group_size, layout, "scales")
     _tensor(tensors, "qweight", layout, (k * bits // 32, n))
     _tensor(tensors, "qzeros", layout, (groups, -(-n * bits // 32)))
-    group_index = None
-    if g_idx is not None and not np.array_equal(g_idx, np.arange(k) // group):
-        if g_idx.min() < 0 or g_idx.max() >= groups:
-            raise ValueError(f"{layout}: g_idx values must lie in [0, {groups}), got [{g_idx.min()}, {g_idx.max()}]")
-        if desc_act is False:
-            raise ValueError(f"{layout}: desc_act=False, but g_idx is not i // {group} (act-order)")
-        group_index = g_idx
+    group_index = _group_index(g_idx, k, groups, group, layout, "g_idx")
+    if group_index is not None and desc_act is False:
+        raise ValueError(f"{layout}: desc_act=False, but g_idx is not i // {group} (act-order)")
     zeros = _words_to_codes(qzeros, bits, n, axis=1)
     if checkpoint_format == "gptq":
         zeros = ((zeros.astype(np.int32) + 1) % 2 ** bits).astype(np.uint8)
@@ -230,7 +248,7 @@ def _awq_deinterleave(codes_kn: np.ndarray) -> np.ndarray:
     return codes_kn.reshape(rows, n // 8, 8)[..., AWQ_REVERSE_ORDER].reshape(rows, n)
 
 
-def awq_to_checkpoint(qt: QTensor) -> dict[str, np.ndarray]:
+def awq_to_checkpoint(qt: QTensor, lossy: bool = False) -> dict[str, np.ndarray]:
     _, _, n, _, _ = _check_qtensor(qt, "awq", (4,))
     if n % 8:
         raise ValueError(f"awq: N={n} (out_features) must be a multiple of 8")
@@ -239,12 +257,12 @@ def awq_to_checkpoint(qt: QTensor) -> dict[str, np.ndarray]:
     return {
         "qweight": _codes_to_words(_awq_interleave(_unsigned_codes(qt, 4).T), 4, axis=1),
         "qzeros": _codes_to_words(_awq_interleave(np.ascontiguousarray(_zero_codes(qt, 4).T)), 4, axis=1),
-        "scales": np.ascontiguousarray(_store_scale_16(qt.scale).T),
+        "scales": np.ascontiguousarray(_store_scale_16(qt, "awq", lossy).T),
     }
 
 
 def awq_from_checkpoint(tensors: dict, sym: bool | None = None, group_size: int | None = None,
-                        dtype=None) -> QTensor:
+                        dtype=jnp.float32) -> QTensor:
     layout = "awq"
     require(tensors, ("qweight", "qzeros", "scales"), layout)
     scales = _matrix(tensors, "scales", layout, kind="float")
@@ -264,18 +282,18 @@ def awq_from_checkpoint(tensors: dict, sym: bool | None = None, group_size: int 
 # ---- compressed-tensors pack-quantized -------------------------------------------------------------
 def ct_to_checkpoint(qt: QTensor) -> dict[str, np.ndarray]:
     bits, symmetric, n, k, _ = _check_qtensor(qt, CT_LAYOUT, CT_BITS)
-    if qt.group_index is not None:
-        raise ValueError(f"{CT_LAYOUT} cannot store an act-order group_index")
     out = {"weight_packed": _codes_to_words(_unsigned_codes(qt, bits), bits, axis=1),
            "weight_scale": np.asarray(qt.scale),
            "weight_shape": np.array([n, k], np.int64)}
     if not symmetric:
         out["weight_zero_point"] = _codes_to_words(np.asarray(qt.zero, np.uint8), bits, axis=0)
+    if qt.group_index is not None:
+        out["weight_g_idx"] = np.asarray(qt.group_index, np.int32)
     return out
 
 
 def ct_from_checkpoint(tensors: dict, sym: bool | None = None, bits: int | None = None,
-                       group_size: int | None = None, dtype=None) -> QTensor:
+                       group_size: int | None = None, dtype=jnp.float32) -> QTensor:
     layout = CT_LAYOUT
     require(tensors, ("weight_packed", "weight_scale", "weight_shape"), layout)
     n, k = (int(d) for d in _tensor(tensors, "weight_shape", layout, (2,), kind="int"))
@@ -303,13 +321,15 @@ def ct_from_checkpoint(tensors: dict, sym: bool | None = None, bits: int | None 
         raise ValueError(f"{layout}: sym=False but the checkpoint has no 'weight_zero_point'")
     else:
         zeros, symmetric = None, True
-    return _qtensor(codes, zeros, scales, bits, symmetric, group, dtype)
+    g_idx = _tensor(tensors, "weight_g_idx", layout, (k,), kind="int") if "weight_g_idx" in tensors else None
+    group_index = _group_index(g_idx, k, groups, group, layout, "weight_g_idx")
+    return _qtensor(codes, zeros, scales, bits, symmetric, group, dtype, group_index)
 
 
 def ct_detect(tensors: dict) -> bool:
     return "weight_packed" in tensors and np.asarray(tensors["weight_packed"]).dtype == np.int32
 
 
-register_layout("gptq", gptq_to_checkpoint, gptq_from_checkpoint, fmts=_fmts(GPTQ_BITS))
-register_layout("awq", awq_to_checkpoint, awq_from_checkpoint, fmts=_fmts((4,)))
+register_layout("gptq", gptq_to_checkpoint, gptq_from_checkpoint, fmts=_fmts(GPTQ_BITS), rounds=True)
+register_layout("awq", awq_to_checkpoint, awq_from_checkpoint, fmts=_fmts((4,)), rounds=True)
 register_layout(CT_LAYOUT, ct_to_checkpoint, ct_from_checkpoint, fmts=_fmts(CT_BITS), detect=ct_detect)
