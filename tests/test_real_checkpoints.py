@@ -79,6 +79,22 @@ def _cases(kind):
     return [name for name, k in CHECKPOINTS.items() if k == kind]
 
 
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+def test_all_zero_channel_and_groups_stay_zero(name):
+    """The base model has an all-zero output channel (layer 0 q_proj row 5: a zero per-channel scale)
+    and zero groups (layer 1 down_proj row 3, inputs 128..255). Every tool keeps the channel zero, and
+    the nearest-value quantizers (bitsandbytes, AWQ, FP8) the groups too (GPTQ spreads the rounding error
+    of earlier inputs into them); the loaded weights must agree (a 0/0 scale would give NaN)."""
+    _, _, _, params = _load(name)
+    q = np.asarray(params["layers_0"]["q_proj"]["kernel"].qtensor.dequantize(jnp.float32))
+    down = np.asarray(params["layers_1"]["down_proj"]["kernel"].qtensor.dequantize(jnp.float32))
+    assert np.isfinite(q).all() and np.isfinite(down).all()
+    np.testing.assert_array_equal(q[5], 0.0)
+    if "gptq" not in name:
+        np.testing.assert_array_equal(down[3, 128:256], 0.0)
+    assert np.count_nonzero(q[4]) > 128 and np.count_nonzero(down[3, :128]) > 64  # the rest is not zero
+
+
 def test_every_committed_checkpoint_is_tested():
     assert sorted(p.name for p in REAL.iterdir() if p.is_dir()) == sorted(CHECKPOINTS)
 

@@ -29,6 +29,11 @@ def main():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
+        layers = model.model.layers
+        layers[0].self_attn.q_proj.weight[5] = 0.0  # an all-zero output channel: zero per-channel scale
+        layers[1].mlp.down_proj.weight[3, 128:256] = 0.0  # all-zero groups of 64 and 128, bnb blocks of 64
+        layers[1].mlp.down_proj.weight[3, 130] = -0.0
+        layers[1].mlp.up_proj.weight[7, 11] = 1.0  # an outlier 20x the typical magnitude sets its group's scale
     model.save_pretrained(_common.BASE)
     _common.word_tokenizer().save_pretrained(_common.BASE)
     print("wrote", _common.BASE)
