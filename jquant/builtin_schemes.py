@@ -40,16 +40,19 @@ def fp8_tensor(*, static_activations: bool = False, weight_only: bool = False, e
     )
 
 
-def fp8_channel(*, weight_only: bool = False, element: str = "fp8_e4m3", layout: str | None = "fp8") -> Scheme:
-    """FP8 weights with a scale per output channel; activations FP8 with a scale per token."""
+def fp8_channel(*, weight_only: bool = False, static_activations: bool = False, element: str = "fp8_e4m3",
+                layout: str | None = "fp8") -> Scheme:
+    """FP8 weights with a scale per output channel; activations FP8 with a scale per token (or one static,
+    calibrated per-tensor scale: compressed-tensors W8A8 with static input activations)."""
+    activation = "none" if weight_only else ("static" if static_activations else "dynamic_per_token")
     return Scheme(
-        name=f"{element}_channel" + ("_w_only" if weight_only else ""),
+        name=f"{element}_channel" + ("_static" if static_activations else "") + ("_w_only" if weight_only else ""),
         weight_format=element, weight_options={"granularity": "channel"},
-        activation="none" if weight_only else "dynamic_per_token",
-        activation_options={} if weight_only else {"format": element},
+        activation=activation, activation_options={} if weight_only else {"format": element},
         min_capability=FP8_CAPABILITY, checkpoint_layout=layout,
         description="FP8 weights per output channel; " + ("bf16 activations" if weight_only else
-                                                          "dynamic per-token FP8 activations"),
+                                                          "static per-tensor FP8 activations" if static_activations
+                                                          else "dynamic per-token FP8 activations"),
     )
 
 

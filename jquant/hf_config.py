@@ -140,7 +140,11 @@ def _compressed_tensors(cfg: dict) -> Scheme:
         if strategy not in ("tensor", "channel"):
             raise ValueError(f"{wwhere}['strategy'] must be 'tensor', 'channel' or 'block', got {strategy!r}")
         if acts is not None and not _get(acts, "dynamic", (bool, str), True, where=where + "['input_activations']"):
-            return bs.fp8_tensor(static_activations=True, layout="compressed-tensors")
+            if act_strategy != "tensor":
+                raise ValueError(f"{where}['input_activations']: static activation scales must be per tensor "
+                                 f"(strategy 'tensor'), got {act_strategy!r}")
+            static = bs.fp8_channel if strategy == "channel" else bs.fp8_tensor
+            return static(static_activations=True, layout="compressed-tensors")
         if strategy == "channel" or act_strategy == "token":
             return bs.fp8_channel(layout="compressed-tensors", weight_only=acts is None)
         return bs.fp8_tensor(layout="compressed-tensors", weight_only=acts is None)

@@ -113,6 +113,10 @@ STATIC = {
         "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
                     "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
                                           "dynamic": False}}}},
+    "ct_static_channel": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                          "dynamic": False}}}},
 }
 FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
@@ -130,12 +134,12 @@ def _calibrated(params, config):
 
 
 def _vllm_static_linear(x, qt, input_scale):
-    """vLLM's static per-tensor FP8 linear, in numpy: e4m3 codes sat(x · (1/s)), then
-    (codes · W_codesᵀ) · s · w_scale, accumulated in float64."""
+    """vLLM's static FP8 linear, in numpy: e4m3 codes sat(x · (1/s)) with the per-tensor input scale s,
+    then (codes · W_codesᵀ) · s · w_scale (per tensor or per output channel), accumulated in float64."""
     codes = np.clip(np.asarray(x, np.float32) * (np.float32(1) / np.float32(input_scale)), -448, 448)
     codes = codes.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
     w = np.asarray(qt.data).astype(np.float64)
-    return codes @ w.T * float(input_scale) * float(np.asarray(qt.scale, np.float64).reshape(()))
+    return codes @ w.T * float(input_scale) * np.asarray(qt.scale, np.float64).reshape(1, -1)
 
 
 @pytest.mark.parametrize("name", sorted(STATIC))
@@ -151,6 +155,9 @@ def test_static_fp8_checkpoint_forward_follows_vllm(tmp_path, tiny, name):
         stored = {k: v.astype(ml_dtypes.bfloat16) if k.endswith("input_scale") else v for k, v in stored.items()}
         save_file(stored, str(tmp_path / "model.safetensors"))
     loaded = load_hf_checkpoint(tmp_path, params)
+    granularity = "channel" if name.endswith("channel") else "tensor"
+    qt = loaded["layers_0"]["q_proj"]["kernel"].qtensor
+    assert qt.block[0] == (1 if granularity == "channel" else qt.shape[0])
 
     x = jax.random.normal(jax.random.key(7), (5, CONFIG.hidden_size), jnp.float32) * 0.3
     x = x.at[0, :3].set(jnp.array([30.0, -30.0, -0.0]))  # saturates at ±448 for the smaller scales

@@ -170,3 +170,20 @@ def test_skipped_modules_match_like_vllm(config, skipped):
 def test_bad_skip_lists(config, match):
     with pytest.raises(ValueError, match=match):
         jquant.hf_config.skipped_modules(config)
+
+
+def _ct_static(weight_strategy, act_strategy="tensor"):
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": weight_strategy},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": act_strategy, "dynamic": False}}}}
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel"])
+def test_compressed_tensors_static_input_keeps_the_weight_granularity(strategy):
+    s = scheme_from_config(_ct_static(strategy))
+    assert s.activation == "static" and dict(s.weight_options)["granularity"] == strategy
+
+
+def test_compressed_tensors_static_input_must_be_per_tensor():
+    with pytest.raises(ValueError, match="static activation scales must be per tensor"):
+        scheme_from_config(_ct_static("channel", "token"))

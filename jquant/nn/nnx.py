@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 from flax import nnx
@@ -25,8 +25,8 @@ class QLinear(nnx.Module):
         return self.qkernel.get_value().apply(x, bias)
 
 
-def quantize_nnx(model: nnx.Module, rules, *, skip: Sequence[str] = DEFAULT_SKIP, prepare: bool = True,
-                 strict: bool = True):
+def quantize_nnx(model: nnx.Module, rules, *, skip: Sequence[str | Callable[[str], bool]] = DEFAULT_SKIP,
+                 prepare: bool = True, strict: bool = True):
     """Replaces, in place, every ``nnx.Linear`` whose ``<path>/kernel`` a rule quantizes by a ``QLinear``.
 
     Returns the report of ``quantize_params`` (paths like ``layers/0/q_proj/kernel``).
