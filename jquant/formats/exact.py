@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -25,9 +26,137 @@ def exact_divide(numerator: jax.Array, denominator) -> jax.Array:
 def round_to_precision(values: jax.Array, dtype) -> jax.Array:
     """float32 ``values`` rounded (half to even) to ``dtype``'s precision and range, kept as float32.
 
-    This is PyTorch's bf16/fp16 op semantics: compute in float32, round the result to the dtype.
+    This is PyTorch's bf16/fp16 op semantics: compute in float32, round the result to the dtype. Its
+    bfloat16 conversion also makes every NaN the positive quiet NaN 0x7FC0 (float16 keeps the sign).
     """
     if jnp.dtype(dtype) == jnp.float32:
         return values
     info = jnp.finfo(dtype)
-    return lax.reduce_precision(values, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    rounded = lax.reduce_precision(values, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        rounded = jnp.where(jnp.isnan(rounded), jnp.asarray(np.nan, rounded.dtype), rounded)
+    return rounded
+
+
+# ---- magnitudes below float32's normal range ------------------------------------------------------
+#
+# XLA on CPU and GPU flushes float32 subnormals to zero, on input and output of every arithmetic op,
+# where PyTorch and numpy keep them. A block whose amax is under ``TINY`` is therefore computed
+# "lifted": every value times 2**LIFT (exactly, from the bits), so inputs, amax and quotients are all
+# normal floats; quotients are invariant under the lift, and a scale that is subnormal in the true
+# domain is rounded to that grid with integer arithmetic (``unlift_quotient``), as IEEE would.
+TINY = 2.0 ** -60
+LIFT = 64
+
+
+def float_bits(values: jax.Array) -> jax.Array:
+    """The int32 bit patterns of float32 ``values`` (no arithmetic, so nothing is flushed)."""
+    return lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32)
+
+
+def bits_float(bits: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(bits.astype(jnp.int32), jnp.float32)
+
+
+def exact_abs_max(values: jax.Array, axis) -> jax.Array:
+    """Max |values| over ``axis`` from the bit patterns: exact for subnormals, NaN if any is NaN
+    (NaN patterns sort above Inf), whatever XLA's float reductions do with either."""
+    return bits_float(jnp.max(float_bits(values) & 0x7FFFFFFF, axis=axis))
+
+
+def is_tiny(amax: jax.Array) -> jax.Array:
+    """True where an (exact, from ``exact_abs_max``) amax is under ``TINY`` (0 included)."""
+    return (float_bits(amax) & 0x7FFFFFFF) < float_bits(jnp.float32(TINY))
+
+
+def lift(values: jax.Array, tiny: jax.Array) -> jax.Array:
+    """float32 ``values`` times 2**LIFT where ``tiny`` (broadcast), exactly, subnormals included."""
+    values = values.astype(jnp.float32)
+    bits = float_bits(values)
+    subnormal = (bits & 0x7F800000) == 0
+    # mantissa · 2**(LIFT-149): an integer under 2**23 times a normal power of two, both exact.
+    from_subnormal = (bits & 0x7FFFFF).astype(jnp.float32) * jnp.float32(2.0 ** (LIFT - 149))
+    from_subnormal = jnp.where(bits < 0, -from_subnormal, from_subnormal)
+    lifted = jnp.where(subnormal, from_subnormal, values * jnp.float32(2.0 ** LIFT))
+    return jnp.where(tiny, lifted, values)
+
+
+def _odd_times_pow2(divisor: float) -> tuple[int, int]:
+    """``divisor = c · 2**j`` with odd integer ``c < 256`` (every divisor the formats use)."""
+    mantissa, exponent = np.frexp(np.float64(divisor))
+    c, j = int(mantissa * 2 ** 53), int(exponent) - 53
+    while c % 2 == 0:
+        c, j = c // 2, j + 1
+    if c >= 256:
+        raise ValueError(f"divisor {divisor} is not a small odd integer times a power of two")
+    return c, j
+
+
+def unlift_quotient(numerator: jax.Array, divisor: float, tiny: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(true, lifted) float32 ``numerator / divisor`` of a lifted ``numerator`` (``tiny`` marks the lifted
+    entries): the true quotient correctly rounded, subnormal ones included (as float32 bit patterns
+    XLA would flush in arithmetic), and that same value times 2**LIFT for computing with.
+
+    A subnormal quotient is ``round(M · 2**t / c)`` units of 2**-149 for the numerator's 24-bit
+    significand ``M`` and ``divisor = c · 2**j``: integer division with the remainder deciding the
+    rounding (half to even), since rounding the float quotient again would round twice.
+    """
+    numerator = numerator.astype(jnp.float32)
+    quotient = exact_divide(numerator, divisor)  # normal ones: the true quotient times 2**LIFT
+    subnormal = tiny & (quotient < jnp.float32(2.0 ** (LIFT - 126)))
+    c, j = _odd_times_pow2(divisor)
+    bits = float_bits(numerator) & 0x7FFFFFFF
+    significand = ((bits & 0x7FFFFF) | 0x800000).astype(jnp.uint32)
+    t = ((bits >> 23) - 1 - LIFT - j).astype(jnp.int32)
+    # t >= 0: N = M << t < c · 2**23 < 2**31 wherever the quotient is subnormal.
+    n = significand << jnp.clip(t, 0, 31).astype(jnp.uint32)
+    q_up, r_up = n // c, n % c
+    up_units = q_up + (2 * r_up > c).astype(jnp.uint32)
+    # t < 0: divide M by D = c << -t; beyond -t = 24 the quotient is under 1/2 a unit, so 0.
+    d = jnp.uint32(c) << jnp.clip(-t, 0, 24).astype(jnp.uint32)
+    q_dn, r_dn = significand // d, significand % d
+    half = (r_dn > d - r_dn) | ((r_dn == d - r_dn) & (q_dn % 2 == 1))
+    down_units = jnp.where(-t > 24, jnp.uint32(0), q_dn + half.astype(jnp.uint32))
+    units = jnp.where(bits == 0, jnp.uint32(0), jnp.where(t >= 0, up_units, down_units))
+    units_lifted = units.astype(jnp.float32) * jnp.float32(2.0 ** (LIFT - 149))
+    true = jnp.where(subnormal, bits_float(units.astype(jnp.int32)),
+                     jnp.where(tiny, quotient * jnp.float32(2.0 ** -LIFT), quotient))
+    true = jnp.where(jnp.isnan(quotient), quotient, true)
+    return true, jnp.where(subnormal, units_lifted, quotient)
+
+
+def unlift_exact(lifted: jax.Array, tiny: jax.Array) -> jax.Array:
+    """The true float32 of a lifted value representable in the true domain (a power of two ≥ 2**-149,
+    or a subnormal scale): ``lifted · 2**-LIFT`` as bits, subnormal results included."""
+    normal = lifted * jnp.float32(2.0 ** -LIFT)
+    units = (lifted * jnp.float32(2.0 ** (149 - LIFT))).astype(jnp.int32)
+    small = tiny & (jnp.abs(lifted) < jnp.float32(2.0 ** (LIFT - 126)))
+    return jnp.where(small, bits_float(units), jnp.where(tiny, normal, lifted))
+
+
+def bfloat16_bits_exact(values: jax.Array) -> jax.Array:
+    """float32 ``values`` rounded (half to even) to bfloat16 on the bits, subnormals kept (XLA's cast
+    would flush them); every NaN becomes 0x7FC0, as PyTorch's conversion makes it."""
+    bits = float_bits(values)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = jnp.where(jnp.isnan(values), 0x7FC0, rounded)
+    return lax.bitcast_convert_type(rounded.astype(jnp.uint16), jnp.bfloat16)
+
+
+def to_float32_exact(values: jax.Array) -> jax.Array:
+    """``values`` as float32 without flushing: bfloat16 by its bits, other dtypes by XLA's cast."""
+    if values.dtype == jnp.bfloat16:
+        widened = lax.bitcast_convert_type(values, jnp.uint16).astype(jnp.int32) << 16
+        return bits_float(widened)
+    return values.astype(jnp.float32)
+
+
+def store_exact(values: jax.Array, dtype) -> jax.Array:
+    """float32 ``values`` (subnormals as bit patterns) in ``dtype`` without XLA's flush to zero."""
+    dtype = jnp.dtype(dtype)
+    values = to_float32_exact(values)
+    if dtype == jnp.float32:
+        return values
+    if dtype == jnp.bfloat16:
+        return bfloat16_bits_exact(values)
+    return values.astype(dtype)  # float16 / fp8 ranges end far above float32's subnormals

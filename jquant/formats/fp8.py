@@ -31,10 +31,13 @@ unaffected), exactly as torchao, compressed-tensors and vLLM do.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
-from jquant.formats.base import register_quantizer
-from jquant.formats.exact import exact_divide, round_to_precision
-from jquant.formats.blocking import block_amax, check_float_input, group_block, pad_to_blocks
+from jquant.formats.base import register_preset, register_quantizer
+from jquant.formats.blocking import (block_amax, block_axes, check_float_input, group_block, pad_to_blocks,
+                                     to_blocks)
+from jquant.formats.exact import (LIFT, exact_abs_max, exact_divide, is_tiny, lift, round_to_precision,
+                                  store_exact, to_float32_exact, unlift_exact, unlift_quotient)
 from jquant.qtensor import QTensor, expand_blocks, register_format
 
 FP8_DTYPES = {"fp8_e4m3": jnp.dtype(jnp.float8_e4m3fn), "fp8_e5m2": jnp.dtype(jnp.float8_e5m2)}
@@ -45,6 +48,7 @@ SCALE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float
 _MIN_SCALE_DIVISOR = 512.0
 # DeepSeek / vLLM per-token-group kernels clamp the group amax to this before dividing.
 _GROUP_AMAX_EPS = 1e-10
+CONVENTIONS = ("compressed-tensors", "torchao")
 
 
 def fp8_format(fmt) -> str:
@@ -67,9 +71,19 @@ def fp8_max(fmt: str) -> float:
 
 
 def saturating_cast(values: jnp.ndarray, fmt: str) -> jnp.ndarray:
-    """``values`` clipped to ±max of ``fmt`` then cast (round-to-nearest-even); NaN stays NaN."""
+    """``values`` clipped to ±max of ``fmt`` then cast (round-to-nearest-even); NaN stays NaN.
+
+    E5M2 has several NaN codes: like PyTorch's conversion, every NaN becomes ``sign | 0x7F`` (XLA's
+    cast keeps the top mantissa bits, 0x7E).
+    """
     limit = fp8_max(fmt)
-    return jnp.clip(values, -limit, limit).astype(FP8_DTYPES[fmt])
+    codes = jnp.clip(values, -limit, limit).astype(FP8_DTYPES[fmt])
+    if fmt != "fp8_e5m2":
+        return codes
+    negative = lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32) < 0
+    nan_code = jnp.where(negative, jnp.uint8(0xFF), jnp.uint8(0x7F))
+    bits = jnp.where(jnp.isnan(values), nan_code, lax.bitcast_convert_type(codes, jnp.uint8))
+    return lax.bitcast_convert_type(bits, FP8_DTYPES[fmt])
 
 
 def round_scale_up_to_pow2(scale: jnp.ndarray) -> jnp.ndarray:
@@ -88,7 +102,7 @@ def round_scale_up_to_pow2(scale: jnp.ndarray) -> jnp.ndarray:
 
 def quantize_fp8(x, fmt: str = "fp8_e4m3", *, granularity: str = "tensor", axis: int = -1,
                  block_size=(128, 128), ue8m0: bool = False, scale_dtype=jnp.float32,
-                 divide_dtype=None) -> QTensor:
+                 divide_dtype=None, convention: str = "compressed-tensors") -> QTensor:
     """Quantizes a weight to FP8 with one scale per tensor, per channel or per 2-D block.
 
     Args:
@@ -96,15 +110,21 @@ def quantize_fp8(x, fmt: str = "fp8_e4m3", *, granularity: str = "tensor", axis:
       fmt: ``"fp8_e4m3"`` or ``"fp8_e5m2"``.
       granularity: ``"tensor"``, ``"channel"`` (one scale per slice reduced along ``axis``: for a
         PyTorch ``[N, K]`` weight and ``axis=-1`` the ``[N, 1]`` per-output-channel scales) or
-        ``"block"`` (``block_size`` tiles over the last two axes, edge blocks padded).
+        ``"block"`` (``block_size`` tiles over the last two axes, edge blocks padded; ``(1, g)`` is
+        compressed-tensors' ``group`` strategy).
       axis: the reduced axis of ``"channel"``.
       block_size: ``(rows, cols)`` of a ``"block"`` tile.
       ue8m0: round every scale up to a power of two.
       scale_dtype: dtype the scales are stored in (float32, bfloat16, float16, or float8_e8m0fnu
-        with ``ue8m0``). Scales are computed in x's dtype, so storing them in it or wider is exact.
+        with ``ue8m0``); None: x's dtype (compressed-tensors). Scales are computed in x's dtype, so
+        storing them in it or wider is exact.
       divide_dtype: dtype ``x / s`` is rounded to before the FP8 cast. None: x's dtype, as
         compressed-tensors divides bf16 weights in bf16; ``jnp.float32``: torchao, which divides in
         fp32. Both agree for float32 inputs.
+      convention: ``"compressed-tensors"``: a zero scale becomes ``finfo(x.dtype).eps`` (all-zero
+        blocks give codes 0) and a zero quotient gets code +0 (it adds its float zero point 0.0, so
+        -0.0 stores 0x00); ``"torchao"``: a zero scale stays 0, so an all-zero block's codes are
+        0 / 0 = NaN as torchao stores them, and -0.0 stores -0 (0x80).
     """
     fmt = fp8_format(fmt)
     x = check_float_input(x, "x")
@@ -112,18 +132,37 @@ def quantize_fp8(x, fmt: str = "fp8_e4m3", *, granularity: str = "tensor", axis:
         raise ValueError(f"quantize_fp8: granularity must be one of {WEIGHT_GRANULARITIES} "
                          f"(activations: quantize_fp8_per_token / _per_token_group / _static), "
                          f"got {granularity!r}")
-    scale_dtype = _check_scale_dtype(scale_dtype, ue8m0)
+    if convention not in CONVENTIONS:
+        raise ValueError(f"quantize_fp8: convention must be one of {CONVENTIONS}, got {convention!r}")
+    scale_dtype = _check_scale_dtype(x.dtype if scale_dtype is None else scale_dtype, ue8m0)
     divide_dtype = x.dtype if divide_dtype is None else _check_float_dtype(divide_dtype, "divide_dtype")
     block = _weight_block(x.shape, granularity, axis, block_size)
-    amax = block_amax(pad_to_blocks(x, block), block)
-    scale = exact_divide(amax, fp8_max(fmt))
-    # compressed-tensors replaces a zero scale by its dtype's eps so all-zero blocks stay 0, not NaN.
-    scale = jnp.where(scale == 0, jnp.asarray(jnp.finfo(x.dtype).eps, x.dtype), scale)
+    padded = pad_to_blocks(x, block)
+    limit = fp8_max(fmt)
+    # Exact for amax down to the smallest subnormal, which XLA would flush (see exact.py); the scale is
+    # the float32 quotient rounded to x's dtype, as PyTorch divides bf16 / fp16 tensors.
+    amax = exact_abs_max(to_blocks(to_float32_exact(padded), block), block_axes(x.ndim))
+    tiny = is_tiny(amax)
+    scale, lifted = unlift_quotient(lift(amax, tiny), limit, tiny)
+    if x.dtype != jnp.float32:
+        scale = store_exact(scale, x.dtype)
+        lifted = lift(to_float32_exact(scale), tiny)
+    if convention == "compressed-tensors":
+        # A zero scale becomes its dtype's eps, so all-zero blocks stay 0, not NaN.
+        eps = jnp.asarray(jnp.finfo(x.dtype).eps, scale.dtype)
+        scale, lifted = (jnp.where(lifted == 0, eps, scale),
+                         jnp.where(lifted == 0, jnp.where(tiny, eps * 2.0 ** LIFT, eps), lifted))
     if ue8m0:
-        scale = round_scale_up_to_pow2(scale)
-    quotient = exact_divide(x.astype(jnp.float32), expand_blocks(scale.astype(jnp.float32), x.shape, block))
-    codes = saturating_cast(round_to_precision(quotient, divide_dtype), fmt)
-    return _qtensor(x, codes, scale.astype(scale_dtype), block, fmt, granularity)
+        lifted = round_scale_up_to_pow2(lifted).astype(scale.dtype)
+        scale = unlift_exact(lifted, tiny).astype(scale.dtype)
+    tiny_elements = expand_blocks(tiny, x.shape, block)
+    quotient = exact_divide(lift(to_float32_exact(x), tiny_elements),
+                            expand_blocks(lifted.astype(jnp.float32), x.shape, block))
+    quotient = round_to_precision(quotient, divide_dtype)
+    if convention == "compressed-tensors":
+        quotient = jnp.where(quotient == 0, 0.0, quotient)  # x / s + 0.0: -0.0 becomes +0.0
+    codes = saturating_cast(quotient, fmt)
+    return _qtensor(x, codes, store_exact(scale, scale_dtype), block, fmt, granularity)
 
 
 def _weight_block(shape, granularity, axis, block_size) -> tuple[int, ...]:
@@ -266,7 +305,14 @@ def _quantize_registered(fmt):
     return quantize
 
 
+# Weight presets (tensor / channel / block granularities): torchao divides in float32 and keeps zero
+# scales; compressed-tensors (FP8 is E4M3 only there) divides in the weight's dtype and stores scales in it.
+TORCHAO_OPTIONS = dict(convention="torchao", divide_dtype=jnp.dtype(jnp.float32), scale_dtype=jnp.dtype(jnp.float32))
+COMPRESSED_TENSORS_OPTIONS = dict(convention="compressed-tensors", divide_dtype=None, scale_dtype=None)
+
 for _fmt in FP8_DTYPES:
     register_format(_fmt, dequantize_fp8)
     register_quantizer(_fmt, _quantize_registered(_fmt))
+    register_preset("torchao", _fmt, TORCHAO_OPTIONS)
+register_preset("compressed-tensors", "fp8_e4m3", COMPRESSED_TENSORS_OPTIONS)
 

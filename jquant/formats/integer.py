@@ -44,9 +44,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jquant.formats.base import register_quantizer
-from jquant.formats.blocking import block_axes, check_float_input, group_block, per_block, to_blocks
-from jquant.formats.exact import exact_divide, round_to_precision
+from jquant.formats.base import register_preset, register_quantizer
+from jquant.formats.blocking import (block_axes, check_float_input, group_block, nan_max, nan_min, per_block,
+                                     to_blocks)
+from jquant.formats.exact import (LIFT, exact_abs_max, exact_divide, is_tiny, lift, round_to_precision,
+                                  store_exact, to_float32_exact, unlift_quotient)
 from jquant.formats.packing import codes_per_group, pack_bits, unpack_bits
 from jquant.qtensor import QTensor, register_format
 
@@ -56,8 +58,9 @@ SYMMETRIC_RANGES = ("restricted", "full")
 ROUNDINGS = ("half_even", "half_away")
 ARITHMETICS = ("float32", "compressed-tensors")
 
-GGUF_Q8_0_OPTIONS = dict(granularity="group", group_size=32, scale_dtype=jnp.float16, rounding="half_away",
-                         reciprocal=True, quantize_with_stored_scale=False)
+GGUF_Q8_0_OPTIONS = dict(granularity="group", group_size=32, scale_dtype=jnp.dtype(jnp.float16),
+                         rounding="half_away", reciprocal=True, quantize_with_stored_scale=False)
+COMPRESSED_TENSORS_OPTIONS = dict(arithmetic="compressed-tensors", scale_dtype=None)
 
 
 def int_format(bits: int, symmetric: bool) -> str:
@@ -164,7 +167,7 @@ def quantize_int(x, *, bits: int, symmetric: bool, axis: int = -1, granularity: 
       granularity: ``"tensor"`` (one scale), ``"channel"`` (one scale per slice along ``axis``) or
         ``"group"`` (``group_size`` consecutive elements along ``axis``); default: ``"group"`` when
         ``group_size`` is set, else ``"channel"``. ``group_size=-1`` means the whole axis (GPTQ).
-      scale_dtype: dtype the scales are stored in.
+      scale_dtype: dtype the scales are stored in; None: x's dtype (compressed-tensors).
       symmetric_range: ``"restricted"`` (``amax / (2**(b-1)-1)``, the default) or ``"full"``
         (``amax / (2**(b-1)-0.5)``, GPTQ / compressed-tensors, the default of that arithmetic);
         symmetric formats only.
@@ -185,7 +188,7 @@ def quantize_int(x, *, bits: int, symmetric: bool, axis: int = -1, granularity: 
     axis %= x.ndim
     block = _block(x.shape, axis, granularity, group_size)
     _check_packable(x.shape, axis, bits)
-    scale_dtype = _float_dtype("scale_dtype", scale_dtype)
+    scale_dtype = x.dtype if scale_dtype is None else _float_dtype("scale_dtype", scale_dtype)
     _check_choice("rounding", rounding, ROUNDINGS)
     _check_choice("arithmetic", arithmetic, ARITHMETICS)
     compressed_tensors = arithmetic == "compressed-tensors"
@@ -198,20 +201,24 @@ def quantize_int(x, *, bits: int, symmetric: bool, axis: int = -1, granularity: 
     symmetric_range = symmetric_range or ("full" if compressed_tensors else "restricted")
     _check_choice("symmetric_range", symmetric_range, SYMMETRIC_RANGES)
 
-    xb = to_blocks(x.astype(jnp.float32), block)
+    xb = to_blocks(to_float32_exact(x), block)
     axes = block_axes(x.ndim)
+    # Blocks of amax < 2**-60 are computed lifted by 2**64 (see exact.py: XLA flushes subnormals).
+    tiny = is_tiny(exact_abs_max(xb, axes))
+    xb = lift(xb, per_block(tiny, x.ndim))
     # The range always contains 0; for symmetric formats max(-lo, hi) is amax.
-    lo = jnp.minimum(jnp.min(xb, axis=axes), 0.0)
-    hi = jnp.maximum(jnp.max(xb, axis=axes), 0.0)
+    lo = jnp.minimum(nan_min(xb, axis=axes), 0.0)
+    hi = jnp.maximum(nan_max(xb, axis=axes), 0.0)
     qmax = 2 ** (bits - 1) - 1
     divisor = qmax if symmetric_range == "restricted" else qmax + 0.5
     if compressed_tensors:
-        s, zero, codes = _compressed_tensors_codes(xb, lo, hi, x.dtype, bits, symmetric, divisor)
-        stored = s.astype(scale_dtype)
+        s, zero, codes = _compressed_tensors_codes(xb, lo, hi, tiny, x.dtype, bits, symmetric, divisor)
+        stored = store_exact(s, scale_dtype)
     else:
-        s = exact_divide(jnp.maximum(-lo, hi), divisor) if symmetric else exact_divide(hi - lo, 2 ** bits - 1)
-        stored = s.astype(scale_dtype)
-        s_codes = stored.astype(jnp.float32) if quantize_with_stored_scale else s
+        numerator, divisor = (jnp.maximum(jnp.abs(lo), hi), divisor) if symmetric else (hi - lo, 2 ** bits - 1)
+        s, s_lifted = unlift_quotient(numerator, divisor, tiny)
+        stored = store_exact(s, scale_dtype)
+        s_codes = lift(to_float32_exact(stored), tiny) if quantize_with_stored_scale else s_lifted
         zero = None
         if not symmetric:
             z = jnp.clip(_round(_scaled(-lo, s_codes, reciprocal), rounding), 0, 2 ** bits - 1)
@@ -223,30 +230,37 @@ def quantize_int(x, *, bits: int, symmetric: bool, axis: int = -1, granularity: 
                    dtype=x.dtype, block=block, pack_axis=pack_axis)
 
 
-def _compressed_tensors_codes(xb, lo, hi, dtype, bits, symmetric, divisor):
+def _compressed_tensors_codes(xb, lo, hi, tiny, dtype, bits, symmetric, divisor):
     """(scale, zero or None, unsigned codes in block layout) as compressed-tensors computes them in
-    ``dtype``; its signed codes and zero points are stored shifted by ``2**(b-1)``, as its packer does."""
+    ``dtype`` (``xb``, ``lo``, ``hi`` lifted where ``tiny``); its signed codes and zero points are stored
+    shifted by ``2**(b-1)``, as its packer does."""
     ndim = xb.ndim // 2
 
     def rounded(v):  # a PyTorch op on `dtype` tensors rounds its float32 result to `dtype`
         return round_to_precision(v, dtype)
 
     offset = 2 ** (bits - 1)
-    if symmetric:
-        s = rounded(exact_divide(jnp.maximum(-lo, hi), divisor))
-    else:
-        s = rounded(exact_divide(rounded(hi - lo), 2 ** bits - 1))
-    s = jnp.where(s == 0, float(jnp.finfo(dtype).eps), s)
-    quotient = rounded(exact_divide(xb, per_block(s, ndim)))
+    numerator = jnp.maximum(jnp.abs(lo), hi) if symmetric else rounded(hi - lo)
+    s, s_lifted = unlift_quotient(numerator, divisor if symmetric else 2 ** bits - 1, tiny)
+    # The float32 quotient rounded to `dtype` on its bits, subnormals included, then lifted again.
+    s = to_float32_exact(store_exact(s, dtype))
+    s_lifted = lift(s, tiny)
+    # Its zero point divides by the scale before zero scales become eps: an all-zero group's 0 / 0
+    # is NaN, which its int8 cast turns into 0 (so such a group stores zero point and codes 2**(b-1)).
     zero = None
     if not symmetric:
-        signed_zero = jnp.round(jnp.clip(rounded(-offset - rounded(exact_divide(lo, s))), -offset, offset - 1))
+        signed_zero = jnp.round(jnp.clip(rounded(-offset - rounded(exact_divide(lo, s_lifted))), -offset, offset - 1))
         signed_zero = jnp.where(jnp.isnan(signed_zero), 0, signed_zero)
         zero = (signed_zero + offset).astype(jnp.uint8)
+    eps = float(jnp.finfo(dtype).eps)
+    s = jnp.where(s_lifted == 0, eps, s)
+    s_lifted = jnp.where(s_lifted == 0, jnp.where(tiny, eps * 2.0 ** LIFT, eps), s_lifted)
+    quotient = rounded(exact_divide(xb, per_block(s_lifted, ndim)))
+    if zero is not None:
         quotient = rounded(quotient + per_block(signed_zero, ndim))
     u = jnp.clip(jnp.round(quotient), -offset, offset - 1) + offset
-    fill = offset if zero is None else per_block(zero.astype(jnp.float32), ndim)
-    return s, zero, jnp.where(jnp.isnan(u), fill, u).astype(jnp.uint8)
+    # NaN quotients cast to int8 0 in PyTorch (x86 and ARM alike): stored as 2**(b-1).
+    return s, zero, jnp.where(jnp.isnan(u), offset, u).astype(jnp.uint8)
 
 
 def quantize_int_with_params(x, bits: int, scale, zero=None, group_index=None, *, axis: int = -1,
@@ -289,7 +303,7 @@ def quantize_int_with_params(x, bits: int, scale, zero=None, group_index=None, *
         zero = jnp.clip(jnp.round(zero.astype(jnp.float32)), 0, 2 ** bits - 1).astype(jnp.uint8)
     group_index = _check_group_index(group_index, x.shape, scale.shape, block, axis)
     qt = QTensor(data=None, scale=stored, zero=zero, group_index=group_index, fmt=int_format(bits, zero is None),
-                 shape=x.shape, dtype=x.dtype, block=block)
+                 shape=x.shape, dtype=x.dtype, block=block, k_axis=axis)
     z_full = None if zero is None else qt.expand(zero.astype(jnp.float32))
     codes = _encode(x.astype(jnp.float32), qt.expand(scale.astype(jnp.float32)), z_full, bits, rounding,
                     reciprocal)
@@ -337,13 +351,42 @@ def _dequantize_int(qt: QTensor, dtype) -> jax.Array:
     return (codes * qt.expand(qt.scale.astype(jnp.float32))).astype(dtype)
 
 
+def _registered(bits: int, symmetric: bool, fixed: dict):
+    """``quantize(x, name, **options)`` for one format: options that contradict the name (or, for
+    ``gguf_q8_0``, its fixed layout) raise instead of silently producing another format."""
+    name = "gguf_q8_0" if fixed else int_format(bits, symmetric)
+    pinned = {"bits": bits, "symmetric": symmetric, **fixed}
+
+    def quantize(x, **options):
+        for key, value in options.items():
+            if key in pinned and not _same_option(value, pinned[key]):
+                hint = (f"; for {value}-bit codes use format {int_format(value, symmetric)!r}"
+                        if key == "bits" and not fixed and value in BITS else "")
+                raise ValueError(f"format {name!r} has {key}={pinned[key]!r}, got {key}={value!r}{hint}")
+        return quantize_int(x, **(options | pinned))
+    quantize.__doc__ = f"``quantize(x, {name!r}, ...)``: ``quantize_int`` with {pinned}."
+    return quantize
+
+
+def _same_option(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    try:
+        return a == b or jnp.dtype(a) == jnp.dtype(b)
+    except TypeError:
+        return False
+
+
 for _bits in BITS:
     for _symmetric in (True, False):
         _name = int_format(_bits, _symmetric)
-        register_quantizer(_name, functools.partial(quantize_int, bits=_bits, symmetric=_symmetric))
+        register_quantizer(_name, _registered(_bits, _symmetric, {}))
         register_format(_name, _dequantize_int)
+        # compressed-tensors packs 1..8-bit ints and stores scales in the weight's dtype.
+        register_preset("compressed-tensors", _name, COMPRESSED_TENSORS_OPTIONS)
 
-register_quantizer("gguf_q8_0", functools.partial(quantize_int, bits=8, symmetric=True, **GGUF_Q8_0_OPTIONS))
+register_quantizer("gguf_q8_0", _registered(8, True, GGUF_Q8_0_OPTIONS))
+register_preset("gguf", "int8", GGUF_Q8_0_OPTIONS)
 
-__all__ = ["BITS", "GGUF_Q8_0_OPTIONS", "int_codes", "int_format", "parse_int_format",
+__all__ = ["BITS", "COMPRESSED_TENSORS_OPTIONS", "GGUF_Q8_0_OPTIONS", "int_codes", "int_format", "parse_int_format",
            "quantize_int", "quantize_int_with_params"]
