@@ -9,3 +9,12 @@ def test_readme_usage_example_runs():
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     assert blocks, "README lost its python example"
     exec(compile(blocks[0], "README.md", "exec"), {})
+
+
+def test_readme_every_later_python_block_runs():
+    """Each block after the first runs on its own, as a reader would paste it."""
+    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)[1:]
+    assert blocks, "README lost its Flax example"
+    for i, block in enumerate(blocks, 1):
+        exec(compile(block, f"README.md python block {i}", "exec"), {})
