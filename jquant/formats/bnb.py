@@ -18,11 +18,16 @@ Bit-exact with bitsandbytes 0.50.2 on CPU (``quantize_4bit``'s torch kernel, the
   dequantization.
 * Dequantization is ``table[code] * absmax`` in float32, then cast (round to nearest even).
 
-NaN/Inf follow bnb: a NaN makes its block's absmax NaN (the block dequantizes to NaN); an Inf makes
-it Inf, the Inf element codes like NaN and the block's finite elements like 0, so the block
-dequantizes to NaN/±Inf. The 8-bit level ignores NaN in its block maxima and codes NaN as 0.
-Subnormals are not reproduced: XLA on CPU flushes them to zero, so a block whose absmax is below
-2**-126 scales to 0 (bnb divides by the subnormal absmax).
+NaN/Inf follow bnb, at every tensor size (the absmax is an integer max of |x|'s bits, which keeps NaN
+where XLA's float max drops it from large reductions): a NaN makes its block's absmax NaN (the block
+dequantizes to NaN, other blocks are untouched); an Inf makes it Inf, the Inf element codes like
+NaN and the block's finite elements like 0, so the block dequantizes to NaN/±Inf. The 8-bit level
+ignores NaN in its block maxima and codes NaN as 0; double quantization's offset (a mean) is NaN or
+Inf when any absmax is, as in bnb.
+
+Subnormals are reproduced although XLA flushes them (``jquant.formats.subnormal``): subnormal
+elements and absmaxes, bnb's 1e-38 absmax floor, ``1 / absmax`` past 2^126 (a subnormal reciprocal)
+and products that torch keeps as tiny subnormals (FP4 codes +tiny as 0b1000, 0 as 0b0000).
 
 Bit-exactness under XLA needs two guards (see ``_divide`` and ``_dequantize_dynamic8``): XLA turns
 division by a broadcast or constant into multiplication by a reciprocal, and fuses a multiply
@@ -37,7 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jquant.formats.base import register_quantizer
+from jquant.formats.base import register_preset, register_quantizer
+from jquant.formats import subnormal
 from jquant.formats.exact import exact_divide
 from jquant.formats.blocking import check_float_input, pad_to_blocks
 from jquant.formats.packing import pack_bits, unpack_bits
@@ -252,22 +258,40 @@ def _dequantize_dynamic8(qt: QTensor, dtype) -> jnp.ndarray:
 
 # ---- 4-bit --------------------------------------------------------------------------------------
 def _scaled(flat, blocksize):
-    """(values scaled into [-1, 1], float32 absmax per block) exactly as bnb's quantize_4bit."""
+    """(values scaled into [-1, 1], float32 absmax per block) exactly as bnb's quantize_4bit, whose
+    torch arithmetic keeps subnormals (``jquant.formats.subnormal`` rebuilds them)."""
     full = flat.size - flat.size % blocksize
     scaled, absmax = [], []
     if full:
         blocks = flat[:full].reshape(-1, blocksize)
-        block_max = jnp.max(jnp.abs(blocks), axis=1)
-        # An all-zero block scales to 0 (bnb: 0 * 1e38; here 1/0 would make it NaN).
-        scaled.append(jnp.where(block_max[:, None] == 0, 0.0, blocks * (1.0 / block_max)[:, None]))
+        block_max = _amax(blocks, axis=1)
+        # bnb: x * (1 / absmax.clamp(min=1e-38)); the reciprocal is subnormal past 2^126.
+        floored = jnp.maximum(subnormal.abs_bits(block_max), subnormal.abs_bits(_F32_TINY))
+        floored = jnp.where(jnp.isnan(block_max), block_max, subnormal.from_bits(floored))
+        r, shift = subnormal.reciprocal(floored[:, None])
+        product = subnormal.multiply(blocks, r, shift)
+        scaled.append(_keep_tiny_sign(product, subnormal.tiny_product_sign(blocks, r, shift)))
         absmax.append(block_max)
     if full < flat.size:
         tail = flat[full:]
-        tail_max = jnp.max(jnp.abs(tail))
-        scaled.append(jnp.where(tail_max == 0, 0.0, exact_divide(tail, tail_max)))
-        absmax.append(jnp.where(tail_max == 0, _F32_TINY, tail_max)[None])
+        tail_max = _amax(tail, axis=0)
+        tail_max = jnp.where(subnormal.abs_bits(tail_max) < subnormal.abs_bits(_F32_TINY), _F32_TINY, tail_max)
+        scaled.append(_keep_tiny_sign(*subnormal.divide(tail, tail_max)))
+        absmax.append(tail_max[None])
     scaled = jnp.clip(jnp.concatenate([s.reshape(-1) for s in scaled]), -1.0, 1.0)
     return scaled, jnp.concatenate(absmax)
+
+
+def _amax(values, axis):
+    """max |x| that keeps NaN at every size and subnormals (an integer max of the bits)."""
+    return subnormal.from_bits(jnp.max(subnormal.abs_bits(values), axis=axis))
+
+
+def _keep_tiny_sign(values, sign):
+    """A product XLA flushed where torch keeps a subnormal becomes ±2^-126: same code (the FP4
+    table tells +tiny, code 0b1000, from 0 and -tiny, code 0b0000; NF4 codes all three alike)."""
+    tiny = jnp.where(sign > 0, np.float32(2.0 ** -126), np.float32(-2.0 ** -126))
+    return jnp.where((values == 0) & (sign != 0), tiny, values)
 
 
 def _codes_4bit(scaled, fmt):
@@ -323,3 +347,6 @@ register_quantizer("bnb_dynamic8", quantize_dynamic8)
 register_format("nf4", _dequantize_4bit)
 register_format("fp4_bnb", _dequantize_4bit)
 register_format("bnb_dynamic8", _dequantize_dynamic8)
+# The defaults are bitsandbytes' own (blocksize 64 / 4096, no double quantization): nothing to set.
+for _fmt in ("nf4", "fp4_bnb", "bnb_dynamic8"):
+    register_preset("bitsandbytes", _fmt, {})

@@ -10,28 +10,37 @@ per byte (low nibble = even element) for MXFP4, or float8 codes for MXFP8; ``x �
 - ``"floor"`` (OCP): ``floor(log2 amax) - emax`` from amax's float32 exponent bits.
 - ``"ceil"``: the same plus one when amax's mantissa bits are non-zero.
 - ``"even"``: amax rounded to the element's mantissa width (half up, on the bits) first, then floor.
-- ``"rceil"`` (cuBLAS / NVIDIA): ``ceil(log2(amax / max))`` of the float32 quotient. torchao's eager
-  fallback takes ``ceil`` of a float32 ``log2``; jquant uses the exact ceiling from the bits, as the
-  hardware ``cvt.rp.satfinite.ue8m0`` does. The two differ only when ``amax / max`` lies within a few
-  ulps above a power of two (float32 ``log2`` then rounds down onto the integer).
+- ``"rceil"`` (cuBLAS / NVIDIA): ``ceil(log2(amax / max))`` of the float32 quotient, exactly (from its
+  bits, as the hardware ``cvt.rp.satfinite.ue8m0`` does; a quotient in the float32 subnormal range,
+  which XLA flushes, is decided on amax itself).
+- ``"rceil_log2f"``: torchao's eager RCEIL fallback bit for bit, ``ceil`` of a float32 ``log2``,
+  which rounds quotients a few float32 steps above 2^k down onto k (also just above 2^-127).
 
 Exponents are clamped to [-127, 127] ("floor"/"ceil"/"even" allow 128, which only NaN reaches).
 Elements: "floor"/"ceil"/"even" divide by the scale (floored at 2^-126, as torchao does so an
 all-zero block divides by a normal number); "rceil" multiplies by ``2^(127-b)`` (by 1 when
-``b == 0``, again as torchao). Then round-half-to-even, saturating at ±max.
+``b == 0``, again as torchao). Then round-half-to-even, saturating at ±max. Every scale is a power
+of two, so elements are scaled exactly, subnormal inputs included (XLA reads those as zero; they are
+rebuilt from their bits): codes match torchao's for every finite input.
 
-``element_rounding="ggml"`` (MXFP4 with "floor") reproduces GGML / gguf-py's MXFP4 quantizer, which
-picks the nearest E2M1 value by an ``argmin`` over its table: ties go to the smaller magnitude and a
-value that rounds to zero is always stored as +0. Its exponent rule ``floor(log2f(amax)) - 2`` is
-"floor", except that float32 ``log2f`` may round amaxes a few ulps below a power of two up onto it,
-and that GGML wraps (does not clamp) exponents below -127.
+``element_rounding="ggml"`` (MXFP4) is gguf-py's MXFP4 quantizer, which picks the nearest E2M1
+value by an ``argmin`` over its table: ties go to the smaller magnitude and a value that rounds to
+zero is stored as +0. Its exponent is ``uint8(floor(log2f(amax)) - 2 + 127)``: float32 ``log2f``
+rounds amaxes a few float32 steps below 2^k up onto k (reproduced from a table of those windows,
+checked against numpy's log2f), the uint8 cast wraps (amaxes below 2^-125 give bytes 232-255), byte 0
+means 2^-127 for the elements too, and under byte 253 (2^126) GGML's candidates 4 and 6 overflow so
+the largest element is 3. One byte cannot be matched: gguf's wrapped 255 (amax in [2^-126, 2^-125))
+is NaN in E8M0, so jquant stores 254, which gives the same zero codes and dequantized zeros.
 
 Non-finite and zero blocks (torchao's behaviour): a NaN in a block makes its scale NaN (0xFF), so the
-whole block dequantizes to NaN (its element codes are unspecified); ±Inf saturates to ±max in its
-element under a scale of about 2^126, so it dequantizes to ±Inf again, and the block's other values
-round to (signed) zero; an all-zero block
-gets scale byte 0 (2^-127) and zero codes. XLA flushes float32 subnormals to zero, so scales or
-values below 2^-126 (scale bytes 0 and 1) dequantize to zero where PyTorch would keep a subnormal.
+whole block dequantizes to NaN (its element codes are unspecified), at every tensor size (the amax is
+an integer max of |x|'s bits, which keeps NaN where XLA's float max drops it); ±Inf saturates to
+±max in its element under a scale of about 2^126, so it dequantizes to ±Inf again, and the block's
+other values round to (signed) zero; other blocks are untouched. An all-zero block gets scale byte 0
+(2^-127) and zero codes. With "ggml", NaN and Inf follow torchao too (deliberately: gguf-py writes
+exponent 0 for a NaN block and 0 for an Inf one, so both silently become tiny finite values).
+Dequantized values below 2^-126 (scale bytes 0 and 1) are flushed to zero by XLA where PyTorch would
+keep a subnormal.
 """
 
 from __future__ import annotations
@@ -43,14 +52,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jquant.formats.base import register_quantizer
+from jquant.formats import subnormal
+from jquant.formats.base import register_preset, register_quantizer
 from jquant.formats.blocking import block_axes, check_float_input, group_block, per_block, to_blocks
+from jquant.formats.exact import exact_divide
 from jquant.formats.fp8 import saturating_cast
 from jquant.formats.packing import pack_bits, unpack_bits
 from jquant.qtensor import QTensor, register_format
 
 BLOCK_SIZE = 32
-SCALE_MODES = ("floor", "ceil", "even", "rceil")
+SCALE_MODES = ("floor", "ceil", "even", "rceil", "rceil_log2f")
 ELEMENT_ROUNDINGS = ("even", "ggml")
 E2M1_MAX = 6.0
 # E2M1 code → value: bit 3 is the sign, bits 0-2 index the magnitudes.
@@ -116,6 +127,19 @@ def _times_pow2(x: jax.Array, exponent: jax.Array) -> jax.Array:
     return x * _pow2(half) * _pow2(exponent - half)
 
 
+def _times_pow2_exact(x: jax.Array, exponent: jax.Array) -> jax.Array:
+    """``_times_pow2`` that also scales subnormal ``x`` (XLA reads them as zero, PyTorch does not).
+
+    A subnormal is its mantissa field (an integer below 2^23) times 2^-149, rebuilt here from the bits
+    as ``(mantissa · 2^-23) · 2^(exponent - 126)``; a result still below 2^-126 is flushed, which no
+    element format can tell from zero except by its sign.
+    """
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    magnitude = _mantissa_field(bits).astype(jnp.float32) * np.float32(2.0 ** -_F32_MANTISSA_BITS)
+    tiny = _times_pow2(jnp.where(bits < 0, -magnitude, magnitude), jnp.maximum(exponent - 126, -252))
+    return jnp.where(_exponent_field(bits) == 0, tiny, _times_pow2(x, exponent))
+
+
 def _exponent_field(bits: jax.Array) -> jax.Array:
     return (bits >> _F32_MANTISSA_BITS) & 0xFF
 
@@ -124,18 +148,96 @@ def _mantissa_field(bits: jax.Array) -> jax.Array:
     return bits & ((1 << _F32_MANTISSA_BITS) - 1)
 
 
-def _shared_exponent(amax: jax.Array, mode: str, element: _Element) -> jax.Array:
-    """Biased E8M0 exponent (int32 in [0, 255]) of each block's float32 amax, as torchao's to_mx."""
-    if mode == "rceil":
-        bits = jax.lax.bitcast_convert_type(amax / element.max, jnp.int32)
-        field, mantissa = _exponent_field(bits), _mantissa_field(bits)
-        # Exact ceil(log2 d); a subnormal d is above 2^-127 exactly when its top mantissa bit is set.
-        exponent = jnp.where(field == 0, jnp.where(mantissa > (1 << 22), -126, -127),
-                             field - _E8M0_BIAS + (mantissa > 0))
+@functools.cache
+def _log2f_windows(direction: int) -> np.ndarray:
+    """For 2^k, k in [-127, 128] (index k + 127): how many float32 steps below (direction -1) or above
+    (+1) 2^k float32 ``log2`` still returns exactly k; steps below 2^-126 are subnormal ones.
+
+    log2 there is ``k ± ε/ln 2``, which rounds onto k while under half an ulp of k. These counts use
+    correctly rounded log2f (float64 log2 rounded once), which agrees with numpy's float32 log2
+    (gguf-py) and torch's (torchao's eager rceil) at every such boundary (checked when the
+    adversarial goldens were made: tests/test_fp4_adversarial.py).
+    """
+    counts = np.zeros(256, np.int32)
+    for k in range(-127, 129 if direction < 0 else 128):
+        power = (k + _E8M0_BIAS) << _F32_MANTISSA_BITS if k > -127 else 1 << 22  # 2^128: +Inf's bits
+        bits = power + direction * np.arange(1, 4096, dtype=np.int32)
+        values = bits.view(np.float32).astype(np.float64)
+        counts[k + 127] = np.argmin(np.log2(values).astype(np.float32) == np.float32(k))
+    return counts
+
+
+@functools.cache
+def _tiny_quotient_threshold(element_max: float, steps: int) -> int:
+    """Bits of the largest float32 amax for which fl(amax / max), a float32 subnormal that XLA
+    flushes, is at most ``2^-127 + steps · 2^-149`` (decided on amax itself, exactly).
+
+    fl rounds to the nearest multiple of 2^-149, ties to an even mantissa: the boundary quotient is
+    ``2^-127 + (steps + 1/2) · 2^-149``, which goes up exactly when ``steps`` is odd.
+    """
+    bound = np.float64(element_max) * (2.0 ** -127 + (steps + 0.5) * 2.0 ** -149)  # exact
+    floor = np.float32(bound)
+    if np.float64(floor) > bound or (np.float64(floor) == bound and steps % 2):
+        floor = np.nextafter(floor, np.float32(0))
+    return int(floor.view(np.int32))
+
+
+def _rceil_exponent(amax_bits: jax.Array, element: _Element, log2f: bool) -> jax.Array:
+    """ceil(log2(fl(amax / max))), exact or (``log2f``) of float32 log2 as torchao's eager fallback."""
+    amax = jax.lax.bitcast_convert_type(amax_bits, jnp.float32)
+    bits = jax.lax.bitcast_convert_type(exact_divide(amax, np.float32(element.max)), jnp.int32)
+    field, mantissa = _exponent_field(bits), _mantissa_field(bits)
+    floor_log2 = field - _E8M0_BIAS
+    above = mantissa > 0
+    tiny_steps = 0
+    if log2f:
+        window = jnp.asarray(_log2f_windows(+1))[jnp.clip(floor_log2, -127, 127) + 127]
+        above = above & (mantissa > window)
+        tiny_steps = int(_log2f_windows(+1)[0])
+    # A subnormal (flushed) quotient is 2^-126 or below: exponent -126 or -127, told on amax.
+    tiny = jnp.where(amax_bits > _tiny_quotient_threshold(element.max, tiny_steps), -126, -127)
+    return jnp.where(field == 0, tiny, floor_log2 + above)
+
+
+def _ggml_biased(amax_bits: jax.Array) -> jax.Array:
+    """gguf-py's ``uint8(floor(log2f(amax)) - 2 + 127)`` (0 when amax is 0), from the bits.
+
+    ``log2f`` may round an amax a few float32 steps below 2^k up to k, and the uint8 conversion
+    wraps: amaxes below 2^-125 (subnormal ones included, whose floor(log2) is the top set bit - 149)
+    give bytes 232-255 in gguf.
+    """
+    field, mantissa = _exponent_field(amax_bits), _mantissa_field(amax_bits)
+    top_bit = 31 - jax.lax.clz(mantissa)  # subnormals: floor(log2) = top set bit - 149
+    floor_log2 = jnp.where(field == 0, top_bit - 149, field - _E8M0_BIAS)
+    next_pow2 = jnp.clip(floor_log2 + 1, -127, 128)
+    steps_below = _pow2_bits(next_pow2) - amax_bits
+    window = jnp.asarray(_log2f_windows(-1))[next_pow2 + 127]
+    floor_log2 = floor_log2 + ((floor_log2 < 128) & (steps_below <= window))
+    biased = (floor_log2 - 2 + _E8M0_BIAS) & 0xFF  # uint8 wrap-around, as numpy's cast
+    # gguf's 255 (amax in [2^-126, 2^-125)) reads as 2^128 there, NaN in E8M0: 254 codes the same
+    # zeros. A NaN amax keeps its NaN scale (gguf writes 0 and loses the NaN).
+    biased = jnp.where(biased == 255, 254, jnp.where(amax_bits == 0, 0, biased))
+    return jnp.where(amax_bits > 0x7F800000, 255, biased)
+
+
+def _pow2_bits(exponent: jax.Array) -> jax.Array:
+    """Bits of float32 2^exponent for exponents in [-149, 128] (subnormals included; 2^128 is +Inf)."""
+    normal = (exponent + _E8M0_BIAS) << _F32_MANTISSA_BITS
+    return jnp.where(exponent < -126, 1 << jnp.clip(exponent + 149, 0, 22), normal)
+
+
+def _shared_exponent(amax_bits: jax.Array, mode: str, element: _Element) -> jax.Array:
+    """Biased E8M0 exponent (int32 in [0, 255]) of each block from the int32 bits of its float32
+    amax (``subnormal.abs_bits``), as torchao's to_mx; ``mode="ggml"`` is gguf-py's rule."""
+    nan = amax_bits > 0x7F800000
+    if mode == "ggml":
+        return _ggml_biased(amax_bits)
+    if mode in ("rceil", "rceil_log2f"):
+        exponent = _rceil_exponent(amax_bits, element, log2f=mode == "rceil_log2f")
         # ±Inf has field 255, mantissa 0 → clamps to 127 → byte 254, torchao's value for Inf.
         biased = jnp.clip(exponent, -_E8M0_BIAS, _E8M0_BIAS) + _E8M0_BIAS
     else:
-        bits = jax.lax.bitcast_convert_type(amax, jnp.int32)
+        bits = amax_bits
         if mode == "even":
             # Round amax to the element's mantissa width (add half a unit, drop the mantissa).
             half_unit = 1 << (_F32_MANTISSA_BITS - element.mantissa_bits - 1)
@@ -144,19 +246,26 @@ def _shared_exponent(amax: jax.Array, mode: str, element: _Element) -> jax.Array
         if mode == "ceil":
             exponent = exponent + (_mantissa_field(bits) > 0)
         biased = jnp.clip(exponent - element.emax, -_E8M0_BIAS, _E8M0_BIAS + 1) + _E8M0_BIAS
-    return jnp.where(jnp.isnan(amax), 255, biased)
+    return jnp.where(nan, 255, biased)
 
 
 def _scale_elements(blocks: jax.Array, biased: jax.Array, mode: str) -> jax.Array:
-    """Blocks (from ``to_blocks``) brought to the element range, before rounding."""
+    """Blocks (from ``to_blocks``) brought to the element range, before rounding; every scale is a
+    power of two, so scaling is exact (subnormal inputs included, see ``_times_pow2_exact``)."""
     biased = per_block(biased, blocks.ndim // 2)
-    if mode == "rceil":
+    if mode in ("rceil", "rceil_log2f"):
         # x · 2^(127-b); 2^-127 (b = 254, an Inf block) must not be flushed.
-        scaled = _times_pow2(blocks, jnp.clip(_E8M0_BIAS - biased, -127, 126))
+        scaled = _times_pow2_exact(blocks, jnp.clip(_E8M0_BIAS - biased, -127, 126))
         scaled = jnp.where(biased == 0, blocks, scaled)  # torchao multiplies by 1 when b == 0
-        return jnp.where(biased == 255, jnp.nan, scaled)  # a NaN block stays NaN
-    scale = jax.lax.bitcast_convert_type(biased << _F32_MANTISSA_BITS, jnp.float32)  # b=255 → inf
-    return blocks / jnp.maximum(scale, np.float32(2.0 ** -126))
+    elif mode == "ggml":
+        # x / 2^(b-127): GGML's byte 0 is 2^-127 for the elements too. Under 2^126 (b = 253) GGML's
+        # candidates 4 and 6 overflow to Inf (4 · 2^126 = 2^128), so its nearest value stops at 3.
+        scaled = _times_pow2_exact(blocks, -jnp.clip(biased - _E8M0_BIAS, -127, 127))
+        scaled = jnp.where(biased == 253, jnp.clip(scaled, -3.0, 3.0), scaled)
+    else:
+        # x / max(2^(b-127), 2^-126): torchao floors the divisor at the smallest normal number.
+        scaled = _times_pow2_exact(blocks, -jnp.clip(biased - _E8M0_BIAS, -126, 127))
+    return jnp.where(biased == 255, jnp.nan, scaled)  # a NaN block stays NaN
 
 
 # ---- quantize / dequantize -------------------------------------------------------------------------
@@ -169,7 +278,7 @@ def quantize_mx(x, fmt: str = "mxfp4", *, axis: int = -1, scale_mode: str = "flo
       x: float array (computed in float32).
       fmt: ``"mxfp4"``, ``"mxfp8_e4m3"`` or ``"mxfp8_e5m2"``.
       axis: the blocked axis (for a PyTorch ``[N, K]`` weight, -1).
-      scale_mode: ``"floor"``, ``"ceil"``, ``"even"`` or ``"rceil"`` (see the module docstring).
+      scale_mode: ``"floor"``, ``"ceil"``, ``"even"``, ``"rceil"`` or ``"rceil_log2f"`` (module docstring).
       element_rounding: ``"even"`` (torchao, OCP) or ``"ggml"`` (MXFP4 with "floor" only).
     """
     if fmt not in ELEMENTS:
@@ -194,9 +303,12 @@ def quantize_mx(x, fmt: str = "mxfp4", *, axis: int = -1, scale_mode: str = "flo
 def _encode(x, fmt, block, axis, scale_mode, element_rounding):
     element = ELEMENTS[fmt]
     blocks = to_blocks(x.astype(jnp.float32), block)
-    amax = jnp.max(jnp.abs(blocks), axis=block_axes(x.ndim))
-    biased = _shared_exponent(amax, scale_mode, element)
-    scaled = _scale_elements(blocks, biased, scale_mode).reshape(x.shape)
+    # The amax is an integer max of |x|'s bits: it keeps NaN (XLA's float max drops NaN from large
+    # reductions, see blocking.nan_max) and subnormals (XLA's float compares read them as zero).
+    amax_bits = jnp.max(subnormal.abs_bits(blocks), axis=block_axes(x.ndim))
+    mode = "ggml" if element_rounding == "ggml" else scale_mode
+    biased = _shared_exponent(amax_bits, mode, element)
+    scaled = _scale_elements(blocks, biased, mode).reshape(x.shape)
     if element.fp8_fmt is None:
         ties, sign = ("zero", "nonzero") if element_rounding == "ggml" else ("even", "signbit")
         data = pack_bits(e2m1_codes(scaled, ties, sign), 4, axis)
@@ -228,3 +340,6 @@ def _quantize_registered(fmt):
 for _fmt in ELEMENTS:
     register_format(_fmt, dequantize_mx)
     register_quantizer(_fmt, _quantize_registered(_fmt))
+    # torchao's to_mx default (ScaleCalculationMode.FLOOR); its eager RCEIL is scale_mode="rceil_log2f".
+    register_preset("torchao", _fmt, {"scale_mode": "floor", "element_rounding": "even"})
+register_preset("gguf", "mxfp4", {"scale_mode": "floor", "element_rounding": "ggml"})

@@ -23,10 +23,21 @@ scales are then computed per call); ``None`` quantizes with block scales only (t
 E2M1 rounding is round-half-to-even in both. Sign of zero: torchao keeps the sign bit of values that
 round to zero (-0.0 included); compressed-tensors stores -0.0 itself as +0.
 
-Non-finite inputs follow the libraries: a NaN or ±Inf gives its block a NaN (or, for Inf,
-saturated) scale; with a dynamic per-tensor scale an Inf makes that scale 0 or Inf so the whole
-tensor dequantizes to NaN, while a NaN leaves other blocks intact in "compressed-tensors" (its global
-falls back to 1) and spoils them in "modelopt". Codes of NaN blocks are unspecified.
+Non-finite inputs follow the libraries, at every tensor size (amaxes use ``blocking.nan_max``; XLA's
+float max drops NaN from large reductions): a NaN gives its block a NaN scale (the block dequantizes
+to NaN; its codes are unspecified) and an Inf a saturated one (448). With a dynamic per-tensor scale
+an Inf amax makes that scale 0 ("compressed-tensors") or Inf ("modelopt"), so the whole tensor
+dequantizes to NaN, as in both libraries; a NaN amax leaves the other blocks intact in
+"compressed-tensors" (its global falls back to 1, and an Inf elsewhere then only saturates) and makes
+scale_2 and so every value NaN in "modelopt" (torchao).
+
+Extreme magnitudes: "compressed-tensors" with an amax past 2^126 takes the subnormal reciprocal
+``1 / amax`` as PyTorch rounds it (``jquant.formats.subnormal``), so the global scale is the
+library's instead of 0 (which would make every value NaN), and subnormal elements keep their sign.
+"modelopt" cannot hold torchao's subnormal ``scale_2`` (amax below 2688 · 2^-126 ≈ 3.2e-35, or an
+all-zero tensor): such tensors get ``scale_2 = 1`` and dequantize to (near) zero instead.
+Divisions use ``exact_divide`` (XLA turns a division by a constant or broadcast into a multiply by its
+reciprocal, an ulp off for some amaxes), so the bytes are the same eager and under ``jit``.
 """
 
 from __future__ import annotations
@@ -35,10 +46,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jquant.formats.base import register_quantizer
-from jquant.formats.exact import round_to_precision
-from jquant.formats.blocking import block_amax, check_float_input, group_block
+from jquant.formats import subnormal
+from jquant.formats.base import register_preset, register_quantizer
+from jquant.formats.exact import exact_divide, round_to_precision
+from jquant.formats.blocking import block_amax, check_float_input, group_block, nan_max
 from jquant.formats.fp8 import saturating_cast
 from jquant.formats.mx import E2M1_MAX, e2m1_codes, e2m1_values
 from jquant.formats.packing import pack_bits, unpack_bits
@@ -67,9 +80,17 @@ def global_scale_from_amax(amax, convention: str = "compressed-tensors") -> jax.
     if convention == "compressed-tensors":
         dtype = amax.dtype
         amax = jnp.maximum(amax, jnp.finfo(dtype).tiny).astype(jnp.float32)
-        scale = round_to_precision(round_to_precision(1 / amax, dtype) * _SCALE_RANGE, dtype)
+        # Past 2^126 the reciprocal is a float32 subnormal (XLA would flush it and the whole tensor
+        # would dequantize to NaN): it is carried scaled by 2^shift and rounded where torch rounds.
+        reciprocal, shift = subnormal.reciprocal(amax)
+        if jnp.dtype(dtype) == jnp.bfloat16:  # bf16 subnormals are multiples of 2^-133
+            step = np.float32(2.0 ** (133 - 64))
+            reciprocal = jnp.where(shift > 0, jnp.round(reciprocal * step) / step, reciprocal)
+        reciprocal = jnp.where(shift > 0, reciprocal, round_to_precision(reciprocal, dtype))
+        scale = round_to_precision(reciprocal * _SCALE_RANGE, dtype)
+        scale = jnp.where(shift > 0, scale * np.float32(2.0 ** -64), scale)
         return jnp.where(jnp.isfinite(scale), scale, 1).astype(jnp.float32)
-    scale = amax.astype(jnp.float32) / _SCALE_RANGE
+    scale = exact_divide(amax.astype(jnp.float32), jnp.float32(_SCALE_RANGE))
     return jnp.where(scale == 0, 1, scale).astype(jnp.float32)
 
 
@@ -105,25 +126,29 @@ def _encode(x, global_scale, block, axis, convention, dynamic):
     if dynamic:
         # compressed-tensors observes the amax in x's dtype; torchao upcasts to float32 first.
         amax_dtype = x.dtype if convention == "compressed-tensors" else jnp.float32
-        global_scale = global_scale_from_amax(jnp.max(jnp.abs(x.astype(amax_dtype))), convention)
+        global_scale = global_scale_from_amax(nan_max(jnp.abs(x.astype(amax_dtype))), convention)
     quantize = _quantize_ct if convention == "compressed-tensors" else _quantize_modelopt
     scale, scaled = quantize(x, block, global_scale)
     sign = "negative" if convention == "compressed-tensors" else "signbit"
     codes = e2m1_codes(jnp.clip(scaled, -E2M1_MAX, E2M1_MAX), "even", sign)
+    if convention == "compressed-tensors":
+        # sign(x) · |q| takes the sign from x itself, subnormal x included (XLA reads those as 0).
+        negative = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) < 0
+        codes = jnp.where(subnormal.is_subnormal(x), (codes & 7) | (negative.astype(jnp.uint8) << 3), codes)
     return pack_bits(codes, 4, axis), scale, global_scale
 
 
 def _quantize_ct(x, block, global_scale):
     """compressed-tensors: calculate_qparams (TENSOR_GROUP, FP4) then ``_quantize``."""
-    scale = round_to_precision(block_amax(x, block).astype(jnp.float32) / E2M1_MAX, x.dtype)
+    scale = round_to_precision(exact_divide(block_amax(x, block).astype(jnp.float32), E2M1_MAX), x.dtype)
     if global_scale is not None:
         scale = global_scale * scale
     scale = saturating_cast(scale, "fp8_e4m3")
     scale = jnp.where(scale.astype(jnp.float32) == 0, jnp.float8_e4m3fn(_CT_ZERO_SCALE), scale)
     divisor = scale.astype(jnp.float32)
     if global_scale is not None:
-        divisor = divisor / global_scale
-    scaled = x.astype(jnp.float32) / expand_blocks(divisor, x.shape, block)
+        divisor = exact_divide(divisor, global_scale)
+    scaled = exact_divide(x.astype(jnp.float32), expand_blocks(divisor, x.shape, block))
     # Without a global scale the division stays in x's dtype (a bf16 weight divides in bf16).
     return scale, scaled if global_scale is not None else round_to_precision(scaled, x.dtype)
 
@@ -131,14 +156,13 @@ def _quantize_ct(x, block, global_scale):
 def _quantize_modelopt(x, block, global_scale):
     """torchao ``nvfp4_quantize``: float32 throughout, multiplying by reciprocals."""
     x = x.astype(jnp.float32)
-    scale = block_amax(x, block) / E2M1_MAX
+    scale = exact_divide(block_amax(x, block), E2M1_MAX)
     if global_scale is not None:
-        scale = scale / global_scale
+        scale = exact_divide(scale, global_scale)
     scale = saturating_cast(jnp.clip(scale, _TORCHAO_MIN_SCALE, E4M3_MAX), "fp8_e4m3")
-    if global_scale is None:
-        reciprocal = 1.0 / scale.astype(jnp.float32)
-    else:
-        reciprocal = (1.0 / global_scale) / scale.astype(jnp.float32)
+    one = jnp.float32(1)
+    numerator = one if global_scale is None else exact_divide(one, global_scale)
+    reciprocal = exact_divide(jnp.broadcast_to(numerator, scale.shape), scale.astype(jnp.float32))
     return scale, x * expand_blocks(reciprocal, x.shape, block)
 
 
@@ -148,7 +172,7 @@ def block_scales(qt: QTensor) -> jax.Array:
     if qt.global_scale is None:
         return scale
     if qt.option("convention") == "compressed-tensors":
-        return scale / qt.global_scale
+        return exact_divide(scale, qt.global_scale)
     return qt.global_scale * scale
 
 
@@ -156,7 +180,7 @@ def global_multiplier(qt: QTensor) -> jax.Array:
     """float32 factor of every block scale: ``1 / global`` (compressed-tensors) or ``scale_2``
     (ModelOpt); kernels apply it once instead of folding it into each block scale."""
     if qt.option("convention") == "compressed-tensors":
-        return 1.0 / qt.global_scale.astype(jnp.float32)
+        return exact_divide(jnp.float32(1), qt.global_scale.astype(jnp.float32))
     return qt.global_scale.astype(jnp.float32)
 
 
@@ -183,3 +207,6 @@ def _check_scalar(value) -> jax.Array:
 
 register_format("nvfp4", dequantize_nvfp4)
 register_quantizer("nvfp4", quantize_nvfp4)
+register_preset("compressed-tensors", "nvfp4", {"convention": "compressed-tensors"})
+register_preset("modelopt", "nvfp4", {"convention": "modelopt"})
+register_preset("torchao", "nvfp4", {"convention": "modelopt"})  # NVFP4Tensor: ModelOpt's scales

@@ -1,0 +1,132 @@
+"""float32 arithmetic that keeps PyTorch's subnormals, which XLA flushes to zero on CPU and GPU.
+
+XLA reads a subnormal input as ±0 and flushes a subnormal result to ±0; PyTorch (CPU) keeps both.
+Where a reference library's bytes depend on a subnormal (a tiny element, ``1 / absmax`` for an
+absmax above 2^126), these helpers rebuild the value from its bits and keep every intermediate
+normal, so the result is PyTorch's correctly rounded one whenever that result is itself normal.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_MANTISSA_BITS = 23
+_MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
+# 1/a is a subnormal exactly when a > 2^126; its steps of 2^-149 are counted by long division.
+_RECIPROCAL_SHIFT = 64
+_BIG = np.float32(2.0 ** 126)
+
+
+def abs_bits(x: jax.Array) -> jax.Array:
+    """int32 bits of float32 ``|x|``: ordered like the values, subnormals kept, NaN above +Inf, so an
+    integer max is an amax that neither drops NaN nor reads subnormals as zero."""
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
+
+
+def from_bits(bits: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def is_subnormal(x: jax.Array) -> jax.Array:
+    bits = abs_bits(x)
+    return (bits > 0) & (bits <= _MANTISSA_MASK)
+
+
+def _subnormal_magnitude(bits: jax.Array) -> jax.Array:
+    """m · 2^-23 for the mantissa field m: a subnormal x is that times 2^-126, exact and normal."""
+    return (bits & _MANTISSA_MASK).astype(jnp.float32) * np.float32(2.0 ** -_MANTISSA_BITS)
+
+
+def _subnormal_reciprocal_steps(a: jax.Array) -> jax.Array:
+    """int32 n with fl(1/a) = n · 2^-149 (round half to even) for float32 a in (2^126, 2^128).
+
+    a = M · 2^(E-23) with a 24-bit M and E in {126, 127}, so n rounds 2^(172-E) / M: 47 steps of
+    binary long division give floor(2^47 / M) and a remainder, all below 2^25.
+    """
+    bits = abs_bits(a)
+    divisor = (bits & _MANTISSA_MASK) | (1 << _MANTISSA_BITS)
+    drop = jnp.where((bits >> _MANTISSA_BITS) - 127 == 126, 1, 2)  # 2^46/M or 2^45/M from 2^47/M
+
+    def step(_, state):
+        quotient, remainder = state
+        remainder = remainder << 1
+        digit = (remainder >= divisor).astype(jnp.int32)
+        return (quotient << 1) | digit, remainder - digit * divisor
+
+    # A loop, not 47 unrolled steps, which XLA would fuse into (and recompile for) every consumer.
+    quotient, remainder = jax.lax.fori_loop(0, 47, step, (jnp.zeros_like(bits), jnp.ones_like(bits)))
+    kept = quotient >> drop
+    half = (quotient >> (drop - 1)) & 1
+    sticky = ((quotient & ((1 << (drop - 1)) - 1)) != 0) | (remainder != 0)
+    return kept + (half & (sticky | (kept & 1)).astype(jnp.int32))
+
+
+def reciprocal(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(r, shift) with r · 2^-shift = PyTorch's float32 ``1 / a`` for positive float32 ``a``; r is
+    normal wherever 1/a is a subnormal (a in (2^126, 2^128): shift 64), shift 0 elsewhere
+    (a subnormal ``a`` included: its 1/a is normal, or Inf below 2^-128 as in PyTorch)."""
+    a = a.astype(jnp.float32)
+    big = (abs_bits(a) > abs_bits(_BIG)) & jnp.isfinite(a)
+    steps = _subnormal_reciprocal_steps(jnp.where(big, a, _BIG)).astype(jnp.float32)
+    scaled = steps * np.float32(2.0 ** (_RECIPROCAL_SHIFT - 149))  # exact: steps < 2^24
+    # A subnormal a is m_s · 2^-126 (m_s = m · 2^-23 normal): 1/a = (1/m_s) · 2^126, Inf past 2^128.
+    tiny = (1 / _subnormal_magnitude(abs_bits(a))) * np.float32(2.0 ** 126)
+    plain = jnp.where(is_subnormal(a), tiny, 1 / a)
+    return jnp.where(big, scaled, plain), jnp.where(big, _RECIPROCAL_SHIFT, 0)
+
+
+def multiply(x: jax.Array, r: jax.Array, shift) -> jax.Array:
+    """float32 ``x · (r · 2^-shift)`` rounded once, as PyTorch, for any float32 ``x`` (subnormal
+    ones included) and normal ``r``; ``shift`` is 0 or 64 (see ``reciprocal``). A result below
+    2^-126 is flushed by XLA (PyTorch keeps a subnormal): callers that tell ±tiny from zero use
+    ``tiny_product_sign``."""
+    x = x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    m = _subnormal_magnitude(bits)
+    unshift = jnp.where(shift == 0, np.float32(1), np.float32(2.0 ** -_RECIPROCAL_SHIFT))
+    tiny = (jnp.where(bits < 0, -m, m) * r) * np.float32(2.0 ** -126) * unshift
+    return jnp.where(is_subnormal(x), tiny, (x * r) * unshift)
+
+
+def tiny_product_sign(x: jax.Array, r: jax.Array, shift) -> jax.Array:
+    """int32 sign (-1, 0, 1) of PyTorch's float32 ``x · (r · 2^-shift)``, also where XLA flushes it:
+    PyTorch rounds a tiny product to a multiple of 2^-149, which is zero only at or below 2^-150 in
+    magnitude. Judged on the product scaled by a power of two into the normal range (rounded once
+    there, so a product within a float32 step of 2^-150 may be misjudged)."""
+    x = x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    subnormal = is_subnormal(x)
+    shift = jnp.asarray(shift, jnp.int32)
+    # subnormal: |x·r| = (m·r) · 2^(-126-shift); normal: (|x|·2^64 · r) · 2^(-64-shift).
+    product = jnp.where(subnormal, _subnormal_magnitude(bits), jnp.abs(x) * np.float32(2.0 ** 64)) * r
+    limit_exponent = jnp.where(subnormal, shift - 24, shift - 86)  # 2^-150 moved alike
+    limit = jax.lax.bitcast_convert_type((limit_exponent + 127) << _MANTISSA_BITS, jnp.float32)
+    return jnp.where(product > limit, jnp.where(bits < 0, -1, 1), 0)
+
+
+def _to_normal(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(v · 2^s, s) with s = 64 for a subnormal v (exact, normal), 0 otherwise."""
+    bits = jax.lax.bitcast_convert_type(v, jnp.int32)
+    m = _subnormal_magnitude(bits) * np.float32(2.0 ** -62)
+    scaled = jnp.where(is_subnormal(v), jnp.where(bits < 0, -m, m), v)
+    return scaled, jnp.where(is_subnormal(v), 64, 0)
+
+
+def divide(x: jax.Array, a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(PyTorch's float32 ``x / a`` rounded once, its sign where XLA flushes it) for float32 ``x``
+    and positive ``a`` with |x| ≤ a, subnormals included (see ``tiny_product_sign`` for the sign)."""
+    x_s, x_shift = _to_normal(x.astype(jnp.float32))
+    a_s, a_shift = _to_normal(a.astype(jnp.float32))
+    a_s, a_shift = jnp.broadcast_to(a_s, x_s.shape), jnp.broadcast_to(a_shift, x_s.shape)
+    a_s, x_s = jax.lax.optimization_barrier((a_s, x_s))  # a true division (see exact.exact_divide)
+    quotient = x_s / a_s
+    # |x| ≤ a, so the shifts differ only as (x subnormal, a normal): undo 2^64 in x.
+    quotient = jnp.where(x_shift > a_shift, quotient * np.float32(2.0 ** -64), quotient)
+    # |x/a| > 2^-150 in the domain scaled by 2^64 more (x_s · 2^64 may overflow only for large x).
+    big = (jnp.abs(x_s) * np.float32(2.0 ** 64)) / a_s
+    limit = jnp.where(x_shift > a_shift, np.float32(2.0 ** -22), np.float32(2.0 ** -86))
+    negative = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) < 0
+    sign = jnp.where(big > limit, jnp.where(negative, -1, 1), 0)
+    return quotient, sign
