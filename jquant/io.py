@@ -24,7 +24,7 @@ from jquant.qtensor import QTensor
 from jquant.registry import Prepared, Scheme
 
 _QT_LEAVES = ("data", "scale", "zero", "global_scale", "group_index")
-_QT_META = ("fmt", "shape", "dtype", "block", "pack_axis", "options")
+_QT_META = ("fmt", "shape", "dtype", "block", "pack_axis", "options", "k_axis")
 
 
 def _jsonable(value):
@@ -59,7 +59,7 @@ def _encode_qtensor(qt: QTensor, prefix: str, arrays: dict) -> dict:
 
 
 def _decode_qtensor(meta: dict, arrays: dict) -> QTensor:
-    kwargs = {k: _from_json(meta[k]) for k in _QT_META}
+    kwargs = {k: _from_json(meta[k]) for k in _QT_META if k in meta}  # (older saves lack k_axis)
     for name, ref in meta["leaves"].items():
         kwargs[name] = _decode_qtensor(ref["qtensor"], arrays) if "qtensor" in ref else jnp.asarray(arrays[ref["array"]])
     return QTensor(**kwargs)

@@ -9,16 +9,25 @@ from jquant.qtensor import QTensor
 
 
 def qdot(x: jax.Array, w: QTensor, *, preferred_element_type=None) -> jax.Array:
-    """``jnp.dot(x, w)`` for a QTensor ``w`` with logical shape ``[K, N]`` (a Flax kernel's orientation).
+    """``x [..., K]`` times a 2-D QTensor weight, contracted along the weight's K axis: ``[..., N]``.
+
+    The K axis is ``w.k_axis`` when the QTensor records it (``quantize`` records the axis it groups
+    along, checkpoint loaders axis 1 of their ``[N, K]`` weights, so those give ``x @ W.T``), else
+    axis 0: ``jnp.dot(x, w)`` for a Flax kernel ``[K, N]``.
 
     Dequantizes ``w`` to ``x``'s dtype and accumulates in fp32; the result has ``x``'s dtype unless
-    ``preferred_element_type`` says otherwise. For ``[N, K]`` weights with a kernel path use
-    ``Scheme.apply``.
+    ``preferred_element_type`` says otherwise. ``Scheme.apply`` runs ``[N, K]`` weights on a kernel path.
     """
     if not isinstance(w, QTensor):
         raise TypeError(f"qdot expects a QTensor weight, got {type(w).__name__}")
-    if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"qdot: x must be a float array, got {x.dtype} (shape {tuple(x.shape)})")
+    k_axis = 0 if w.k_axis is None else w.k_axis
+    if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[k_axis]:
+        need = "w[K, N]" if k_axis == 0 else "w[N, K]"
         raise ValueError(f"qdot: x with shape {tuple(x.shape)} cannot multiply a weight of shape {w.shape} "
-                         f"(need x[..., K] and w[K, N])")
-    y = jnp.dot(x, w.dequantize(x.dtype), preferred_element_type=jnp.float32)
+                         f"with k_axis={w.k_axis} (need x[..., K] and {need})")
+    dims = (((x.ndim - 1,), (k_axis,)), ((), ()))
+    y = jax.lax.dot_general(x, w.dequantize(x.dtype), dims, preferred_element_type=jnp.float32)
     return y.astype(preferred_element_type or x.dtype)

@@ -9,6 +9,18 @@ Block convention: ``block[i]`` is the extent of one quantization block along log
 along K: ``(1, 128)``). ``scale`` (and ``zero``) then have shape ``ceil(shape / block)``, the same
 rank as the data, so one ``PartitionSpec`` shards data and scales consistently. Formats that block a
 flattened tensor (bitsandbytes) use ``block=(blocksize,)`` over ``shape`` flattened.
+
+Orientation: ``k_axis`` records which logical axis is the contraction (K, input-feature) axis of a
+matmul weight, or None where that is unknown. Every product with a QTensor weight contracts the last
+axis of ``x`` with the weight's K axis and returns ``[..., N]``: ``qdot`` along ``k_axis`` (axis 0,
+``jnp.dot``'s ``[K, N]``, when unknown), ``Scheme.apply`` and ``w4a16_matmul`` on ``[N, K]`` weights
+(PyTorch's ``x @ W.T``); a weight whose recorded K axis is not the one a product needs is refused
+with a ValueError rather than silently transposed. ``formats.quantize`` records the axis a format
+blocks along (groups, channels), checkpoint loaders the last axis of their ``[N, K]`` weights.
+
+Dtypes: ``dequantize(dtype)`` returns exactly ``dtype`` (any floating dtype), float32 when none is
+given, for every format; ``QTensor.dtype`` only records the dtype of the array that was quantized
+(or the one a checkpoint loader was asked for), so ``qt.dequantize(qt.dtype)`` gives it back in it.
 """
 
 from __future__ import annotations
@@ -48,10 +60,13 @@ class QTensor:
         act-order ``g_idx``) along ``grouped_axis``; None means index ``i`` is in group ``i // block``.
       fmt: format name, a key of the format registry (``"int4"``, ``"fp8_e4m3"``, ``"mxfp4"``, ...).
       shape: logical (unquantized) shape.
-      dtype: logical dtype that ``dequantize`` returns by default.
+      dtype: dtype of the array that was quantized (informational: ``dequantize`` returns float32
+        unless asked for another dtype, see the module docstring).
       block: block extent per logical axis (see module docstring).
       pack_axis: axis along which sub-byte codes are packed, or None when stored one per element.
       options: format-specific static settings as sorted ``(key, value)`` pairs.
+      k_axis: the logical axis that is the contraction (K) axis of a matmul weight, or None when
+        unknown (see the module docstring).
     """
 
     data: jax.Array
@@ -65,12 +80,20 @@ class QTensor:
     block: tuple[int, ...] = ()
     pack_axis: int | None = None
     options: tuple[tuple[str, Any], ...] = ()
+    k_axis: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         object.__setattr__(self, "block", tuple(int(b) for b in self.block))
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
         object.__setattr__(self, "options", tuple(sorted(dict(self.options).items())))
+        if self.k_axis is not None:
+            ndim = len(self.shape)
+            if isinstance(self.k_axis, bool) or not isinstance(self.k_axis, (int, np.integer)) \
+                    or not -ndim <= self.k_axis < ndim:
+                raise ValueError(f"QTensor.k_axis must be None or an axis of shape {self.shape}, "
+                                 f"got {self.k_axis!r}")
+            object.__setattr__(self, "k_axis", int(self.k_axis) % ndim)
 
     # ---- metadata -------------------------------------------------------------------------------
     @property
@@ -101,11 +124,14 @@ class QTensor:
 
     # ---- conversion -----------------------------------------------------------------------------
     def dequantize(self, dtype: Any = None) -> jax.Array:
+        """The float tensor this stands for, in ``dtype`` (any floating dtype; default float32)."""
+        dtype = _float_dtype(dtype, self.fmt)
         fn = _DEQUANTIZERS.get(self.fmt)
         if fn is None:
             raise ValueError(f"QTensor.fmt={self.fmt!r} has no registered dequantizer; "
                              f"known formats: {registered_formats()}")
-        return fn(self, jnp.dtype(dtype) if dtype is not None else self.dtype)
+        out = fn(self, dtype)
+        return out if out.dtype == dtype else out.astype(dtype)
 
     def expand(self, values: jax.Array) -> jax.Array:
         """Broadcasts per-block ``values`` (scales, zeros) to the logical shape, honouring ``group_index``."""
@@ -174,8 +200,23 @@ class QTensor:
 jax.tree_util.register_dataclass(
     QTensor,
     data_fields=["data", "scale", "zero", "global_scale", "group_index"],
-    meta_fields=["fmt", "shape", "dtype", "block", "pack_axis", "options"],
+    meta_fields=["fmt", "shape", "dtype", "block", "pack_axis", "options", "k_axis"],
 )
+
+
+def _float_dtype(dtype: Any, fmt: str) -> np.dtype:
+    if dtype is None:
+        return jnp.dtype(jnp.float32)
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError as err:
+        raise TypeError(f"dequantize (QTensor fmt={fmt!r}): dtype must be a floating dtype such as "
+                        f"jnp.float32 or jnp.bfloat16, got {dtype!r}") from err
+    # issubdtype, not dt.kind: ml_dtypes' bfloat16 and float8 types have kind 'V'.
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"dequantize (QTensor fmt={fmt!r}) returns floats: dtype must be a floating "
+                        f"dtype such as jnp.float32 or jnp.bfloat16, got {dt}; cast the result instead")
+    return dt
 
 
 def dequantize(qt: QTensor, dtype: Any = None) -> jax.Array:

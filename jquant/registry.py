@@ -75,7 +75,8 @@ class Scheme:
         if self.activation == "dynamic_per_token_group" and w.shape[1] % group:
             raise ValueError(f"scheme {self.name!r} quantizes activations in groups of {group} along K, but the "
                              f"weight {tuple(w.shape)} has K={w.shape[1]}, not a multiple of {group}")
-        return quantize(w, self.weight_format, axis=1, **dict(self.weight_options))
+        qw = quantize(w, self.weight_format, axis=1, **dict(self.weight_options))
+        return qw if qw.k_axis is not None else qw.replace(k_axis=1)  # (per-tensor, 2-D tiles)
 
     def quantize_kernel(self, kernel: jax.Array) -> QTensor:
         """Quantizes a Flax kernel ``[K, N]`` (stored transposed, as ``quantize_weight`` does)."""
@@ -208,3 +209,7 @@ def _check_weight(scheme: Scheme, qweight: QTensor) -> None:
     if qweight.fmt != scheme.weight_format or qweight.ndim != 2:
         raise ValueError(f"scheme {scheme.name!r} expects a 2-D {scheme.weight_format!r} weight, got "
                          f"fmt={qweight.fmt!r} with shape {qweight.shape}")
+    if qweight.k_axis not in (None, 1):
+        raise ValueError(f"scheme {scheme.name!r} takes weights [N, K] with K on axis 1; this {qweight.shape} "
+                         f"QTensor records K on axis {qweight.k_axis} (a [K, N] kernel): quantize W.T, or "
+                         "use scheme.quantize_kernel for a Flax kernel")

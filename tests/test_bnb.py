@@ -78,14 +78,14 @@ def assert_matches_golden(case, qt, dequantized):
 def test_golden_quantize_and_dequantize(case):
     params = CASES[case]
     qt = quantize_case(case)(golden("input__" + params["input"], params["dtype"]))
-    assert_matches_golden(case, qt, qt.dequantize())
+    assert_matches_golden(case, qt, qt.dequantize(qt.dtype))
 
 
 @pytest.mark.parametrize("case", ["fp4_small_dq", "nf4_big_dq"])
 def test_golden_inside_an_outer_jit(case):
     """XLA fuses across an outer jit (FMA contraction, reciprocal division): the bytes must not move."""
     params = CASES[case]
-    qt, dequantized = jax.jit(lambda x: (q := quantize_case(case)(x), q.dequantize()))(
+    qt, dequantized = jax.jit(lambda x: (q := quantize_case(case)(x), q.dequantize(q.dtype)))(
         golden("input__" + params["input"], params["dtype"]))
     assert_matches_golden(case, qt, dequantized)
 
@@ -103,7 +103,7 @@ def test_golden_checkpoint_export_and_import(case):
         np.testing.assert_array_equal(bits(exported[name]), bits(value), err_msg=name)
     loaded = jquant.from_checkpoint(expected, "bnb")
     assert jax.tree.structure(loaded) == jax.tree.structure(qt)
-    np.testing.assert_array_equal(bits(loaded.dequantize()), bits(golden(f"{case}__dequant", params["dtype"])))
+    np.testing.assert_array_equal(bits(loaded.dequantize(loaded.dtype)), bits(golden(f"{case}__dequant", params["dtype"])))
 
 
 def test_golden_dynamic8(maybe_jit):

@@ -100,7 +100,8 @@ def test_axis_zero_and_scale_dtype():
 def test_logical_dtype_kept():
     x = jnp.asarray(_normal(5, (2, 32)), jnp.bfloat16)
     qt = quantize(x, "int8")
-    assert qt.dequantize().dtype == jnp.bfloat16 and qt.dequantize(jnp.float32).dtype == jnp.float32
+    assert qt.dtype == jnp.bfloat16 and qt.dequantize(qt.dtype).dtype == jnp.bfloat16
+    assert qt.dequantize().dtype == jnp.float32 and qt.dequantize(jnp.float32).dtype == jnp.float32
 
 
 class JitTest(chex.TestCase):

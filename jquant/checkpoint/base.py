@@ -77,7 +77,8 @@ def to_checkpoint(qt: QTensor, layout: str, *, lossy: bool = False, **options) -
 
 def from_checkpoint(tensors: dict[str, np.ndarray], layout: str, variant: str | None = None,
                     **meta) -> QTensor:
-    """Rebuilds the QTensor (PyTorch orientation ``[N, K]``) from a checkpoint's tensors."""
+    """Rebuilds the QTensor (PyTorch orientation ``[N, K]``, so ``k_axis`` is the last axis) from a
+    checkpoint's tensors."""
     if not isinstance(tensors, dict):
         raise TypeError(f"tensors must be a dict of name → array, got {type(tensors).__name__}")
     variants = _variants(layout if variant is None else f"{layout}/{variant}")
@@ -86,7 +87,8 @@ def from_checkpoint(tensors: dict[str, np.ndarray], layout: str, variant: str | 
         if len(variants) != 1:
             raise ValueError(f"cannot tell which {layout!r} variant tensors {sorted(tensors)} are; "
                              f"pass variant= one of {[v.name.split('/', 1)[1] for v in _variants(layout)]}")
-    return variants[0].from_fn(tensors, **meta)
+    qt = variants[0].from_fn(tensors, **meta)
+    return qt if qt.k_axis is not None else qt.replace(k_axis=qt.ndim - 1)
 
 
 def require(tensors: dict, names, layout: str) -> None:

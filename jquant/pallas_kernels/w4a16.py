@@ -40,6 +40,7 @@ from jquant.pallas_kernels.w4a16_mgpu import (MgpuConfig, PackedW4NK, reference_
                                               w4a16_mgpu_matmul)
 from jquant.pallas_kernels.w4a16_triton import (GEMV_MAX_ROWS, VARIANTS, TuningConfig,
                                                 effective_split, reference, w4a16_pallas)
+from jquant.qtensor import QTensor
 
 IMPLS = ("auto", "pallas", "mgpu", "gemv", "mma", "xla", "reference")
 # Above these M, "auto" runs XLA for PackedW4NK: the kernel decodes W once per 128 rows of x. On the
@@ -176,19 +177,27 @@ def _resolve_nk(impl: str, m: int, interpret: bool, weight_elems: int) -> str:
     return "mgpu"
 
 
-def w4a16_matmul(x, packed: PackedW4 | PackedW4NK, *, bias=None, impl: str = "auto",
+def w4a16_matmul(x, packed: PackedW4 | PackedW4NK | QTensor, *, bias=None, impl: str = "auto",
                  config: TuningConfig | MgpuConfig | None = None, interpret: bool = False,
                  poison: bool = False):
-    """``x @ W`` for ``x`` ``[..., K]`` (bf16 / fp16 / fp32) and a ``PackedW4`` or ``PackedW4NK`` W;
-    fp32 accumulation, result ``[..., N]`` in ``x``'s dtype. ``bias`` is an optional ``[N]`` vector.
+    """``x`` ``[..., K]`` (bf16 / fp16 / fp32) contracted with a 4-bit weight's K axis; fp32
+    accumulation, result ``[..., N]`` in ``x``'s dtype. ``bias`` is an optional ``[N]`` vector.
+
+    The weight is a ``PackedW4`` or ``PackedW4NK``, whose K axis is that of the ``[K, N]`` codes it
+    was packed from (``x @ W`` for those codes; a scheme's prepared weight holds its ``[N, K]``
+    QTensor's codes transposed, so this is ``Scheme.apply``'s ``x @ W.T``), or a 4-bit ``[N, K]``
+    QTensor recording ``k_axis=1`` (``x @ W.T``), laid out for the Mosaic GPU kernel on every call
+    (``Scheme.process_weights_after_loading`` lays it out once); any other ``k_axis`` is refused.
 
     ``config`` overrides the launch: a ``TuningConfig`` for a ``PackedW4`` (its ``block_n``/
     ``block_k`` must match the packing), an ``MgpuConfig`` for a ``PackedW4NK``;
     ``interpret`` runs the Pallas kernels on CPU; ``poison`` (testing) NaN-fills kernel outputs first.
     """
+    if isinstance(packed, QTensor):
+        packed = _pack_qtensor(packed)
     if not isinstance(packed, (PackedW4, PackedW4NK)):
-        raise TypeError("packed must be a PackedW4 (prepack) or PackedW4NK (prepack_nk), got "
-                        f"{type(packed).__name__}")
+        raise TypeError("packed must be a PackedW4 (prepack), a PackedW4NK (prepack_nk) or a 4-bit "
+                        f"QTensor, got {type(packed).__name__}")
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize not in (2, 4):
         raise TypeError(f"x must be bf16, fp16 or fp32, got {x.dtype} (shape {tuple(x.shape)})")
@@ -215,6 +224,23 @@ def w4a16_matmul(x, packed: PackedW4 | PackedW4NK, *, bias=None, impl: str = "au
         out = _kernel_matmul(x2, packed, bias, kind, config, variant, interpret, poison)
     return out.reshape(*lead, packed.n)
 
+
+
+def _pack_qtensor(qt: QTensor) -> PackedW4NK:
+    # Imported here: scheme_impl imports this module.
+    from jquant.pallas_kernels.scheme_impl import prepack_for_kernels, unified_w4
+
+    if qt.ndim != 2 or qt.k_axis != 1:
+        raise ValueError(f"w4a16_matmul takes a QTensor weight [N, K] with k_axis=1 (x @ W.T); this "
+                         f"{qt.fmt} QTensor of shape {qt.shape} records k_axis={qt.k_axis}: quantize the "
+                         "[N, K] weight along axis 1 (Scheme.quantize_weight), or use jquant.qdot")
+    args = unified_w4(qt)
+    packed = None if args is None else prepack_for_kernels(args)
+    if packed is None:
+        raise ValueError(f"w4a16_matmul: a {qt.fmt} QTensor with shape {qt.shape} and block {qt.block} has "
+                         "no 4-bit kernel layout (4-bit codes in groups of 16, 32 or 64·j along K, or per "
+                         "channel); use Scheme.apply or jquant.qdot")
+    return packed
 
 
 def _xla_matmul(x2, packed: PackedW4, bias):
