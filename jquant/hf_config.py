@@ -1,9 +1,10 @@
 """HF ``quantization_config`` → Scheme, in vLLM's ``quant_method`` vocabulary.
 
-Accepted: ``fp8`` (with ``weight_block_size`` and ``scale_fmt``), ``awq``, ``gptq`` (with
-``checkpoint_format``), ``compressed-tensors`` (``pack-quantized``, ``float-quantized``,
+Accepted: ``fp8`` (with ``weight_block_size`` and ``scale_fmt``), ``awq`` (GEMM-packed ``version``s),
+``gptq`` (with ``checkpoint_format``), ``compressed-tensors`` (``pack-quantized``, ``float-quantized``,
 ``nvfp4-pack-quantized``), ``modelopt`` (FP8, NVFP4; flat or under ``"quantization"``), ``mxfp4`` and
 ``bitsandbytes`` (4-bit). Anything else, or a malformed config, raises a ValueError that names the key.
+``skipped_modules`` reads the same config's ignore list: the modules that stay in float.
 """
 
 from __future__ import annotations
