@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jquant
-from jquant.formats import bnb, mx, nvfp4
+from jquant.formats import mx, preset_options
 from jquant.formats.packing import unpack_bits
 
 G = np.load(pathlib.Path(__file__).parent / "goldens" / "adversarial_fp4.npz")
@@ -317,3 +317,21 @@ def test_modelopt_global_scale_divides_exactly(outer_jit):
         qt = quantize(x)
         assert i32(qt.global_scale) == i32(a / np.float32(2688))
         assert u8(qt.scale)[0, 0] == e4m3_of(np.clip((a / np.float32(6)) / (a / np.float32(2688)), 2.0 ** -6, 448))
+
+
+def test_bnb_golden_preset():
+    """like="bitsandbytes" sets nothing (jquant's defaults are bnb's) and reproduces its goldens."""
+    import json
+    golden = np.load(pathlib.Path(__file__).parent / "goldens" / "bitsandbytes_4bit.npz")
+    cases = json.loads(str(golden["cases"]))
+    assert preset_options("bitsandbytes", "nf4") == {}
+    for case in ("nf4_small", "fp4_small_dq", "nf4_big_dq"):
+        params = cases[case]
+        x = golden["input__" + params["input"]]
+        x = x.view(ml_dtypes.bfloat16) if params["dtype"] == "bfloat16" else x
+        fmt = {"nf4": "nf4", "fp4": "fp4_bnb"}[params["quant_type"]]
+        qt = jquant.quantize(x, fmt, like="bitsandbytes", blocksize=params["blocksize"],
+                             compress_statistics=params["compress_statistics"])
+        np.testing.assert_array_equal(np.asarray(qt.data), golden[f"{case}__weight"].reshape(-1))
+        absmax = qt.scale.data if params["compress_statistics"] else qt.scale
+        np.testing.assert_array_equal(np.asarray(absmax), golden[f"{case}__absmax"])

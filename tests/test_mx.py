@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import jquant
-from jquant.formats import mx
+from jquant.formats import mx, preset_options
 from jquant.formats.packing import unpack_bits
 
 GOLDENS = pathlib.Path(__file__).parent / "goldens"
@@ -63,6 +63,29 @@ def test_torchao_golden(input_name, fmt, mode):
         np.testing.assert_array_equal(got, expected)  # NaN positions compared as NaN
 
 
+@pytest.mark.parametrize("input_name,fmt,mode", [c for c in TORCHAO_CASES if c[2] in ("floor", "rceil")])
+def test_torchao_golden_preset(input_name, fmt, mode):
+    """like="torchao" is to_mx's default (FLOOR); its eager RCEIL is scale_mode="rceil_log2f"."""
+    g = np.load(GOLDENS / "torchao_mx.npz")
+    key = f"{input_name}_{fmt}_{mode}"
+    x = golden_input(g, input_name)
+    qt = jquant.quantize(x, fmt, like="torchao") if mode == "floor" else \
+        jquant.quantize(x, fmt, scale_mode="rceil_log2f")
+    np.testing.assert_array_equal(scale_bytes(qt), g[f"{key}_scale"])
+    per_byte = 16 if fmt == "mxfp4" else 32
+    finite_blocks = np.repeat(g[f"{key}_scale"] != 255, per_byte, axis=-1)
+    np.testing.assert_array_equal(data_bytes(qt)[finite_blocks], g[f"{key}_data"][finite_blocks])
+
+
+def test_presets_and_clashes():
+    assert preset_options("torchao", "mxfp8_e4m3") == {"scale_mode": "floor", "element_rounding": "even"}
+    assert preset_options("gguf", "mxfp4") == {"scale_mode": "floor", "element_rounding": "ggml"}
+    with pytest.raises(ValueError, match="element_rounding='ggml'"):
+        jquant.quantize(np.ones((1, 32), np.float32), "mxfp4", like="gguf", element_rounding="even")
+    with pytest.raises(ValueError, match="no 'gguf' preset for format 'mxfp8_e4m3'"):
+        jquant.quantize(np.ones((1, 32), np.float32), "mxfp8_e4m3", like="gguf")
+
+
 def test_rceil_is_exact_where_torchao_eager_log2_rounds():
     # amax/6 one float32 step above 2^-10: the exact ceiling is 2^-9 (byte 118); torchao's eager
     # fallback takes ceil of a float32 log2 that rounds to -10 (byte 117), recorded in the golden.
@@ -72,6 +95,7 @@ def test_rceil_is_exact_where_torchao_eager_log2_rounds():
     x[0, 0] = amax
     assert int(g["rceil_log2_window_scale"]) == 117
     assert scale_bytes(mx.quantize_mx(x, "mxfp4", scale_mode="rceil"))[0, 0] == 118
+    assert scale_bytes(mx.quantize_mx(x, "mxfp4", scale_mode="rceil_log2f"))[0, 0] == 117  # torchao eager
 
 
 # ---- gguf-py 0.19 goldens (GGML MXFP4) --------------------------------------------------------------
@@ -83,10 +107,11 @@ def gguf_scales_and_codes(g):
     return blocks[..., 0], codes
 
 
-def test_gguf_golden_ggml_rounding():
+@pytest.mark.parametrize("options", [{"element_rounding": "ggml"}, {"like": "gguf"}], ids=["option", "preset"])
+def test_gguf_golden_ggml_rounding(options):
     g = np.load(GOLDENS / "gguf_mxfp4.npz")
     scales, codes = gguf_scales_and_codes(g)
-    qt = jquant.quantize(g["x"], "mxfp4", element_rounding="ggml")
+    qt = jquant.quantize(g["x"], "mxfp4", **options)
     np.testing.assert_array_equal(scale_bytes(qt), scales)
     np.testing.assert_array_equal(np.asarray(unpack_bits(qt.data, 4)), codes)
     np.testing.assert_array_equal(np.asarray(qt.dequantize(jnp.float32)), g["dequantized"])

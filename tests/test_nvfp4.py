@@ -61,7 +61,28 @@ def test_torchao_golden(input_name, case, maybe_jit):
     np.testing.assert_array_equal(np.asarray(qt.dequantize(jnp.float32)), g[key + "dequant_f32"])
 
 
+@pytest.mark.parametrize("like", ["torchao", "modelopt"])
+@pytest.mark.parametrize("input_name", ["x_f32", "x_bf16"])
+def test_torchao_golden_preset(input_name, like):
+    g = np.load(GOLDENS / "torchao_nvfp4.npz")
+    key = f"{input_name}_tensor_"
+    qt = jquant.quantize(golden_input(g, input_name), "nvfp4", like=like)
+    np.testing.assert_array_equal(np.asarray(qt.data), g[key + "packed"])
+    np.testing.assert_array_equal(scale_bytes(qt), g[key + "scale"])
+    np.testing.assert_array_equal(np.asarray(qt.global_scale), g[key + "per_tensor_scale"])
+
+
 # ---- compressed-tensors 0.20.1 ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["w_f32", "w_bf16"])
+def test_compressed_tensors_golden_preset(case):
+    g = np.load(GOLDENS / "compressed_tensors_nvfp4.npz")
+    qt = jquant.quantize(golden_input(g, case), "nvfp4", like="compressed-tensors")
+    np.testing.assert_array_equal(np.asarray(qt.data), g[f"{case}_weight_packed"])
+    np.testing.assert_array_equal(scale_bytes(qt), g[f"{case}_weight_scale"])
+    with pytest.raises(ValueError, match="convention='compressed-tensors'"):
+        jquant.quantize(golden_input(g, case), "nvfp4", like="compressed-tensors", convention="modelopt")
+
 
 @pytest.mark.parametrize("case", ["w_f32", "w_bf16", "w_bf16_noglobal"])
 def test_compressed_tensors_weight_golden(case, maybe_jit):
