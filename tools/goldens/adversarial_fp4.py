@@ -117,6 +117,26 @@ def _torchao_nvfp4(x, dynamic):
     return out
 
 
+def bf16_big_rows():
+    """float32 rows, exact in bfloat16, with amaxes 2^126 · (1 + k/128) and up to bf16's largest."""
+    base = np.linspace(-0.9, 0.9, COLS, dtype=np.float32)
+    amaxes = [2.0 ** 126 * (1 + k / 128) for k in (0, 1, 2, 3, 5, 64, 127)] + [2.0 ** 127 * (1 + k / 128) for k in (0, 1, 77, 127)]
+    rows = [(base * np.float32(a)).astype(np.float32) for a in amaxes]
+    for row, a in zip(rows, amaxes):
+        row[7] = a
+    return np.stack(rows)
+
+
+def _ct_nvfp4_tensor(t, scheme):
+    groups = t.unflatten(-1, (t.shape[-1] // 16, 16))
+    global_scale = generate_gparam(t.min(), t.max())
+    scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights, global_scale=global_scale)
+    state = {"weight": t, "weight_scale": scale.to(t.dtype), "weight_global_scale": global_scale}
+    compressed = NVFP4PackedCompressor.compress(state, scheme)
+    return {"packed": compressed["weight_packed"].numpy(), "scale": compressed["weight_scale"].view(torch.uint8).numpy(),
+            "global": global_scale.reshape(1).numpy()}
+
+
 def _ct_nvfp4(x, scheme, with_global):
     t = torch.from_numpy(x)
     groups = t.unflatten(-1, (t.shape[-1] // 16, 16))
@@ -166,6 +186,12 @@ def make(out_dir):
         arrays[f"ct_nvfp4_dynamic_{name}"] = value
     for name, value in _per_row(x, lambda r: _ct_nvfp4(r, scheme, False)).items():
         arrays[f"ct_nvfp4_none_{name}"] = value
+    # bfloat16 tensors with amax past 2^126: the reciprocal is rounded to bf16's subnormal grid.
+    x_bf16 = torch.from_numpy(bf16_big_rows()).to(torch.bfloat16)
+    arrays["x_bf16_big"] = x_bf16.view(torch.uint16).numpy()
+    rows = [_ct_nvfp4_tensor(row[None], scheme) for row in x_bf16]
+    for name in rows[0]:
+        arrays[f"ct_nvfp4_bf16_big_{name}"] = np.stack([r[name] for r in rows])
     for quant_type in ("nf4", "fp4"):
         for dq in (False, True):
             for name, value in _bnb(x, quant_type, dq).items():
