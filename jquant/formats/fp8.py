@@ -22,10 +22,26 @@ the scale grid is ``ceil(N / 128) × ceil(K / 128)``. ``ue8m0=True`` (weight gra
 ``token_group``) rounds each scale *up* to a power of two, ``s = 2^ceil(log2 s)`` (DeepSeek
 ``scale_fmt: ue8m0``); such scales may be stored as ``float8_e8m0fnu``.
 
-Non-finite inputs follow the references rather than being special-cased: with a static scale NaN
-stays NaN (a NaN code) and ±Inf saturates to ±max; with a dynamic scale a NaN or ±Inf makes its
-block's amax, hence its scale, non-finite, so that block dequantizes to NaN (other blocks are
-unaffected), exactly as torchao, compressed-tensors and vLLM do.
+Zeros: under ``convention="compressed-tensors"`` (its preset, and the default) a zero scale becomes
+``finfo(x.dtype).eps`` and -0.0 stores code +0 (it adds its float zero point 0.0 to ``x / s``); under
+``"torchao"`` (its preset) a zero scale stays 0, so an all-zero block's codes are 0 / 0 = NaN, as
+torchao stores them, and -0.0 stores -0. Tiny magnitudes: XLA flushes float32 subnormals, so weight
+scales are computed from exact (bit-level) amax values, lifted by 2**64 below 2**-60 and rounded to
+the subnormal grid with integer arithmetic (``exact.py``); scales and codes equal PyTorch's down to
+the smallest subnormal, for float32 and bfloat16 weights. NaN codes: E4M3 has one per sign; for E5M2
+every NaN is stored as ``sign | 0x7F``, as PyTorch converts (``saturating_cast``).
+
+Non-finite inputs follow the references rather than being special-cased (checked at 256×4096 for every
+granularity, and bit for bit against torchao and compressed-tensors on small inputs): with a static
+scale NaN stays NaN (a NaN code) and ±Inf saturates to ±max; with a dynamic scale a NaN or ±Inf makes
+its block's amax, hence its scale, non-finite (NaN / Inf); finite values then get code ±0 (x / Inf),
+the Inf itself NaN, so that block dequantizes to NaN (0 · Inf) while other blocks are unaffected,
+exactly as torchao, compressed-tensors and vLLM do; per tensor, that is the whole tensor.
+
+Presets (``quantize(x, fmt, like=...)``, weight granularities): ``"torchao"`` for both formats
+(``TORCHAO_OPTIONS``), ``"compressed-tensors"`` for E4M3, the only FP8 it has
+(``COMPRESSED_TENSORS_OPTIONS``; its ``group`` strategy is ``granularity="block"``,
+``block_size=(1, g)``). vLLM's arithmetic is chosen by the activation granularities themselves.
 """
 
 from __future__ import annotations

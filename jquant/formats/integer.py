@@ -26,14 +26,37 @@ divisions as PyTorch / numpy compute them, see ``exact_divide``):
 * ``arithmetic="compressed-tensors"`` instead replays compressed-tensors op for op in x's dtype
   (bfloat16 weights: every intermediate rounded to bfloat16), its zero point formula
   ``round(-2**(b-1) - min/s)`` and its eps for zero scales; float32 inputs give the same bytes as
-  the default arithmetic except on ulp-level ties.
-* NaN/Inf: a block holding a NaN (or ±Inf) gets a non-finite scale, so the whole block dequantizes
-  to non-finite values (NaN propagates blockwise instead of silently vanishing); the codes of NaN
-  elements are stored as the zero point so the bytes stay deterministic.
+  the default arithmetic except on ulp-level ties. Its zero point divides by the scale *before* a zero
+  scale becomes eps, so an all-zero group has zero point NaN → int8 0 (stored ``2**(b-1)``, codes too).
+* tiny magnitudes: XLA flushes float32 subnormals (inputs and results); blocks with amax < 2**-60 are
+  computed lifted by 2**64 and a subnormal scale is rounded on the integer grid (``exact.py``), so
+  scales and codes equal PyTorch / numpy's IEEE ones down to the smallest subnormal. Stored subnormal
+  scales are real bit patterns, but ``dequantize`` (XLA arithmetic) flushes their products to 0.
+* near float32's max: ``hi - lo`` can overflow to Inf, and then the scale is Inf as in every reference.
+
+Non-finite inputs (checked at 256×4096 for tensor / channel / group blocks, tests/test_int_fp8_contract):
+
+* NaN: the block's min/max (``nan_min``/``nan_max``: XLA's CPU reductions drop NaN from ≥ ~4096
+  elements) and so its scale are NaN, and the whole block dequantizes to NaN; other blocks are
+  untouched (per tensor: the tensor). NaN codes are stored as the zero point (``2**(b-1)`` for
+  ``int*``); under compressed-tensors arithmetic as signed 0, what PyTorch's NaN → int8 cast gives.
+* ±Inf: the block's scale is Inf, finite values get code 0 (x / Inf), the Inf one NaN, and the block
+  dequantizes to NaN (0 · Inf), or ±Inf where compressed-tensors' signed-0 NaN code minus its zero point
+  is non-zero: exactly compressed-tensors' and gguf's result (tests/test_adversarial_int_fp8).
+
+Presets (``quantize(x, fmt, like=...)``): ``"compressed-tensors"`` for ``int2..8`` / ``uint2..8``
+(``COMPRESSED_TENSORS_OPTIONS``: its arithmetic, scales in the weight's dtype), ``"gguf"`` for ``int8``
+(Q8_0). Not registered: torchao's int8 / int4 (it clamps scales to a minimum eps and its int4 uses a
+float zero-point domain, neither of which this format has), GPTQ / AWQ (their scales come from their
+own algorithms: ``quantize_int_with_params``), gguf Q4_0 / Q4_1 (other formulas), vLLM (it consumes
+these checkpoints, it does not quantize weights).
 
 GGUF Q8_0 is ``int8`` with ``GGUF_Q8_0_OPTIONS`` (blocks of 32, ``d = amax/127`` computed in float32,
 codes ``roundf(x · (1/d))`` from that unrounded ``d``, ``d`` stored as float16), also registered
-as the quantizer ``"gguf_q8_0"``.
+as the quantizer ``"gguf_q8_0"``. One documented deviation: a block with ``d < 2**-128`` (amax below
+~4e-37) makes gguf-py's ``1/d`` overflow to Inf and its codes ``int8(±Inf)``, a platform-defined cast
+(0 on x86); jquant keeps the exact codes of ``x · (1/d)``. Both store ``d`` as float16 0, so both
+dequantize such a block to 0.
 """
 
 from __future__ import annotations
