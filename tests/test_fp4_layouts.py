@@ -41,11 +41,12 @@ def assert_round_trip(qt, tensors, layout, **meta):
 
 def test_gpt_oss_matches_transformers_dequantize():
     g = np.load(GOLDENS / "transformers_gptoss.npz")
-    qt = jquant.from_checkpoint({"blocks": g["blocks"], "scales": g["scales"]}, "gpt-oss")
+    assert jquant.from_checkpoint({"blocks": g["blocks"], "scales": g["scales"]}, "gpt-oss").dtype == jnp.float32
+    qt = jquant.from_checkpoint({"blocks": g["blocks"], "scales": g["scales"]}, "gpt-oss", dtype=jnp.bfloat16)
     assert qt.fmt == "mxfp4" and qt.shape == (2, 24, 128) and qt.dtype == jnp.bfloat16
     # transformers returns the experts transposed to [E, K, N].
     expected = g["dequantized_bf16"].view(ml_dtypes.bfloat16).transpose(0, 2, 1)
-    np.testing.assert_array_equal(np.asarray(qt.dequantize()).view(np.uint16), expected.view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(qt.dequantize(qt.dtype)).view(np.uint16), expected.view(np.uint16))
     tensors = jquant.to_checkpoint(qt, "gpt-oss")
     np.testing.assert_array_equal(tensors["blocks"], g["blocks"])
     np.testing.assert_array_equal(tensors["scales"], g["scales"])
@@ -129,6 +130,46 @@ def test_cross_convention_export_uses_the_reciprocal():
     chex.assert_trees_all_equal(restored.dequantize(jnp.float32), single.dequantize())
 
 
+def test_cross_convention_export_that_changes_values_needs_lossy():
+    x = random((4, 32), seed=1)  # its reciprocal global scale moves 61 of the 128 values by 1 ulp
+    ct = jquant.quantize(x, "nvfp4")
+    with pytest.raises(ValueError, match=r"modelopt/nvfp4: tensor 'weight_scale_2' \(the compressed-tensors "
+                                         r"per-tensor scale .* stored as its float32 reciprocal .*\) dequantized "
+                                         r"changes \d+ of 128 values, by up to .*convention='modelopt'"):
+        jquant.to_checkpoint(ct, "modelopt")
+    with pytest.warns(UserWarning, match="lossy=True"):
+        tensors = jquant.to_checkpoint(ct, "modelopt", lossy=True)
+    assert tensors["weight_scale_2"] == np.float32(1) / np.asarray(ct.global_scale)
+    modelopt = jquant.quantize(x, "nvfp4", convention="modelopt")
+    with pytest.raises(ValueError, match=r"tensor 'weight_global_scale'.*convention='compressed-tensors'"):
+        jquant.to_checkpoint(modelopt, CT)
+    # A power-of-two per-tensor scale has an exact reciprocal: no error, identical values.
+    pow2 = ct.replace(global_scale=jnp.float32(1024.0))
+    restored = jquant.from_checkpoint(jquant.to_checkpoint(pow2, "modelopt"), "modelopt")
+    np.testing.assert_array_equal(np.asarray(restored.dequantize(jnp.float32)), np.asarray(pow2.dequantize()))
+
+
+def test_nvfp4_group_size_other_than_16_is_refused():
+    x = random((4, 64), seed=3)
+    for layout, variant in (("modelopt", None), (CT, CT_VARIANT)):
+        tensors = jquant.to_checkpoint(jquant.quantize(x, "nvfp4", convention=layout if variant is None
+                                                       else "compressed-tensors"), layout)
+        with pytest.raises(ValueError, match=r"group_size=32 given, but NVFP4 blocks are 16 elements"):
+            jquant.from_checkpoint(tensors, layout, variant=variant, group_size=32)
+        assert jquant.from_checkpoint(tensors, layout, variant=variant, group_size=16).block == (1, 16)
+        scale = tensors["weight_scale"][:, ::2]  # one scale per 32 elements: a group-size-32 checkpoint
+        with pytest.raises(ValueError, match=r"'weight_scale' \(4, 2\) holds one scale per 32 elements of K=64 "
+                                             r".*blocks are 16 elements \(group_size 16\)"):
+            jquant.from_checkpoint(dict(tensors, weight_scale=scale), layout, variant=variant)
+
+
+def test_loaded_qtensors_are_float32_unless_asked():
+    qt = jquant.quantize(random((4, 64), seed=4).astype(jnp.bfloat16), "nvfp4")
+    tensors = jquant.to_checkpoint(qt, CT)
+    assert jquant.from_checkpoint(tensors, CT, variant=CT_VARIANT).dtype == jnp.float32
+    assert jquant.from_checkpoint(tensors, CT, variant=CT_VARIANT, dtype=jnp.bfloat16).dtype == jnp.bfloat16
+
+
 # ---- malformed tensors and wrong QTensors --------------------------------------------------------------
 
 def ct_tensors():
@@ -156,7 +197,9 @@ def test_malformed_tensors(layout, tensors, pattern):
     ("weight_packed", np.zeros((4, 16), np.int32), "'weight_packed' must be uint8"),
     ("weight_scale", np.zeros((4, 2), np.float32), "'weight_scale' must be float8_e4m3fn"),
     ("weight_scale", np.zeros((4, 4), ml_dtypes.float8_e4m3fn),
-     r"'weight_packed' \(4, 16\) and 'weight_scale' \(4, 4\)"),
+     r"'weight_scale' \(4, 4\) holds one scale per 8 elements of K=32"),
+    ("weight_scale", np.zeros((4, 3), ml_dtypes.float8_e4m3fn),
+     r"'weight_packed' \(4, 16\) and 'weight_scale' \(4, 3\)"),
     ("weight_global_scale", np.ones((1, 2), np.float32), "'weight_global_scale' must be"),
 ])
 def test_malformed_compressed_tensors(name, value, pattern):
@@ -170,5 +213,8 @@ def test_wrong_qtensors():
         jquant.to_checkpoint(jquant.quantize(random((64, 4)), "mxfp4", axis=0), "gpt-oss")
     with pytest.raises(ValueError, match="cannot store"):
         jquant.to_checkpoint(jquant.quantize(random((4, 64)), "mxfp4"), "modelopt/nvfp4")
+    mx = jquant.quantize(random((4, 64)), "mxfp4")
+    with pytest.raises(ValueError, match="gpt-oss stores scales as E8M0 bytes, got a QTensor with float32"):
+        jquant.to_checkpoint(mx.replace(scale=mx.scale.astype(jnp.float32)), "gpt-oss")
     with pytest.raises(ValueError, match="input_global_scale must be a scalar"):
         jquant.to_checkpoint(jquant.quantize(random((4, 32)), "nvfp4"), CT, input_global_scale=np.ones(2))

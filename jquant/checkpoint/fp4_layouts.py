@@ -16,8 +16,13 @@ codes packed two per byte with the even element in the low nibble, as every one 
   ``input_scale`` float32 scalar.
 
 An NVFP4 QTensor of the other convention is written with the reciprocal per-tensor scale computed
-in float32, as compressed-tensors' ModelOpt converter does (its dequantized values may then differ in
-the last bit); one without a per-tensor scale is written with 1.0, which dequantizes identically.
+in float32, as compressed-tensors' ModelOpt converter does. Its dequantized values then differ in
+the last bit unless the scale is a power of two, so such an export raises a ValueError with the
+largest change unless ``lossy=True`` (a warning); quantize with the layout's ``convention=`` to export
+exactly. One without a per-tensor scale is written with 1.0, which dequantizes identically.
+
+NVFP4 blocks are 16 elements along K; ``from_checkpoint`` refuses a ``group_size=`` option or scales
+implying any other block. Loaded QTensors have the logical dtype ``dtype=`` (default float32).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jquant.checkpoint.base import register_layout, require
+from jquant.checkpoint.base import check_exact, register_layout, require
 from jquant.formats import mx, nvfp4
 from jquant.qtensor import QTensor
 
@@ -60,12 +65,18 @@ def _array(tensors: dict, name: str, dtype, layout: str) -> np.ndarray:
 def _check_packed(packed: np.ndarray, scale: np.ndarray, names: tuple[str, str], block: int,
                   layout: str) -> tuple[int, ...]:
     """Logical [..., N, K] shape of packed codes [..., N, K/2] with scales [..., N, K/block]."""
-    if packed.ndim < 2 or scale.shape != packed.shape[:-1] + (packed.shape[-1] * 2 // block,) \
-            or packed.shape[-1] * 2 % block:
+    k = packed.shape[-1] * 2 if packed.ndim else 0
+    fits = packed.ndim >= 2 and scale.shape[:-1] == packed.shape[:-1] and scale.ndim == packed.ndim
+    if fits and scale.shape[-1] and k % scale.shape[-1] == 0 and k // scale.shape[-1] != block:
+        raise ValueError(f"{layout}: tensor {names[1]!r} {scale.shape} holds one scale per "
+                         f"{k // scale.shape[-1]} elements of K={k} ({names[0]!r} {packed.shape}), but the "
+                         f"layout's blocks are {block} elements (group_size {block}); other group sizes "
+                         f"are not supported")
+    if not fits or scale.shape[-1] * block != k:
         raise ValueError(f"{layout}: tensors {names[0]!r} {packed.shape} and {names[1]!r} {scale.shape} "
                          f"do not fit: expected [..., N, K/2] and [..., N, K/{block}] with K a "
                          f"multiple of {block}")
-    return packed.shape[:-1] + (packed.shape[-1] * 2,)
+    return packed.shape[:-1] + (k,)
 
 
 def _scalar(tensors: dict, name: str, layout: str) -> jax.Array:
@@ -104,13 +115,16 @@ def _optional_scalar(value, name: str) -> np.ndarray | None:
 
 def gpt_oss_to_checkpoint(qt: QTensor) -> dict[str, np.ndarray]:
     _check_last_axis(qt, "mxfp4", mx.BLOCK_SIZE, "gpt-oss")
+    if np.asarray(qt.scale).dtype != ml_dtypes.float8_e8m0fnu:
+        raise ValueError(f"gpt-oss stores scales as E8M0 bytes, got a QTensor with {np.asarray(qt.scale).dtype} "
+                         f"scales; quantize with jquant.quantize(x, 'mxfp4')")
     groups = qt.shape[-1] // mx.BLOCK_SIZE
     blocks = np.asarray(qt.data).reshape(*qt.shape[:-1], groups, mx.BLOCK_SIZE // 2)
     scales = np.asarray(qt.scale).view(np.uint8)
     return {"blocks": blocks, "scales": scales}
 
 
-def gpt_oss_from_checkpoint(tensors: dict, dtype=jnp.bfloat16) -> QTensor:
+def gpt_oss_from_checkpoint(tensors: dict, dtype=jnp.float32) -> QTensor:
     require(tensors, ("blocks", "scales"), "gpt-oss")
     blocks = _array(tensors, "blocks", np.uint8, "gpt-oss")
     scales = _array(tensors, "scales", np.uint8, "gpt-oss")
@@ -146,15 +160,30 @@ _CT_NAMES = _NVFP4Names(_CT, "compressed-tensors", "weight_packed", "weight_glob
 _MODELOPT_NAMES = _NVFP4Names(_MODELOPT, "modelopt", "weight", "weight_scale_2", "input_scale", ())
 
 
+def _check_convention(qt: QTensor, names: _NVFP4Names, stored: np.ndarray, lossy: bool) -> None:
+    """Refuses (warns, with ``lossy``) a per-tensor scale whose reciprocal changes the weight's values."""
+    if qt.global_scale is None or qt.option("convention") == names.convention:
+        return
+    restored = _nvfp4_qtensor(qt.data, qt.scale, jnp.asarray(stored.reshape(())), qt.shape, names.convention,
+                              qt.dtype)
+    check_exact(qt.dequantize(jnp.float32), restored.dequantize(jnp.float32), layout=names.layout, lossy=lossy,
+                what=f"tensor {names.global_scale!r} (the {qt.option('convention')} per-tensor scale "
+                     f"{float(np.asarray(qt.global_scale))!r} stored as its float32 reciprocal "
+                     f"{float(stored.reshape(()))!r}) dequantized",
+                fix=f"quantize with jquant.quantize(x, 'nvfp4', convention={names.convention!r})")
+
+
 def _nvfp4_to(names: _NVFP4Names):
-    def to_checkpoint(qt: QTensor, **options) -> dict[str, np.ndarray]:
+    def to_checkpoint(qt: QTensor, lossy: bool = False, **options) -> dict[str, np.ndarray]:
         unknown = set(options) - {names.input_scale}
         if unknown:
             raise TypeError(f"{names.layout}: unknown option(s) {sorted(unknown)}; accepted: {names.input_scale}")
         _check_last_axis(qt, "nvfp4", nvfp4.BLOCK_SIZE, names.layout)
+        global_scale = _global_scale_as(qt, names.convention)
+        _check_convention(qt, names, global_scale, lossy)
         out = {names.packed: np.asarray(qt.data),
                "weight_scale": np.asarray(qt.scale),
-               names.global_scale: _global_scale_as(qt, names.convention).reshape(names.global_shape)}
+               names.global_scale: global_scale.reshape(names.global_shape)}
         input_scale = _optional_scalar(options.get(names.input_scale), names.input_scale)
         if input_scale is not None:
             out[names.input_scale] = input_scale.reshape(names.global_shape)
@@ -164,7 +193,11 @@ def _nvfp4_to(names: _NVFP4Names):
 
 
 def _nvfp4_from(names: _NVFP4Names):
-    def from_checkpoint(tensors: dict, dtype=jnp.bfloat16) -> QTensor:
+    def from_checkpoint(tensors: dict, dtype=jnp.float32, group_size: int | None = None) -> QTensor:
+        if group_size is not None and group_size != nvfp4.BLOCK_SIZE:
+            raise ValueError(f"{names.layout}: group_size={group_size!r} given, but NVFP4 blocks are "
+                             f"{nvfp4.BLOCK_SIZE} elements along K (group_size {nvfp4.BLOCK_SIZE}); other group "
+                             f"sizes are not supported")
         require(tensors, (names.packed, "weight_scale", names.global_scale), names.layout)
         packed = _array(tensors, names.packed, np.uint8, names.layout)
         scale = _array(tensors, "weight_scale", ml_dtypes.float8_e4m3fn, names.layout)
@@ -202,4 +235,4 @@ register_layout("gpt-oss", gpt_oss_to_checkpoint, gpt_oss_from_checkpoint, fmts=
                 detect=_is_gpt_oss)
 for _names in (_CT_NAMES, _MODELOPT_NAMES):
     register_layout(_names.layout, _nvfp4_to(_names), _nvfp4_from(_names), fmts=("nvfp4",),
-                    detect=_nvfp4_detect(_names))
+                    detect=_nvfp4_detect(_names), rounds=True)

@@ -18,8 +18,9 @@ layout                                  tensors
 
 ``to_checkpoint(qt, layout, input_scale=...)`` adds the activation scale; ``from_checkpoint`` checks
 it (a single float) but returns only the weight. ``from_checkpoint(..., dtype=...)`` sets the
-QTensor's logical dtype (default: the stored scale's dtype); ``block_size=(bh, bw)`` gives the block
-of block-scaled tensors (default 128 × 128).
+QTensor's logical dtype (default float32, whatever the stored scale's dtype); ``block_size=(bh, bw)``
+gives the block of block-scaled tensors (default 128 × 128). Every export is exact: the scales are
+stored in their own dtype (compressed-tensors) or widened to float32.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def _qtensor(weight, scale, block, dtype) -> QTensor:
     shape = weight.shape
     nblocks = tuple(-(-s // b) for s, b in zip(shape, block))
     return QTensor(data=jnp.asarray(weight), scale=jnp.asarray(scale.reshape(nblocks)), fmt=_FMT,
-                   shape=shape, dtype=scale.dtype if dtype is None else dtype, block=block,
+                   shape=shape, dtype=dtype, block=block,
                    options=(("granularity", _granularity(shape, block)),))
 
 
@@ -155,7 +156,7 @@ def to_compressed_tensors(qt: QTensor, input_scale=None) -> dict[str, np.ndarray
     return {"weight": np.asarray(qt.data), "weight_scale": scale, **_input_scale(input_scale, (1,))}
 
 
-def from_compressed_tensors(tensors: dict, dtype=None, block_size=_DEFAULT_BLOCK) -> QTensor:
+def from_compressed_tensors(tensors: dict, dtype=jnp.float32, block_size=_DEFAULT_BLOCK) -> QTensor:
     weight = _read_weight(tensors, _CT)
     scale = _read_scale(tensors, "weight_scale", _CT, _CT_SCALE_DTYPES)
     if "weight_zero_point" in tensors and np.any(np.asarray(tensors["weight_zero_point"], np.float32)):
@@ -180,7 +181,7 @@ def _to_scaled(layout, granularities):
 
 
 def _from_scaled(layout, per_channel):
-    def from_fn(tensors: dict, dtype=None) -> QTensor:
+    def from_fn(tensors: dict, dtype=jnp.float32) -> QTensor:
         weight = _read_weight(tensors, layout)
         scale = _read_scale(tensors, "weight_scale", layout, _FP32)
         _check_input_scale(tensors, layout, ((), (1,)))
@@ -208,7 +209,7 @@ def to_fp8_block(qt: QTensor) -> dict[str, np.ndarray]:
     return {"weight": np.asarray(qt.data), "weight_scale_inv": _fp32_scale(qt)}
 
 
-def from_fp8_block(tensors: dict, dtype=None, block_size=_DEFAULT_BLOCK) -> QTensor:
+def from_fp8_block(tensors: dict, dtype=jnp.float32, block_size=_DEFAULT_BLOCK) -> QTensor:
     weight = _read_weight(tensors, _BLOCK)
     scale = _read_scale(tensors, "weight_scale_inv", _BLOCK, _FP32)
     grid = _block_grid(weight.shape, block_size)
