@@ -49,6 +49,11 @@ def _clean():
     return np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
 
 
+@functools.lru_cache(maxsize=None)
+def _clean_result(name):
+    return [np.asarray(a) for a in _quantizer(name)(_clean())]
+
+
 def _poisoned_block(name, value):
     """The clean and poisoned results, and a mask of the elements sharing the poisoned scale."""
     _, _, block = GRANULARITIES[name]
@@ -58,7 +63,7 @@ def _poisoned_block(name, value):
     mask = np.zeros(SHAPE, bool)
     r0, c0 = row // block[0] * block[0], col // block[1] * block[1]
     mask[r0:r0 + block[0], c0:c0 + block[1]] = True
-    clean = [np.asarray(a) for a in _quantizer(name)(_clean())]
+    clean = _clean_result(name)
     bad = [np.asarray(a) for a in _quantizer(name)(x)]
     return clean, bad, mask
 
