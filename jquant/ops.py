@@ -13,7 +13,8 @@ def qdot(x: jax.Array, w: QTensor, *, preferred_element_type=None) -> jax.Array:
 
     The K axis is ``w.k_axis`` when the QTensor records it (``quantize`` records the axis it groups
     along, checkpoint loaders axis 1 of their ``[N, K]`` weights, so those give ``x @ W.T``), else
-    axis 0: ``jnp.dot(x, w)`` for a Flax kernel ``[K, N]``.
+    axis 0: ``jnp.dot(x, w)`` for a Flax kernel ``[K, N]``. A square weight that does not record its K
+    axis (per-tensor and 2-D tile formats) is refused: either orientation would give a plausible answer.
 
     Dequantizes ``w`` to ``x``'s dtype and accumulates in fp32; the result has ``x``'s dtype unless
     ``preferred_element_type`` says otherwise. ``Scheme.apply`` runs ``[N, K]`` weights on a kernel path.
@@ -23,6 +24,10 @@ def qdot(x: jax.Array, w: QTensor, *, preferred_element_type=None) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"qdot: x must be a float array, got {x.dtype} (shape {tuple(x.shape)})")
+    if w.k_axis is None and w.ndim == 2 and w.shape[0] == w.shape[1]:
+        raise ValueError(f"qdot: the square weight of shape {w.shape} ({w.fmt}) does not record its K axis; "
+                         "say which it is with w.replace(k_axis=1) for a [N, K] weight (PyTorch) or "
+                         "k_axis=0 for a [K, N] Flax kernel")
     k_axis = 0 if w.k_axis is None else w.k_axis
     if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[k_axis]:
         need = "w[K, N]" if k_axis == 0 else "w[N, K]"

@@ -347,3 +347,16 @@ def test_nvfp4_compressed_tensors_bf16_amax_past_2_126():
         np.testing.assert_array_equal(np.asarray(qt.data), G["ct_nvfp4_bf16_big_packed"][r])
         # Not NaN (a flushed reciprocal gave global 0); near bf16's max, code 6 · s / global may overflow.
         assert not np.isnan(np.asarray(qt.dequantize(jnp.float32))).any()
+
+
+def test_gguf_mxfp4_inf_block_saturates_to_the_largest_value_it_holds():
+    # Documented: like="gguf" keeps torchao's NaN / Inf scale bytes, but GGML's grid stops at 3 under
+    # byte 253, so ±Inf comes back as ±3 * 2**126 (finite), and NaN stays NaN.
+    x = np.random.default_rng(7).normal(size=(4, 64)).astype(np.float32)
+    x[0, 3], x[1, 5], x[2, 7] = np.inf, np.nan, -np.inf
+    g = jquant.quantize(jnp.asarray(x), "mxfp4", like="gguf")
+    t = jquant.quantize(jnp.asarray(x), "mxfp4", like="torchao")
+    np.testing.assert_array_equal(np.asarray(g.scale).view(np.uint8), np.asarray(t.scale).view(np.uint8))
+    got = np.asarray(g.dequantize())
+    assert got[0, 3] == np.float32(3 * 2.0**126) and got[2, 7] == -np.float32(3 * 2.0**126)
+    assert np.isnan(got[1, 5]) and np.isinf(np.asarray(t.dequantize())[0, 3])

@@ -96,6 +96,19 @@ def test_every_wrong_call_raises():
         jquant.qdot(jnp.ones((3, 32)), wide)
 
 
+
+def test_qdot_refuses_a_square_weight_of_unknown_orientation():
+    w, x = _square(), _x()
+    per_tensor = jquant.quantize(w, "fp8_e4m3", granularity="tensor")   # no axis to record
+    assert per_tensor.k_axis is None
+    with pytest.raises(ValueError, match="does not record its K axis"):
+        jquant.qdot(x, per_tensor)
+    chex.assert_trees_all_close(jquant.qdot(x, per_tensor.replace(k_axis=1)), x @ per_tensor.dequantize().T,
+                                rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(jquant.qdot(x, per_tensor.replace(k_axis=0)), x @ per_tensor.dequantize(),
+                                rtol=1e-5, atol=1e-5)
+
+
 def test_k_axis_is_static_metadata_that_survives_jit_and_tree_maps():
     qw = jquant.get_scheme("int4_g32").quantize_weight(_square())
     assert jax.jit(lambda q: q)(qw).k_axis == 1

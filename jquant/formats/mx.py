@@ -37,8 +37,10 @@ whole block dequantizes to NaN (its element codes are unspecified), at every ten
 an integer max of |x|'s bits, which keeps NaN where XLA's float max drops it); ±Inf saturates to
 ±max in its element under a scale of about 2^126, so it dequantizes to ±Inf again, and the block's
 other values round to (signed) zero; other blocks are untouched. An all-zero block gets scale byte 0
-(2^-127) and zero codes. With "ggml", NaN and Inf follow torchao too (deliberately: gguf-py writes
-exponent 0 for a NaN block and 0 for an Inf one, so both silently become tiny finite values).
+(2^-127) and zero codes. With "ggml", NaN blocks follow torchao (NaN scale) and an Inf block gets
+torchao's scale byte 253 too, but GGML's element grid stops at 3 under that byte, so ±Inf dequantizes
+to ±3·2^126 ≈ ±2.55e38, the largest value the block holds, not to ±Inf (deliberately not gguf-py's
+result: it writes exponent 0 for NaN and Inf blocks, so both silently become tiny finite values).
 Dequantized values below 2^-126 (scale bytes 0 and 1) are flushed to zero by XLA where PyTorch would
 keep a subnormal.
 """
