@@ -10,6 +10,7 @@ import pytest
 from jquant import scheme_from_config
 from jquant.checkpoint import from_checkpoint, to_checkpoint
 from jquant.formats.integer import quantize_int_with_params
+from qtensor_checks import assert_same_qtensor
 
 GOLDEN = np.load(pathlib.Path(__file__).parent / "goldens" / "compressed_tensors_actorder.npz")
 CASES = sorted({k[: -len("_config")] for k in GOLDEN.files if k.endswith("_config")})
@@ -29,18 +30,6 @@ def _golden_qtensor(case):
     zero = None if symmetric else GOLDEN[f"{case}_zero_point"].astype(np.int32) + 2 ** (bits - 1)
     return quantize_int_with_params(GOLDEN[f"{case}_weight"], bits, GOLDEN[f"{case}_scale"], zero,
                                     GOLDEN[f"{case}_weight_g_idx"], axis=1)
-
-
-def assert_same_qtensor(a, b):
-    """Identical leaves (dtypes and bits) and format metadata."""
-    assert (a.fmt, a.shape, a.dtype, a.block, a.pack_axis, a.options) == \
-        (b.fmt, b.shape, b.dtype, b.block, b.pack_axis, b.options)
-    for name in ("data", "scale", "zero", "global_scale", "group_index"):
-        x, y = getattr(a, name), getattr(b, name)
-        assert (x is None) == (y is None), name
-        if x is not None:
-            assert x.dtype == y.dtype and x.shape == y.shape, name
-            np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8), err_msg=name)
 
 
 def test_golden_permutation_is_act_order():

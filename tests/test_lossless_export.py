@@ -8,6 +8,7 @@ import pytest
 import jquant
 from jquant import scheme_from_config
 from jquant.formats import fp8
+from qtensor_checks import assert_same_qtensor
 
 
 def _x(shape=(32, 128), seed=0):
@@ -46,21 +47,6 @@ CASES = {
     "bnb_nf4_dq": ("bnb", lambda x: jquant.quantize(x, "nf4", blocksize=64, compress_statistics=True), {}, {}),
     "bnb_fp4": ("bnb", lambda x: jquant.quantize(x, "fp4_bnb", blocksize=64), {}, {}),
 }
-
-
-def assert_same_qtensor(a, b):
-    """Identical leaves (dtypes and bits, nested scales included) and format metadata."""
-    assert (a.fmt, a.shape, a.dtype, a.block, a.pack_axis, a.options) == \
-        (b.fmt, b.shape, b.dtype, b.block, b.pack_axis, b.options)
-    for name in ("data", "scale", "zero", "global_scale", "group_index"):
-        x, y = getattr(a, name), getattr(b, name)
-        assert (x is None) == (y is None), name
-        if isinstance(x, jquant.QTensor):
-            assert_same_qtensor(x, y)
-        elif x is not None:
-            assert x.dtype == y.dtype and x.shape == y.shape, name
-            np.testing.assert_array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8),
-                                          err_msg=name)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
