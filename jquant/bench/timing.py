@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 H200_L2_BYTES = 60 * 2**20
-H200_HBM_BYTES_PER_S = 4.18e12      # measured: f32 ``x + 1`` over 4 GiB (see baselines.md)
+H200_HBM_BYTES_PER_S = 4.18e12      # measured: f32 ``x + 1`` over 4 GiB (bench/README.md, Rooflines)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +56,8 @@ def time_fn(fn: Callable, args_list: Sequence[tuple], warmup: int = 3, reps: int
 def time_interleaved(candidates: dict[str, tuple[Callable, Sequence[tuple]]], warmup: int = 3,
                      reps: int = 9, calls_per_batch: int | None = None,
                      min_batch_s: float = 10e-3, max_calls: int = 4000) -> dict[str, Timing]:
-    """Times several ``(fn, args_list)`` candidates as ``time_fn`` does, but round-robin: each of
-    the ``reps`` rounds runs one batch of every candidate in turn, so a drift of the device's
+    """Times several ``(fn, args_list)`` candidates as ``time_fn`` does, but interleaved: each of
+    the ``reps`` repetitions runs one batch of every candidate in turn, so a drift of the device's
     clocks or temperature during the run falls on all of them alike instead of on whichever was
     timed last. Returns µs per call by name."""
     if warmup < 1 or reps < 1:
@@ -105,11 +105,12 @@ def spread_pct(t: Timing) -> float:
 
 def time_steadiest(time_once: Callable[[], dict[str, Timing]], max_spread_pct: float,
                    retries: int) -> tuple[dict[str, Timing], list[float]]:
-    """Calls ``time_once`` (one round-robin of a cell's candidates) until the widest batch
+    """Calls ``time_once`` (one interleaved timing of a cell's candidates) until the widest batch
     spread among its candidates is at most ``max_spread_pct``, at most ``1 + retries`` times,
     and returns the steadiest attempt with every attempt's widest spread. Why: on a shared
-    device a burst of noise can move one cell's medians by 20–50 % (bench/NOTES.md, session
-    8); the spread shows it, and a second attempt usually misses it."""
+    device a burst of noise can move one cell's medians by 20–50 % (H200: 42.9–69.4 µs for one
+    cell in four runs of a day, docs/design/w4a16.md); the spread shows it, and a second attempt
+    usually misses it."""
     if retries < 0 or max_spread_pct < 0:
         raise ValueError(f"retries and max_spread_pct must be ≥ 0, got retries={retries}, "
                          f"max_spread_pct={max_spread_pct}")
@@ -129,7 +130,8 @@ def copies_for(bytes_per_set: int, l2_bytes: int = H200_L2_BYTES, max_copies: in
     """How many input copies one rotation (one program) takes: enough to read at least twice the
     L2 and at least ``min_bytes`` (2 ≤ copies ≤ ``max_copies``). The second bound keeps the
     device busier than the host: a program costs ~80 µs to dispatch whatever it runs (H200
-    probe, bench/NOTES.md session 10), so one of a few short calls is timed at the host's pace."""
+    launch-overhead probe, docs/design/w4a16.md), so one of a few short calls is timed at the
+    host's pace."""
     need = max(2 * l2_bytes, min_bytes) / max(bytes_per_set, 1)
     return int(min(max_copies, max(2, math.ceil(need))))
 
