@@ -27,3 +27,46 @@ def test_readme_parity_table_names_real_presets():
     named = set(re.findall(r'`like="([^"]+)"', text))
     assert named, "README lost its parity table"
     assert named <= set(presets()), f"README names presets that do not exist: {named - set(presets())}"
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PATH_PREFIXES = ("jquant/", "bench/", "docs/", "tools/", "tests/", "notebooks/")
+
+
+def readme_paths(text: str) -> set[str]:
+    """Repository paths the README names in backticks: spans that contain a ``/`` and start with a
+    top-level folder, a ``{a,b}`` suffix expanded (``w4a16.{json,md}``); a span with a space is a
+    command, not a path."""
+    paths = set()
+    for span in re.findall(r"`([^`\n]+)`", text):
+        if "/" not in span or " " in span or not span.startswith(PATH_PREFIXES):
+            continue
+        alt = re.fullmatch(r"(.*)\{([^{}]+)\}(.*)", span)
+        paths |= ({alt[1] + a + alt[3] for a in alt[2].split(",")} if alt else {span})
+    return paths
+
+
+def test_readme_paths_helper_reads_spans():
+    text = ("`jquant/a.py`, `bench/x.{json,md}`, `jquant bench w4a16`, `tests/`, `qtensor.py`, "
+            "`like=\"gguf\"`, `src/x.py`")
+    assert readme_paths(text) == {"jquant/a.py", "bench/x.json", "bench/x.md", "tests/"}
+
+
+def test_readme_paths_exist():
+    named = readme_paths((ROOT / "README.md").read_text())
+    assert named, "README names no repository paths"
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, f"README.md names paths that do not exist: {missing}"
+
+
+def test_readme_layout_names_every_module():
+    """The Layout table names each module and package of ``jquant/`` (as ``jquant/x``, ``x.py`` or
+    ``x/``), so it follows the package as files come and go."""
+    text = (ROOT / "README.md").read_text()
+    layout = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    spans = set(re.findall(r"`([^`\n]+)`", layout))
+    names = {s.rsplit("/", 2)[-2] + "/" if s.endswith("/") else s.rsplit("/", 1)[-1] for s in spans}
+    pkg = ROOT / "jquant"
+    entries = {p.name for p in pkg.glob("*.py") if p.name != "__init__.py"}
+    entries |= {p.name + "/" for p in pkg.iterdir() if (p / "__init__.py").exists()}
+    assert entries - names == set(), f"README's Layout does not name: {sorted(entries - names)}"
