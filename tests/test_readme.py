@@ -70,3 +70,45 @@ def test_readme_layout_names_every_module():
     entries = {p.name for p in pkg.glob("*.py") if p.name != "__init__.py"}
     entries |= {p.name + "/" for p in pkg.iterdir() if (p / "__init__.py").exists()}
     assert entries - names == set(), f"README's Layout does not name: {sorted(entries - names)}"
+
+
+def _table_of_record() -> dict:
+    import json
+
+    records = json.loads((ROOT / "bench/results/h200/w4a16.json").read_text())
+    return {(r["scheme"], f"{r['N']}×{r['K']}", r["M"]): r for r in records}
+
+
+def test_readme_speed_table_matches_the_table_of_record():
+    """Each cell of the README's H200 table is the int4 record's time and its ratio to XLA bf16,
+    rounded to the digits shown ("XLA" where ``auto`` ran XLA)."""
+    text = (ROOT / "README.md").read_text()
+    head = re.search(r"^\| N×K \| (M=\d+ \|.*)$", text, re.M)
+    assert head, "README lost its H200 speed table"
+    ms = [int(m) for m in re.findall(r"M=(\d+)", head[1].split("XLA")[0])]
+    rows = re.findall(r"^\| (\d+×\d+) \|(.*)\|$", text[head.end():].split("\n\n", 1)[0], re.M)
+    assert len(rows) == 5
+    records = _table_of_record()
+    for shape, rest in rows:
+        cells = [c.strip() for c in rest.split("|")]
+        for m, cell in zip(ms, cells):
+            r = records[("int4_g128", shape, m)]
+            if cell == "XLA":
+                assert r["op"] == "w4a16_xla", (shape, m)
+                continue
+            t, ratio = map(float, re.fullmatch(r"([\d.]+) µs \(([\d.]+)×\)", cell).groups())
+            assert r["op"] == "w4a16_mgpu" and abs(t - r["time_us"]) <= 0.05 + 1e-9, (shape, m)
+            assert abs(ratio - r["baselines"]["xla_bf16"] / r["time_us"]) <= 0.005 + 1e-9, (shape, m)
+        bf16 = float(cells[-1].removesuffix(" µs"))
+        assert abs(bf16 - records[("int4_g128", shape, 1)]["baselines"]["xla_bf16"]) <= 0.05 + 1e-9
+
+
+def test_bench_readme_documents_every_record_field():
+    """bench/README.md's record table names exactly the fields the table of record holds."""
+    text = (ROOT / "bench/README.md").read_text()
+    section = text.split("## Records", 1)[1].split("\n## ", 1)[0]
+    documented = {f for row in re.findall(r"^\| (.+?) \|", section, re.M)
+                  for f in re.findall(r"`(\w+)`", row)}
+    held = set().union(*(r.keys() for r in _table_of_record().values()))
+    assert documented == held, (f"undocumented: {sorted(held - documented)}, "
+                                f"not in the records: {sorted(documented - held)}")
