@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import jquant
-from jquant.pallas_kernels import PackedW4NK, dequantize_nk, dequantize_packed, w4a16_matmul
+from jquant.pallas_kernels import PackedW4NK, dequantize_nk, w4a16_matmul
 from jquant.pallas_kernels.scheme_impl import _prepare, _supports, prepack_for_kernels, unified_w4
 from jquant.registry import candidate_impls
 
@@ -18,8 +18,7 @@ def _weight(n=96, k=256):
 
 def _unpacked(packed):
     """The kernel layout's weight as [K, N] in the original row order (padding and act-order undone)."""
-    dequant = dequantize_nk if isinstance(packed, PackedW4NK) else dequantize_packed
-    w = dequant(packed, jnp.float32)[: packed.k, : packed.n]
+    w = dequantize_nk(packed, jnp.float32)[: packed.k, : packed.n]
     return w if packed.perm is None else jnp.zeros_like(w).at[packed.perm].set(w)
 
 

@@ -15,7 +15,7 @@ from hypothesis import given
 from jquant.bench.w4a16 import random_w4_weight
 from jquant.formats.bnb import _FP4 as FP4_BNB, _NF4 as NF4   # bnb's own tables (goldens-checked)
 from jquant.pallas_kernels import (MGPU_MAX_M, MgpuConfig, PackedW4NK, default_mgpu_config,
-                                   dequantize_nk, prepack, prepack_nk, reference_nk, resolve_impl,
+                                   dequantize_nk, prepack_nk, reference_nk, resolve_impl,
                                    w4a16_matmul)
 from jquant.pallas_kernels import w4a16 as dispatch
 from jquant.pallas_kernels.w4a16_mgpu import w4a16_mgpu, w4a16_mgpu_matmul, x_rows
@@ -409,8 +409,8 @@ def test_default_configs_are_valid_launches(n, k, group, m):
     (8192, 8192, 256, 1, True), (8192, 28672, 256, 1, True),   # 128 tiles of 128 × 128
     (28672, 8192, 128, 1, True)])                              # warp-specialized
 def test_default_split_and_output(n, k, m, split, final):
-    """The measured rule (bench/NOTES.md, sessions 9 and 11): split-K 1 from ~1.5 tiles per SM
-    (or one 128 × 128 tile per SM), else 2, and always the kernel's own output."""
+    """The measured rule (docs/design/w4a16.md, "Launch heuristic"): split-K 1 from ~1.5 tiles
+    per SM (or one 128 × 128 tile per SM), else 2, and always the kernel's own output."""
     packed = prepack_nk(np.zeros((k, n), np.uint8), np.ones((k // 64, n), np.float32),
                         group_size=64)
     cfg = default_mgpu_config(m, packed)
@@ -418,40 +418,35 @@ def test_default_split_and_output(n, k, m, split, final):
 
 
 def test_dispatch_by_device_and_m(monkeypatch):
-    assert resolve_impl("auto", 1, layout="nk") == "reference"           # this CPU
-    assert resolve_impl("auto", 1, interpret=True, layout="nk") == "mgpu"
+    assert resolve_impl("auto", 1) == "reference"                        # this CPU
+    assert resolve_impl("auto", 1, interpret=True) == "mgpu"
     monkeypatch.setattr(dispatch, "compute_capability", lambda: 90)
-    assert resolve_impl("auto", 1, layout="nk") == "mgpu"
-    assert resolve_impl("auto", MGPU_MAX_M, layout="nk") == "mgpu"
-    assert resolve_impl("auto", MGPU_MAX_M + 1, layout="nk") == "xla"
-    small = dict(layout="nk", weight_elems=4096 * 4096)                  # launch-bound past M=128
+    assert resolve_impl("auto", 1) == "mgpu"
+    assert resolve_impl("auto", MGPU_MAX_M) == "mgpu"
+    assert resolve_impl("auto", MGPU_MAX_M + 1) == "xla"
+    small = dict(weight_elems=4096 * 4096)                               # launch-bound past M=128
     assert resolve_impl("auto", 128, **small) == "mgpu"
     assert resolve_impl("auto", 129, **small) == "xla"
     monkeypatch.setattr(dispatch, "compute_capability", lambda: 100)     # no wgmma on Blackwell
-    assert resolve_impl("auto", 1, layout="nk") == "xla"
+    assert resolve_impl("auto", 1) == "xla"
     dispatch._warned.discard("mgpu100")
     with pytest.warns(RuntimeWarning, match="cannot run on compute capability 100"):
-        assert resolve_impl("mgpu", 1, layout="nk") == "xla"
+        assert resolve_impl("mgpu", 1) == "xla"
     with pytest.raises(ValueError, match="needs a Hopper GPU"):
-        resolve_impl("pallas", 1, layout="nk")
+        resolve_impl("pallas", 1)
 
 
-def test_layout_and_impl_mismatches_are_errors():
+def test_fp32_x_and_config_mismatches_are_errors():
     rng = np.random.default_rng(6)
     q, s, _, _ = _weight(rng, 256, 64, 128)
     nk = prepack_nk(q, s, group_size=128)
-    tile = prepack(q, s, lut="int4", group_size=128)
     x = jnp.ones((1, 256), jnp.bfloat16)
-    with pytest.raises(ValueError, match="needs the tile-major layout"):
-        w4a16_matmul(x, nk, impl="gemv", interpret=True)
-    with pytest.raises(ValueError, match="needs a weight packed with prepack_nk"):
-        w4a16_matmul(x, tile, impl="mgpu", interpret=True)
     with pytest.raises(TypeError, match="takes bf16 or fp16 x; got float32 x of shape"):
         w4a16_matmul(x.astype(jnp.float32), nk, impl="mgpu", interpret=True)
     out = w4a16_matmul(x.astype(jnp.float32), nk)                        # auto keeps fp32 exact
     assert out.dtype == jnp.float32
     with pytest.raises(TypeError, match="must be an MgpuConfig"):
-        w4a16_matmul(x, nk, impl="mgpu", interpret=True, config=dispatch.TuningConfig())
+        w4a16_matmul(x, nk, impl="mgpu", interpret=True, config=dataclasses.asdict(MgpuConfig()))
 
 
 @pytest.mark.parametrize("cfg,match", [
@@ -521,7 +516,7 @@ def test_bias_in_the_kernel_is_checked():
 def test_prepack_nk_rejects_what_the_kernel_cannot_run():
     q = np.zeros((256, 64), np.uint8)
     s = np.ones((2, 64), np.float32)
-    with pytest.raises(ValueError, match="group_size 16, 32, a multiple of 64.*use prepack"):
+    with pytest.raises(ValueError, match="group_size 16, 32, a multiple of 64.*Scheme.apply"):
         prepack_nk(q, np.ones((6, 64), np.float32), lut="nf4", group_size=48)
     with pytest.raises(ValueError, match="lut must be one of"):
         prepack_nk(q, s, lut="nf5", group_size=128)

@@ -3,7 +3,8 @@
 Each record (JSON) holds op, impl, scheme, M, N, K, time_us, baselines {name: time_us}, device,
 jax_version, date, the launch config, TB/s, TFLOP/s, speedup vs bf16, % of the byte floor, and
 the batch spread ((slowest − fastest) / median, %) of the kernel and of each baseline.
-The baselines and kernels of one cell are timed round-robin (``time_interleaved``).
+The baselines and kernels of one cell are timed interleaved, a batch of each in turn
+(``time_interleaved``).
 """
 
 from __future__ import annotations
@@ -21,9 +22,7 @@ import numpy as np
 
 from jquant.bench.timing import (H200_HBM_BYTES_PER_S, array_bytes, copies_for, roofline,
                                  spread_pct, time_interleaved, time_steadiest)
-from jquant.pallas_kernels.w4a16_mgpu import nk_compatible
-from jquant.pallas_kernels import (PackedW4, PackedW4NK, TuningConfig, default_config,
-                                   default_mgpu_config, prepack, prepack_nk, resolve_impl,
+from jquant.pallas_kernels import (PackedW4NK, default_mgpu_config, prepack_nk, resolve_impl,
                                    w4a16_matmul)
 
 SHAPES = ((28672, 8192), (8192, 28672), (8192, 8192), (4096, 4096), (1536, 576))
@@ -41,7 +40,7 @@ _SCALE_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat1
 
 def random_w4_weight(rng: np.random.Generator, k: int, n: int, group: int, *, zeros: str | None = None,
                      scale_dtype="f32"):
-    """Random ``prepack`` inputs: codes ``[K, N]``, per-group scales and optional zero points.
+    """Random ``prepack_nk`` inputs: codes ``[K, N]``, per-group scales and optional zero points.
 
     ``scale_dtype``: "f32" / "f16" / "bf16" (or a numpy dtype), "e8m0" or "e4m3" (scaled into e4m3's
     normal range); ``zeros``: None, "int" (uint8 codes) or "float" (fractional fp32 zero points).
@@ -103,8 +102,8 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
         max_copies: int = 64, max_spread_pct: float = 25.0, retries: int = 2) -> list[dict]:
     """Measures every (shape, M) for int4 (and the M=1 row for the other schemes).
 
-    ``configs`` maps ``(mode, N, K, M)`` to a ``TuningConfig`` (e.g. a sweep's winners); missing
-    entries use ``default_config``. ``impls`` lists the ``w4a16_matmul`` impls to time per cell.
+    ``configs`` maps ``(N, K, M)`` to an ``MgpuConfig`` (e.g. a sweep's winners); missing
+    entries use ``default_mgpu_config``. ``impls`` lists the ``w4a16_matmul`` impls to time per cell.
     A cell whose widest batch spread (kernel or baseline) exceeds ``max_spread_pct`` is timed
     again, up to ``retries`` times; its record keeps the steadiest attempt and lists every
     attempt's widest spread (``attempt_spreads_pct``).
@@ -137,29 +136,19 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                 n_x = copies_for(k * n // 2 + m * k * 2, max_copies=max_copies)
                 xs = [jax.random.normal(jax.random.fold_in(key, 100 + c), (m, k), jnp.bfloat16)
                       for c in range(n_x)]
-                # Baselines and impls of a cell are timed round-robin, so a drift of the
+                # Baselines and impls of a cell are timed in turn, so a drift of the
                 # device's clocks falls on all of them alike and their ratios hold.
                 cands = {}
                 if scheme == "int4_g128" or m == 1:
                     cands["xla_bf16"] = (jnp.dot, [(xs[c % n_x], w) for c, w in enumerate(w_bf16)])
                     cands["xla_dequant_dot"] = (dequant_fn, [(x, rows, int4["scale"]) for x in xs])
                 timed = {}
+                packed = _packed(packed_cache, scheme, weight, max_copies)
                 for impl in impls:
-                    nk = (nk_compatible(weight["group_size"], k, weight["lut"])
-                          and impl not in ("gemv", "mma"))
-                    mode = resolve_impl(impl, m, interpret, layout="nk" if nk else "tile",
-                                        weight_elems=n * k)
+                    mode = resolve_impl(impl, m, interpret, weight_elems=n * k)
                     cfg = None
-                    if mode in ("gemv", "mma"):
-                        cfg = configs.get((mode, n, k, m))
-                    packed = _packed(packed_cache, scheme, weight, cfg, nk, max_copies)
-                    if cfg is not None:   # small groups may have shrunk block_k at prepack
-                        cfg = dataclasses.replace(cfg, block_n=packed[0].block_n,
-                                                  block_k=packed[0].block_k)
-                    elif mode in ("gemv", "mma"):
-                        cfg = default_config(mode, m, packed[0])
-                    elif mode == "mgpu":
-                        cfg = configs.get((mode, n, k, m)) or default_mgpu_config(m, packed[0])
+                    if mode == "mgpu":
+                        cfg = configs.get((n, k, m)) or default_mgpu_config(m, packed[0])
                     fn = jax.jit(lambda x, p, _impl=impl, _cfg=cfg: w4a16_matmul(
                         x, p, impl=_impl, config=_cfg, interpret=interpret))
                     args = [(xs[c % n_x], p) for c, p in enumerate(packed)]
@@ -170,8 +159,8 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                         continue
                     cands[f"impl:{impl}"] = (fn, args)
                     timed[impl] = (mode, cfg, packed)
-                # 10 ms batches, as in the device script's A/Bs, which ran steady; the two
-                # H200 runs with 2 ms batches did not (bench/NOTES.md, session 5).
+                # 10 ms batches: the H200 A/Bs timed with them ran steady, the two H200 runs
+                # with 2 ms batches did not (batch spreads in bench/results/h200/w4a16.md).
                 times, attempts = time_steadiest(
                     lambda cands=cands: time_interleaved(
                         cands, warmup=warmup, reps=reps,
@@ -203,24 +192,16 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
     return records
 
 
-def _packed(cache: dict, scheme: str, weight: dict, cfg: TuningConfig | None, nk: bool,
-            max_copies: int) -> list[PackedW4 | PackedW4NK]:
-    """Copies of the weight in the layout the timed impl reads (NK for the Mosaic GPU kernel)."""
-    tiles = (cfg.block_n, cfg.block_k) if cfg else (TuningConfig.block_n, TuningConfig.block_k)
-    key = (scheme, "nk" if nk else tiles)
-    if key not in cache:
-        if nk:
-            one = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"],
-                             lut=weight["lut"], global_scale=weight["global_scale"])
-        else:
-            one = prepack(weight["q"], weight["scale"], lut=weight["lut"],
-                          group_size=weight["group_size"], global_scale=weight["global_scale"],
-                          config=TuningConfig(*tiles))
+def _packed(cache: dict, scheme: str, weight: dict, max_copies: int) -> list[PackedW4NK]:
+    """Copies of the weight in the kernel's layout."""
+    if scheme not in cache:
+        one = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"],
+                         lut=weight["lut"], global_scale=weight["global_scale"])
         copies = copies_for(one.nbytes, max_copies=max_copies)
         # Copies are distinct buffers holding the same values: the L2 never has the next one.
-        cache[key] = [one] + [jax.tree_util.tree_map(lambda a: a.copy(), one)
-                              for _ in range(copies - 1)]
-    return cache[key]
+        cache[scheme] = [one] + [jax.tree_util.tree_map(lambda a: a.copy(), one)
+                                 for _ in range(copies - 1)]
+    return cache[scheme]
 
 
 def to_markdown(records: list[dict]) -> str:

@@ -4,9 +4,8 @@
 kernels' unified form (codes ``[K, N]`` 0..15, per-group multipliers, optional zero points, a code
 book: int4, E2M1 or a bitsandbytes table) and prepacks it once for the Mosaic GPU kernel
 (``prepack_nk``; groups of 16, 32, 64·j or per-channel, else the scheme keeps XLA); ``apply`` then
-runs ``w4a16_matmul``, which picks the kernel or XLA by M. (The Triton kernels' tile-major layout,
-``prepack``, measured slower on the H200's large shapes for every code book; it is only built on
-request.)
+runs ``w4a16_matmul``, which picks the kernel or XLA by M. Registering and preparing need no GPU
+module: Mosaic GPU is imported when the kernel first runs.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import jax.numpy as jnp
 from jquant.formats import nvfp4
 from jquant.formats.packing import unpack_bits
 from jquant.pallas_kernels.w4a16 import w4a16_matmul
-from jquant.pallas_kernels.w4a16_mgpu import PackedW4NK, nk_compatible, prepack_nk
+from jquant.pallas_kernels.w4a16_layout import PackedW4NK, nk_compatible, prepack_nk
 from jquant.qtensor import QTensor
 from jquant.registry import Impl, Scheme, register_impl
 
@@ -27,8 +26,8 @@ _LUT = {"int4": "int4", "uint4": "int4", "mxfp4": "e2m1", "nvfp4": "e2m1", "nf4"
 
 
 def unified_w4(qt: QTensor) -> dict | None:
-    """``prepack`` arguments for a 4-bit ``[N, K]`` QTensor, or None when its blocking does not map
-    onto groups along K (e.g. bitsandbytes blocks that straddle rows)."""
+    """``prepack_nk`` arguments for a 4-bit ``[N, K]`` QTensor, or None when its blocking does not
+    map onto groups along K (e.g. bitsandbytes blocks that straddle rows)."""
     if qt.fmt not in _LUT or qt.ndim != 2:
         return None
     n, k = qt.shape

@@ -1,21 +1,11 @@
-"""The tile-major 4-bit weight layout that the W4A16 kernels read, and ``prepack`` into it.
+"""The 4-bit weight layout of the Mosaic GPU W4A16 kernel (``prepack_nk``), its dequantization and
+the kernel's pure-JAX twin (``reference_nk``).
 
-A unified 4-bit weight: codes ``q`` uint8 ``[K, N]`` in 0..15 and
+A unified 4-bit weight: codes ``q`` ``[K, N]`` in 0..15 and
 ``w[k, n] = (LUT[q[k, n]] - zero[g, n]) * scale[g, n] * global_scale`` with ``g = k // G``.
-
-Layout (chosen so each kernel program streams one contiguous run of memory):
-
-* ``data`` int32 ``[N_pad/BN, K_pad/BK, P, BN]`` with ``P = BK/8``: tile ``(nt, kt)`` holds rows
-  ``kt*BK .. kt*BK+BK`` and columns ``nt*BN .. nt*BN+BN``; word ``[nt, kt, j, c]`` keeps the codes of
-  rows ``kt*BK + i*P + j`` (``i = 0..7``) in bits ``4i..4i+3``. So nibble plane ``i`` of a tile is
-  ``P`` consecutive rows, and the activations it meets are one contiguous slice of ``x``. A program
-  that walks its K range reads tiles ``(nt, kt), (nt, kt+1), ...``: consecutive addresses.
-* ``scale`` / ``zero`` ``[N_pad/BN, K_pad/G, BN]``: one row of ``BN`` per group, tile-major too.
-  ``P`` divides ``G``, so every nibble plane lies inside one group and meets a single scale row.
-* Padding: ``K`` up to a multiple of ``BK`` and ``G``, ``N`` up to ``BN``; padded codes are 0 and
-  padded scales 0, so padded weights are exactly 0 (padded ``x`` columns are 0 too).
-* Act-order: with ``g_idx``, rows are stored sorted by group (stable argsort) and ``perm`` says which
-  input row each stored row is; the matmul gathers ``x[:, perm]`` (never ``W``).
+``prepack_nk`` stores it ``[N_pad, K_pad]`` (the kernel computes ``yᵀ = W_nk · xᵀ``), with groups
+of 16, 32, 64·j or one per column. Everything here is plain XLA: nothing in this module needs a
+GPU or imports Mosaic GPU.
 """
 
 from __future__ import annotations
@@ -27,185 +17,155 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jquant.formats import bnb, mx
+from jquant.pallas_kernels.w4a16_mgpu_decode import (E2M1_SCALE_EXP, canonical_lut,
+                                                     from_word_order, lut_values,
+                                                     pack_e2m1_pairs, signed_int4,
+                                                     to_word_order, unpack_e2m1_pairs)
 
-# The code books of the kernels: integers, OCP E2M1, and bitsandbytes' two tables (NF4 and its
-# own FP4, which is not E2M1).
-LUTS = ("int4", "e2m1", "nf4", "fp4_bnb")
-_LUT_ALIASES = {"int4": "int4", "uint4": "int4", "e2m1": "e2m1", "fp4": "e2m1", "mxfp4": "e2m1",
-                "nvfp4": "e2m1", "nf4": "nf4", "fp4_bnb": "fp4_bnb"}
-
-
-def lut_values(lut: str) -> np.ndarray:
-    """The 16 float32 values code ``0..15`` stands for under ``lut`` (the format modules' own)."""
-    lut = canonical_lut(lut)
-    if lut == "int4":
-        return np.arange(16, dtype=np.float32)
-    if lut == "e2m1":
-        return mx.E2M1_VALUES.copy()
-    return bnb.code_table(lut)
-
-
-def canonical_lut(lut) -> str:
-    if not isinstance(lut, str) or lut.lower() not in _LUT_ALIASES:
-        raise ValueError(f"lut must be one of {sorted(_LUT_ALIASES)}, got {lut!r}")
-    return _LUT_ALIASES[lut.lower()]
-
-
-# Scales are stored in the narrowest float that holds every value of their input dtype exactly:
-# e4m3 and e8m0 fit bf16 (8 exponent bits), fp16 stays fp16, anything else is fp32.
-_SCALE_STORAGE = {jnp.dtype(jnp.bfloat16): jnp.bfloat16, jnp.dtype(jnp.float16): jnp.float16,
-                  jnp.dtype(jnp.float8_e4m3fn): jnp.bfloat16,
-                  jnp.dtype(jnp.float8_e8m0fnu): jnp.bfloat16}
+# wgmma consumes K in chunks of one 128-byte swizzle atom of the 16-bit B operand.
+K_CHUNK = 64
+# Groups finer than a chunk: the chunk's scale is chosen per column.
+SUB_CHUNK_GROUPS = (16, 32)
 
 
 @dataclasses.dataclass(frozen=True)
-class PackedW4:
-    """A 4-bit weight repacked for the W4A16 kernels (see the module docstring for the layout).
+class PackedW4NK:
+    """A 4-bit weight laid out for the Mosaic GPU kernel.
 
-    ``k``/``n`` are the logical in/out features; ``group_size`` is in stored (sorted, padded) rows.
-    ``zero_point`` is the constant zero used when ``zero`` is None (8 for uint4b8, 0 for fp codes).
+    ``data`` int4 ``[N_pad, K_pad]``: ``code − 8`` for int4 codes (exact in int4 for uint4b8 and
+    for asymmetric codes, whose zero points are shifted the same way), or E2M1 codes in pairs
+    (``lut="e2m1"``, ``pack_e2m1_pairs``), or table codes as they are (``"nf4"``, ``"fp4_bnb"``);
+    ``word_order``: its K axis permuted within blocks of 32 codes (``to_word_order``).
+    ``scale`` ``[K_pad / G, N_pad]`` (bf16, fp16 or fp32: converted to x's dtype in the kernel;
+    E2M1's times 2^(126 − k), ``_e2m1_prescale``); ``zero`` optional ``[K_pad / G, N_pad]``:
+    ``zero − 8`` (int4 asymmetric), subtracted before scaling. ``perm``: act-order gather of x's
+    columns; ``global_scale``: optional fp32 ``[1]`` multiplier (NVFP4's; for E2M1 always, times
+    2^k). ``group_size`` in stored rows.
     """
 
     data: jax.Array
     scale: jax.Array
     zero: jax.Array | None = None
-    global_scale: jax.Array | None = None
     perm: jax.Array | None = None
+    global_scale: jax.Array | None = None
     lut: str = "int4"
-    zero_point: float = 0.0
     k: int = 0
     n: int = 0
     group_size: int = 0
-    block_n: int = 64
-    block_k: int = 512
-
-    @property
-    def plane(self) -> int:
-        return self.block_k // 8
-
-    @property
-    def k_pad(self) -> int:
-        return self.data.shape[1] * self.block_k
+    word_order: bool = False
 
     @property
     def n_pad(self) -> int:
-        return self.data.shape[0] * self.block_n
+        return self.data.shape[0]
+
+    @property
+    def k_pad(self) -> int:
+        return self.data.shape[1]
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
-                   for leaf in jax.tree_util.tree_leaves(self))
+        return self.data.size // 2 + sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+                                         for leaf in (self.scale, self.zero, self.perm,
+                                                      self.global_scale)
+                                         if leaf is not None)
 
 
 jax.tree_util.register_dataclass(
-    PackedW4,
-    data_fields=["data", "scale", "zero", "global_scale", "perm"],
-    meta_fields=["lut", "zero_point", "k", "n", "group_size", "block_n", "block_k"],
-)
+    PackedW4NK, data_fields=["data", "scale", "zero", "perm", "global_scale"],
+    meta_fields=["lut", "k", "n", "group_size", "word_order"])
 
 
-def _is_pow2(v: int) -> bool:
-    return v > 0 and (v & (v - 1)) == 0
+def round_up(v: int, m: int) -> int:
+    return -(-v // m) * m
 
 
-def layout_blocks(k: int, group_size: int, block_n: int, block_k: int) -> tuple[int, int, int]:
-    """(block_n, block_k, group) after fitting ``block_k`` to the group: a nibble plane (BK/8 rows)
-    must lie inside one group, so BK ≤ 8·G; BK ≥ 128 keeps planes ≥ 16 rows for the tensor cores."""
-    for name, v in (("block_n", block_n), ("block_k", block_k)):
-        if not _is_pow2(v) or v < 16:
-            raise ValueError(f"{name} must be a power of two ≥ 16, got {v}")
-    g = k if group_size in (None, -1) or group_size >= k else int(group_size)
-    if g <= 0:
-        raise ValueError(f"group_size must be positive or -1, got {group_size}")
-    if g < k and not _is_pow2(g):
-        raise ValueError(f"group_size must be a power of two (or -1 / K for per-channel), got {g}")
-    if g < k:
-        if g < 16:
-            raise ValueError(f"group_size {g} is too small for the W4A16 kernels (need ≥ 16)")
-        block_k = max(128, min(block_k, 8 * g))
-    return block_n, block_k, g
+def nk_compatible(group_size: int, k: int, lut: str = "int4") -> bool:
+    """Whether a weight fits the kernel: any code book (``LUTS``), per-channel or groups of 16, 32
+    or multiples of 64."""
+    canonical_lut(lut)   # raises for an unknown code book; every known one fits
+    return (group_size in (None, -1) or group_size >= k or group_size % K_CHUNK == 0
+            or group_size in SUB_CHUNK_GROUPS)
 
 
-def prepack(q, scale, zero=None, *, lut, group_size, global_scale=None, g_idx=None, config=None,
-            zero_point=None) -> PackedW4:
-    """Repacks a unified 4-bit weight into the kernels' tile-major layout (once, after loading).
-
-    Args:
-      q: integer codes ``[K, N]`` with values 0..15 (uint8 or any integer dtype).
-      scale: float ``[ceil(K/G), N]`` (per-channel: ``[1, N]``); e4m3 / e8m0 scales may be passed in
-        their float8 dtypes and are kept exactly.
-      zero: optional ``[ceil(K/G), N]`` zero points (int4 asymmetric), subtracted before scaling.
-      lut: ``"int4"`` (codes are integers), ``"e2m1"`` (MXFP4 / NVFP4) or ``"nf4"``.
-      group_size: G along K, or -1 / K for one group per column.
-      global_scale: optional scalar multiplier (NVFP4).
-      g_idx: optional int32 ``[K]`` GPTQ act-order group of each input row; every group must hold
-        exactly G rows (what GPTQ produces).
-      config: a ``TuningConfig`` whose ``block_n``/``block_k`` set the tile (default 64 × 512, the
-        H200 sweep's best for both kernels; small groups shrink block_k to 8·G).
-      zero_point: the constant zero when ``zero`` is None (default 8 for int4 = uint4b8, else 0).
-    """
+def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None, g_idx=None,
+               pad_k: int = K_CHUNK, pad_n: int = 128, word_order: bool = True) -> PackedW4NK:
+    """Lays 4-bit codes ``q`` ``[K, N]`` (0..15) out for the Mosaic GPU kernel: ``[N_pad, K_pad]``
+    signed int4, scales and zeros ``[K_pad / G, N_pad]``. ``lut``: ``"int4"`` (value ``code − 8``,
+    or ``code − zero``), ``"e2m1"`` (FP4; optional ``global_scale``) or a table (``"nf4"``,
+    ``"fp4_bnb"``; both without zeros). ``g_idx``: optional int32 ``[K]`` GPTQ act-order group of
+    each input row, every group exactly G rows. Padded columns have scale 0, so they are exactly
+    0; padded rows meet the zero columns ``gather_pad`` appends to x. ``word_order``: K permuted
+    within blocks of 32 codes (``to_word_order``) so the kernel reads a word per thread and row."""
     lut = canonical_lut(lut)
     q = jnp.asarray(q)
-    if q.ndim != 2 or 0 in q.shape:
-        raise ValueError(f"q must be a non-empty [K, N] array of codes, got shape {tuple(q.shape)}")
-    if not jnp.issubdtype(q.dtype, jnp.integer):
-        raise TypeError(f"q must hold integer codes 0..15, got dtype {q.dtype} (shape {tuple(q.shape)})")
+    if q.ndim != 2 or 0 in q.shape or not jnp.issubdtype(q.dtype, jnp.integer):
+        raise ValueError(f"q must be a non-empty [K, N] array of integer codes, got shape "
+                         f"{tuple(q.shape)} and dtype {q.dtype}")
     k, n = q.shape
-    block_n = getattr(config, "block_n", 64)
-    block_k = getattr(config, "block_k", 512)
-    block_n, block_k, g = layout_blocks(k, group_size, block_n, block_k)
+    g = k if group_size in (None, -1) or group_size >= k else int(group_size)
+    if not nk_compatible(group_size, k, lut):
+        raise ValueError(f"prepack_nk takes group_size 16, 32, a multiple of 64 or -1 (per "
+                         f"channel); got lut={lut!r}, group_size={group_size}: quantize with one "
+                         "of those, or run the scheme's XLA path (Scheme.apply / jquant.qdot)")
+    if zero is not None and lut != "int4":
+        raise ValueError(f"zero points apply to lut='int4' only, got lut={lut!r}")
     n_groups = -(-k // g)
-
-    scale = jnp.asarray(scale)
-    if not jnp.issubdtype(scale.dtype, jnp.floating):
-        raise TypeError(f"scale must be a float array, got dtype {scale.dtype}")
-    if scale.shape != (n_groups, n):
-        raise ValueError(f"scale has shape {tuple(scale.shape)}; expected ({n_groups}, {n}) for "
-                         f"q of shape ({k}, {n}) and group_size {group_size}")
-    if zero is not None:
-        if lut != "int4":
-            raise ValueError(f"zero points apply to lut='int4' only, got lut={lut!r}")
-        zero = jnp.asarray(zero)
-        if zero.shape != (n_groups, n):
-            raise ValueError(f"zero has shape {tuple(zero.shape)}; expected ({n_groups}, {n})")
-    if zero_point is None:
-        zero_point = 8.0 if lut == "int4" and zero is None else 0.0
-
+    if jnp.shape(scale) != (n_groups, n):
+        raise ValueError(f"scale has shape {tuple(jnp.shape(scale))}; expected ({n_groups}, {n}) "
+                         f"for q of shape ({k}, {n}) and group_size {group_size}")
     perm = None
     if g_idx is not None:
-        perm, q = _sort_act_order(g_idx, q, g, n_groups)
-
-    # Pad K to whole tiles and whole groups, N to whole column tiles.
-    k_pad = _round_up(k, math.lcm(block_k, g) if g < k else block_k)
+        perm, q = sort_act_order(g_idx, q, g, n_groups)
+    k_pad = round_up(k, math.lcm(pad_k, g) if g < k else pad_k)
     group = g if g < k else k_pad
-    n_pad = _round_up(n, block_n)
-    q = jnp.pad(q.astype(jnp.uint32), ((0, k_pad - k), (0, n_pad - n)))
-    nt, kt, p = n_pad // block_n, k_pad // block_k, block_k // 8
-    tiles = q.reshape(kt, 8, p, nt, block_n).transpose(3, 0, 2, 4, 1)   # [nt, kt, p, bn, 8 nibbles]
-    words = jnp.sum(tiles << (4 * jnp.arange(8, dtype=jnp.uint32)), axis=-1, dtype=jnp.uint32)
-    data = jax.lax.bitcast_convert_type(words, jnp.int32)
+    n_pad = round_up(n, pad_n)
+    codes = q.astype(jnp.int32).T
+    pad = ((0, n_pad - n), (0, k_pad - k))   # padded codes decode to 0
+    if lut == "int4":
+        data = jnp.pad(codes - 8, pad).astype(jnp.int4)
+    elif lut == "e2m1":
+        data = pack_e2m1_pairs(jnp.pad(codes, pad))
+    else:   # a table (NF4, bnb FP4): the codes as they are
+        zero_code = int(np.flatnonzero(lut_values(lut) == 0)[0])
+        data = signed_int4(jnp.pad(codes & 0xF, pad, constant_values=zero_code))
+    if word_order:
+        data = to_word_order(data, lut)
 
     def per_group(values, dtype):
         rows = k_pad // group
-        values = jnp.pad(values.astype(dtype), ((0, rows - values.shape[0]), (0, n_pad - n)))
-        return values.reshape(rows, nt, block_n).transpose(1, 0, 2)
+        return jnp.pad(jnp.asarray(values).astype(dtype),
+                       ((0, rows - values.shape[0]), (0, n_pad - n)))
 
-    scale_t = per_group(scale, _SCALE_STORAGE.get(jnp.dtype(scale.dtype), jnp.float32))
-    zero_t = None
+    scale = jnp.asarray(scale)
+    # e4m3 / e8m0 scales are exact in bf16 (8 exponent bits); fp16 / bf16 stay; the rest fp32.
+    s_dtype = (jnp.bfloat16 if scale.dtype in (jnp.float8_e4m3fn, jnp.float8_e8m0fnu)
+               else scale.dtype if scale.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32)
+    if lut == "e2m1":
+        scale, global_scale = _e2m1_prescale(scale, global_scale)
+        s_dtype = jnp.float32 if s_dtype == jnp.float16 else s_dtype   # fp16 cannot hold them
+    zz = None
     if zero is not None:
-        # Integer zeros (0..15) are exact in bf16; fractional ones keep fp32.
-        zero_dtype = jnp.bfloat16 if jnp.issubdtype(zero.dtype, jnp.integer) else jnp.float32
-        zero_t = per_group(zero, zero_dtype)
-    gs = None
-    if global_scale is not None:
-        gs = jnp.asarray(global_scale, jnp.float32).reshape(1)
-    return PackedW4(data=data, scale=scale_t, zero=zero_t, global_scale=gs, perm=perm, lut=lut,
-                    zero_point=float(zero_point), k=k, n=n, group_size=group, block_n=block_n,
-                    block_k=block_k)
+        zz = per_group(jnp.asarray(zero, jnp.float32) - 8, jnp.bfloat16)
+    gs = None if global_scale is None else jnp.asarray(global_scale, jnp.float32).reshape(1)
+    return PackedW4NK(data=data, scale=per_group(scale, s_dtype), zero=zz, perm=perm,
+                      global_scale=gs, lut=lut, k=k, n=n, group_size=group,
+                      word_order=word_order)
 
 
-def _sort_act_order(g_idx, q, g, n_groups):
+def _e2m1_prescale(scale, global_scale):
+    """E2M1 scales times 2^(126 − k), the global scale times 2^k (both exact), with k ≥ 0 the
+    least that keeps the largest scale ≤ 2^127, inside bf16: the kernel's FP4 decode then skips
+    its own × 2^126 and multiplies the codes' placed bits by the scale (``_e2m1_ptx``)."""
+    s = jnp.asarray(scale, jnp.float32)
+    top = jnp.max(jnp.abs(s))
+    k = jnp.maximum(jnp.ceil(jnp.log2(top)) - 1, 0).astype(jnp.int32)   # 0 for all-zero scales
+    gs = jnp.ones((1,), jnp.float32) if global_scale is None else global_scale
+    return (jnp.ldexp(s, E2M1_SCALE_EXP - k),
+            jnp.ldexp(jnp.asarray(gs, jnp.float32).reshape(1), k))
+
+
+def sort_act_order(g_idx, q, g: int, n_groups: int):
+    """(perm, rows of ``q`` stored sorted by group): the matmul gathers ``x[:, perm]``, never W."""
     g_idx = jnp.asarray(g_idx)
     if g_idx.shape != (q.shape[0],):
         raise ValueError(f"g_idx has shape {tuple(g_idx.shape)}; expected ({q.shape[0]},)")
@@ -221,14 +181,9 @@ def _sort_act_order(g_idx, q, g, n_groups):
     return perm, jnp.take(q, perm, axis=0)
 
 
-def _round_up(v: int, m: int) -> int:
-    return -(-v // m) * m
-
-
-def gather_pad(x2: jax.Array, packed, m_pad: int, k_cols: int | None = None) -> jax.Array:
+def gather_pad(x2: jax.Array, packed: PackedW4NK, m_pad: int, k_cols: int | None = None) -> jax.Array:
     """``x2`` ``[M, K]`` with its columns in the weight's stored (act-order) row order, zero-padded
-    to ``[m_pad, k_cols]`` (default ``K_pad``): what every kernel layout (``PackedW4``,
-    ``PackedW4NK``) multiplies."""
+    to ``[m_pad, k_cols]`` (default ``K_pad``): what the kernel multiplies."""
     if packed.perm is not None:
         x2 = jnp.take(x2, packed.perm, axis=1)
     pad_m = m_pad - x2.shape[0]
@@ -236,24 +191,32 @@ def gather_pad(x2: jax.Array, packed, m_pad: int, k_cols: int | None = None) -> 
     return jnp.pad(x2, ((0, pad_m), (0, pad_k))) if pad_m or pad_k else x2
 
 
-def unpack_codes(packed: PackedW4) -> jax.Array:
-    """Stored codes ``[K_pad, N_pad]`` (uint32) in stored (sorted) row order."""
-    words = jax.lax.bitcast_convert_type(packed.data, jnp.uint32)
-    nibbles = (words[..., None] >> (4 * jnp.arange(8, dtype=jnp.uint32))) & 15   # [nt, kt, p, bn, 8]
-    return nibbles.transpose(1, 4, 2, 0, 3).reshape(packed.k_pad, packed.n_pad)
-
-
-def dequantize_packed(packed: PackedW4, dtype=jnp.float32) -> jax.Array:
-    """The float weight ``[K_pad, N_pad]`` in stored row order, in fp32 math. Padded columns are 0;
-    padded rows may not be (NF4's code 0 is -1), which is harmless: they meet zero activations."""
-    values = jnp.asarray(lut_values(packed.lut))[unpack_codes(packed)]
-
-    def rows(t):   # [nt, groups, bn] → one row per stored k
-        full = t.astype(jnp.float32).transpose(1, 0, 2).reshape(t.shape[1], packed.n_pad)
-        return jnp.repeat(full, packed.group_size, axis=0)
-
-    zero = rows(packed.zero) if packed.zero is not None else packed.zero_point
-    w = (values - zero) * rows(packed.scale)
+def dequantize_nk(packed: PackedW4NK, dtype=jnp.float32) -> jax.Array:
+    """The float weight ``[K_pad, N_pad]`` in stored row order, in fp32 math (padding is 0)."""
+    data = from_word_order(packed.data, packed.lut) if packed.word_order else packed.data
+    if packed.lut == "int4":
+        values = data.astype(jnp.float32).T
+    else:
+        codes = (unpack_e2m1_pairs(data) if packed.lut == "e2m1"
+                 else data.astype(jnp.int32) & 0xF)
+        values = jnp.asarray(lut_values(packed.lut))[codes].T
+    rows = lambda t: jnp.repeat(t.astype(jnp.float32), packed.group_size, axis=0)
+    if packed.zero is not None:
+        values = values - rows(packed.zero)
+    scale = packed.scale
+    if packed.lut == "e2m1":   # its scales carry 2^E2M1_SCALE_EXP
+        scale = jnp.ldexp(scale.astype(jnp.float32), -E2M1_SCALE_EXP)
+    w = values * rows(scale)
     if packed.global_scale is not None:
         w = w * packed.global_scale[0]
     return w.astype(dtype)
+
+
+def reference_nk(x2: jax.Array, packed: PackedW4NK, bias=None, dtype=jnp.float32) -> jax.Array:
+    """The kernel's pure-JAX twin: dequantize in fp32 (then ``dtype``), dot with fp32 accumulation."""
+    xs = gather_pad(x2, packed, x2.shape[0]).astype(dtype)
+    out = jnp.dot(xs, dequantize_nk(packed, dtype)[:, :packed.n],
+                  preferred_element_type=jnp.float32)
+    if bias is not None:
+        out = out + bias.astype(jnp.float32)
+    return out.astype(x2.dtype)

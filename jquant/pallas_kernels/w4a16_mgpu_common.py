@@ -1,76 +1,19 @@
-"""What both Mosaic GPU W4A16 kernels share: the launch config, its checks, and one pipeline step
-(decode the int4 / E2M1 weight tile into wgmma registers chunk by chunk, scale, issue the wgmma)."""
+"""What both Mosaic GPU W4A16 kernels share: the launch checks, and one pipeline step (decode the
+int4 / E2M1 weight tile into wgmma registers chunk by chunk, scale, issue the wgmma)."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jquant.pallas_kernels.w4a16_layout import _round_up
+from jquant.pallas_kernels.w4a16_layout import K_CHUNK, SUB_CHUNK_GROUPS, round_up
+from jquant.pallas_kernels.w4a16_mgpu_config import MgpuConfig, group_acc_fits
 from jquant.pallas_kernels.w4a16_mgpu_epilogue import (MAX_CLUSTER, FinalOutputRefs,
                                                        final_output_scratch)
 from jquant.pallas_kernels.w4a16_mgpu_decode import (E2M1_SCALE_EXP, UNSCALE_EXP, decode_codes,
                                                      decode_words)
-
-# wgmma consumes K in chunks of one 128-byte swizzle atom of the 16-bit B operand.
-K_CHUNK = 64
-# Groups finer than a chunk: the chunk's scale is chosen per column.
-SUB_CHUNK_GROUPS = (16, 32)
-
-
-@dataclasses.dataclass(frozen=True)
-class MgpuConfig:
-    """Launch of the Mosaic GPU W4A16 kernel.
-
-    block_n: weight rows per CTA (wgmma M; 64 per warpgroup instruction).
-    block_k: K per pipeline step (a multiple of 64 dividing the per-split K range).
-    block_m: activation rows per CTA (wgmma N: a multiple of 8, at most 256).
-    split_k: K ranges run by separate CTAs, summed inside a cluster (``final_output``) or
-      by XLA afterwards.
-    max_concurrent_steps: TMA pipeline depth.
-    wide_rows: stage the weight tile in shared memory with 128-byte swizzle rows (256 codes; a
-      64-byte swizzle at block_k = 128) instead of one 32-byte row per 64-code chunk, so the TMA
-      copy moves 128-byte rows, and load each 256-code span into registers at once.
-    compute_wgs: warpgroups that decode and multiply, each owning ``block_n / compute_wgs`` rows
-      and sharing the x tile. With 2, a third warpgroup only issues the TMA copies (warp
-      specialization); with 1, the one warpgroup does both.
-    group_acc: each group's wgmmas go into a fresh fp32 accumulator that is then scaled and
-      added to the running sum, instead of scaling every decoded weight in bf16: one FMA per
-      output element per group instead of one multiply per pair of codes (1 warpgroup; groups
-      that are multiples of 64 and divide ``block_k``).
-    final_output: the kernel writes the final ``[M, N]`` output in x's dtype (global scale and
-      bias applied), the ``split_k`` partials of a tile summed inside a thread-block cluster
-      (``w4a16_mgpu_epilogue``), instead of fp32 partials for XLA to sum (``split_k`` ≤ 8
-      with one compute warpgroup, 1 with two).
-    """
-
-    block_n: int = 128
-    block_k: int = 256
-    block_m: int = 8
-    split_k: int = 1
-    max_concurrent_steps: int = 4
-    wide_rows: bool = False
-    compute_wgs: int = 1
-    group_acc: bool = False
-    final_output: bool = False
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.name in ("wide_rows", "group_acc", "final_output"):
-                continue
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"MgpuConfig.{f.name} must be a positive int, got {v!r}")
-
-
-def group_acc_fits(group_size: int, block_k: int, compute_wgs: int) -> bool:
-    """Whether ``MgpuConfig.group_acc`` can run: one compute warpgroup and whole groups of a
-    multiple of 64 inside each step."""
-    return compute_wgs == 1 and group_size % K_CHUNK == 0 and block_k % group_size == 0
 
 
 def check_launch(n_pad: int, k_pad: int, m_pad: int, group_size: int, cfg: MgpuConfig) -> int:
@@ -280,7 +223,7 @@ def launch_kernel(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool
     ``FinalOutputRefs`` scratch instead of ``final_output_scratch``'s). Interpret mode starts
     every buffer as NaN, so an unwritten tile shows."""
     has_zero = packed.zero is not None
-    m_pad = _round_up(xs.shape[0], cfg.block_m)
+    m_pad = round_up(xs.shape[0], cfg.block_m)
     tiles = (packed.n_pad // cfg.block_n, m_pad // cfg.block_m)
     args = [xs, packed.data, packed.scale] + ([packed.zero] if has_zero else [])
     if cfg.final_output:

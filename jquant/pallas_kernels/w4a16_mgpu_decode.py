@@ -25,6 +25,8 @@ four immediates, so two ``prmt`` look up entries 0–7 and 8–15 and a third pi
 bit 3; the same for the high bytes; two more interleave low and high bytes into two bf16x2
 registers (the scheme of CUTLASS's int4 → fp8 conversion, taken to 16-bit entries).
 
+The code books themselves (``LUTS``, ``lut_values``) are defined here, next to their decodes.
+
 ``tests/test_w4a16_mgpu_decode.py`` runs both formulas on every input (256 bytes; 65536 pairs of
 bytes, with ``prmt`` emulated in numpy) against ml_dtypes and the table.
 """
@@ -33,11 +35,32 @@ from __future__ import annotations
 
 import numpy as np
 
-import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jquant.pallas_kernels.w4a16_layout import canonical_lut, lut_values
+from jquant.formats import bnb, mx
+
+# The code books: integers, OCP E2M1, and bitsandbytes' two tables (NF4 and its own FP4, which is
+# not E2M1).
+LUTS = ("int4", "e2m1", "nf4", "fp4_bnb")
+_LUT_ALIASES = {"int4": "int4", "uint4": "int4", "e2m1": "e2m1", "fp4": "e2m1", "mxfp4": "e2m1",
+                "nvfp4": "e2m1", "nf4": "nf4", "fp4_bnb": "fp4_bnb"}
+
+
+def lut_values(lut: str) -> np.ndarray:
+    """The 16 float32 values code ``0..15`` stands for under ``lut`` (the format modules' own)."""
+    lut = canonical_lut(lut)
+    if lut == "int4":
+        return np.arange(16, dtype=np.float32)
+    if lut == "e2m1":
+        return mx.E2M1_VALUES.copy()
+    return bnb.code_table(lut)
+
+
+def canonical_lut(lut) -> str:
+    if not isinstance(lut, str) or lut.lower() not in _LUT_ALIASES:
+        raise ValueError(f"lut must be one of {sorted(_LUT_ALIASES)}, got {lut!r}")
+    return _LUT_ALIASES[lut.lower()]
+
 
 # ---- E2M1 --------------------------------------------------------------------------------------
 # bf16: one multiply places sign and magnitude of both codes; the mask keeps them.
@@ -277,11 +300,13 @@ def word_ptx(lut: str, dtype, unscale: bool = True) -> str:
 def _inline_decode(w, dtype, asm: str, regs_per_call: int):
     """Runs ``asm`` on ``w``'s registers (int4 ``[rows, K]`` in wgmma's register layout, two codes
     per register), ``regs_per_call`` zero-extended bytes in and as many 16-bit pairs out."""
-    # Imported here: the MLIR bindings are only needed where the kernel is lowered.
+    # Imported here: Mosaic GPU and its MLIR bindings are only needed where the kernel is traced
+    # (the layout and the interpret-mode twins above are plain XLA).
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
                        return_type=plgpu.ShapeDtypeStruct(w.shape, dtype, plgpu.Layout.WGMMA))
@@ -343,6 +368,7 @@ def _inline_word_decode(w, dtype, asm: str):
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
                        return_type=plgpu.ShapeDtypeStruct(w.shape, dtype, plgpu.Layout.WGMMA))

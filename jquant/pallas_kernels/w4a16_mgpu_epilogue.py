@@ -2,12 +2,13 @@
 
 Without it the kernel writes fp32 split-K partials ``[split_k, N_pad, M_pad]`` and XLA sums,
 transposes, scales and casts them: a second kernel, which at M = 1 costs 3–8 µs of a ~45 µs call
-on the H200 (bench/NOTES.md, session 7). Here the ``split_k`` CTAs of one output tile form a
-thread-block cluster; each leaves its fp32 partial in its shared memory, and after a cluster
-barrier the leader (split 0) reads its peers' partials through distributed shared memory, sums
-them in a fixed order, applies the global scale and bias, and stores the tile transposed, in x's
-dtype, straight into the ``[M, N]`` output (the TMA store drops the rows past M and the columns
-past N). A second cluster barrier keeps the peers' shared memory alive until the leader has read it.
+on the H200 (docs/design/w4a16.md, "Split-K and epilogue"). Here the ``split_k`` CTAs of one
+output tile form a thread-block cluster; each leaves its fp32 partial in its shared memory, and
+after a cluster barrier the leader (split 0) reads its peers' partials through distributed shared
+memory, sums them in a fixed order, applies the global scale and bias, and stores the tile
+transposed, in x's dtype, straight into the ``[M, N]`` output (the TMA store drops the rows past
+M and the columns past N). A second cluster barrier keeps the peers' shared memory alive until the
+leader has read it.
 
 (The warp-specialized kernel writes its final output only at split-K 1, with its own
 epilogue: ``w4a16_mgpu_ws.store_final_rows``.)

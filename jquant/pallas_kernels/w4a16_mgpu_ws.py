@@ -5,8 +5,8 @@ a CTA has ``compute_wgs`` warpgroups that decode and multiply, each owning ``blo
 compute_wgs`` weight rows, plus one warpgroup that only issues the TMA copies
 (``emit_pipeline_warp_specialized``). Why: with one warpgroup per CTA, the x tile is fetched
 from L2 once per 64 or 128 weight rows, which at M ≥ 64 moves more bytes than the int4 weight
-itself (bench/NOTES.md); here one fetch feeds twice the rows, and the copies no longer sit in
-the compute warps' instruction stream.
+itself (H200 counts: docs/design/w4a16.md, "Warp specialization"); here one fetch feeds twice
+the rows, and the copies no longer sit in the compute warps' instruction stream.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jquant.pallas_kernels.w4a16_mgpu_common import (K_CHUNK, MgpuConfig, decode_mma_step,
-                                                     launch_kernel, step_specs,
+from jquant.pallas_kernels.w4a16_layout import K_CHUNK
+from jquant.pallas_kernels.w4a16_mgpu_common import (decode_mma_step, launch_kernel, step_specs,
                                                      weight_row_codes)
+from jquant.pallas_kernels.w4a16_mgpu_config import MgpuConfig
 from jquant.pallas_kernels.w4a16_mgpu_epilogue import FinalOutputRefs
 
 # Registers left to the copy-issuing warpgroup (the compute warpgroups get the rest).
