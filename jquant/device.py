@@ -22,3 +22,11 @@ def compute_capability(device: jax.Device | None = None) -> int:
 
 def platform(device: jax.Device | None = None) -> str:
     return (device or jax.devices()[0]).platform
+
+
+def has_wgmma(capability: int) -> bool:
+    """Whether a device of this capability runs the Mosaic GPU wgmma kernels: sm_90 (Hopper) only.
+
+    wgmma is an sm_90a instruction; Blackwell (sm_100, sm_120) has none, so those run the XLA path.
+    """
+    return capability // 10 == 9

@@ -73,6 +73,17 @@ def test_dispatch_only_on_hopper_and_falls_back_for_straddling_blocks():
     scheme = jquant.get_scheme("nf4")
     assert _supports(scheme, 90, "gpu") and not _supports(scheme, 89, "gpu") and not _supports(scheme, 0, "cpu")
     assert not _supports(jquant.get_scheme("fp8_e4m3_channel"), 90, "gpu")
+    # Blackwell has no wgmma: the scheme must not prepack for a kernel that resolve_impl then refuses.
+    assert not _supports(scheme, 100, "gpu") and not _supports(scheme, 120, "gpu")
     assert [i.name for i in candidate_impls(scheme)] == ["xla"]  # this CPU
     odd = scheme.quantize_weight(jax.random.normal(jax.random.key(0), (4, 96)))  # 64-blocks straddle rows
     assert _prepare(scheme, odd) is None
+
+
+@pytest.mark.parametrize("capability, want", [(90, "mgpu"), (89, "xla"), (100, "xla"), (120, "xla"), (0, "reference")])
+def test_scheme_impl_and_kernel_dispatch_agree_per_architecture(monkeypatch, capability, want):
+    import jquant.pallas_kernels.w4a16 as w4a16_mod
+
+    monkeypatch.setattr(w4a16_mod, "compute_capability", lambda device=None: capability)
+    assert w4a16_mod.resolve_impl("auto", 1) == want
+    assert _supports(jquant.get_scheme("int4_g128"), capability, "gpu" if capability else "cpu") == (want == "mgpu")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jquant.device import has_wgmma
 from jquant.formats import nvfp4
 from jquant.formats.packing import unpack_bits
 from jquant.pallas_kernels.w4a16 import w4a16_matmul
@@ -20,7 +21,6 @@ from jquant.pallas_kernels.w4a16_layout import PackedW4NK, nk_compatible, prepac
 from jquant.qtensor import QTensor
 from jquant.registry import Impl, Scheme, register_impl
 
-HOPPER = 90
 _LUT = {"int4": "int4", "uint4": "int4", "mxfp4": "e2m1", "nvfp4": "e2m1", "nf4": "nf4",
         "fp4_bnb": "fp4_bnb"}
 
@@ -56,7 +56,7 @@ def unified_w4(qt: QTensor) -> dict | None:
 
 
 def _supports(scheme: Scheme, capability: int, platform: str) -> bool:
-    return platform == "gpu" and capability >= HOPPER and scheme.weight_only and scheme.weight_format in _LUT
+    return platform == "gpu" and has_wgmma(capability) and scheme.weight_only and scheme.weight_format in _LUT
 
 
 def prepack_for_kernels(args: dict) -> PackedW4NK | None:

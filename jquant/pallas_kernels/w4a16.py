@@ -22,7 +22,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jquant.device import compute_capability
+from jquant.device import compute_capability, has_wgmma
 from jquant.pallas_kernels.w4a16_layout import PackedW4NK, reference_nk
 from jquant.pallas_kernels.w4a16_mgpu_config import MgpuConfig
 from jquant.qtensor import QTensor
@@ -60,8 +60,8 @@ def resolve_impl(impl: str, m: int, interpret: bool = False,
         if cc == 0:
             return "reference"
         max_m = MGPU_MAX_M if weight_elems >= MGPU_LARGE_WEIGHT else MGPU_MAX_M_SMALL_WEIGHT
-        return "mgpu" if cc // 10 == 9 and m <= max_m else "xla"
-    if cc // 10 != 9:   # wgmma is Hopper-only
+        return "mgpu" if has_wgmma(cc) and m <= max_m else "xla"
+    if not has_wgmma(cc):
         where = jax.devices()[0].platform if cc == 0 else f"compute capability {cc}"
         if impl == "pallas":
             raise ValueError(f"impl='pallas' needs a Hopper GPU (sm_90), not {where}; pass "
