@@ -44,7 +44,7 @@ import numpy as np
 
 from jquant.formats.base import register_preset, register_quantizer
 from jquant.formats import subnormal
-from jquant.formats.exact import exact_divide
+from jquant.formats.exact import abs_bits, bits_float, exact_abs_max, exact_divide
 from jquant.formats.blocking import check_float_input, pad_to_blocks
 from jquant.formats.packing import pack_bits, unpack_bits
 from jquant.qtensor import QTensor, expand_blocks, register_format
@@ -264,27 +264,22 @@ def _scaled(flat, blocksize):
     scaled, absmax = [], []
     if full:
         blocks = flat[:full].reshape(-1, blocksize)
-        block_max = _amax(blocks, axis=1)
+        block_max = exact_abs_max(blocks, axis=1)
         # bnb: x * (1 / absmax.clamp(min=1e-38)); the reciprocal is subnormal past 2^126.
-        floored = jnp.maximum(subnormal.abs_bits(block_max), subnormal.abs_bits(_F32_TINY))
-        floored = jnp.where(jnp.isnan(block_max), block_max, subnormal.from_bits(floored))
+        floored = jnp.maximum(abs_bits(block_max), abs_bits(_F32_TINY))
+        floored = jnp.where(jnp.isnan(block_max), block_max, bits_float(floored))
         r, shift = subnormal.reciprocal(floored[:, None])
         product = subnormal.multiply(blocks, r, shift)
         scaled.append(_keep_tiny_sign(product, subnormal.tiny_product_sign(blocks, r, shift)))
         absmax.append(block_max)
     if full < flat.size:
         tail = flat[full:]
-        tail_max = _amax(tail, axis=0)
-        tail_max = jnp.where(subnormal.abs_bits(tail_max) < subnormal.abs_bits(_F32_TINY), _F32_TINY, tail_max)
+        tail_max = exact_abs_max(tail, axis=0)
+        tail_max = jnp.where(abs_bits(tail_max) < abs_bits(_F32_TINY), _F32_TINY, tail_max)
         scaled.append(_keep_tiny_sign(*subnormal.divide(tail, tail_max)))
         absmax.append(tail_max[None])
     scaled = jnp.clip(jnp.concatenate([s.reshape(-1) for s in scaled]), -1.0, 1.0)
     return scaled, jnp.concatenate(absmax)
-
-
-def _amax(values, axis):
-    """max |x| that keeps NaN at every size and subnormals (an integer max of the bits)."""
-    return subnormal.from_bits(jnp.max(subnormal.abs_bits(values), axis=axis))
 
 
 def _keep_tiny_sign(values, sign):

@@ -58,15 +58,20 @@ def bits_float(bits: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits.astype(jnp.int32), jnp.float32)
 
 
+def abs_bits(values: jax.Array) -> jax.Array:
+    """int32 bits of float32 ``|values|``: ordered like the values, subnormals kept, NaN above +Inf."""
+    return float_bits(values) & 0x7FFFFFFF
+
+
 def exact_abs_max(values: jax.Array, axis) -> jax.Array:
     """Max |values| over ``axis`` from the bit patterns: exact for subnormals, NaN if any is NaN
     (NaN patterns sort above Inf), whatever XLA's float reductions do with either."""
-    return bits_float(jnp.max(float_bits(values) & 0x7FFFFFFF, axis=axis))
+    return bits_float(jnp.max(abs_bits(values), axis=axis))
 
 
 def is_tiny(amax: jax.Array) -> jax.Array:
     """True where an (exact, from ``exact_abs_max``) amax is under ``TINY`` (0 included)."""
-    return (float_bits(amax) & 0x7FFFFFFF) < float_bits(jnp.float32(TINY))
+    return abs_bits(amax) < float_bits(jnp.float32(TINY))
 
 
 def lift(values: jax.Array, tiny: jax.Array) -> jax.Array:
@@ -105,7 +110,7 @@ def unlift_quotient(numerator: jax.Array, divisor: float, tiny: jax.Array) -> tu
     quotient = exact_divide(numerator, divisor)  # normal ones: the true quotient times 2**LIFT
     subnormal = tiny & (quotient < jnp.float32(2.0 ** (LIFT - 126)))
     c, j = _odd_times_pow2(divisor)
-    bits = float_bits(numerator) & 0x7FFFFFFF
+    bits = abs_bits(numerator)
     significand = ((bits & 0x7FFFFF) | 0x800000).astype(jnp.uint32)
     t = ((bits >> 23) - 1 - LIFT - j).astype(jnp.int32)
     # t >= 0: N = M << t < c · 2**23 < 2**31 wherever the quotient is subnormal.

@@ -54,10 +54,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jquant.formats import subnormal
 from jquant.formats.base import register_preset, register_quantizer
 from jquant.formats.blocking import block_axes, check_float_input, group_block, per_block, to_blocks
-from jquant.formats.exact import exact_divide
+from jquant.formats.exact import abs_bits, exact_divide
 from jquant.formats.fp8 import saturating_cast
 from jquant.formats.packing import pack_bits, unpack_bits
 from jquant.qtensor import QTensor, register_format
@@ -230,7 +229,7 @@ def _pow2_bits(exponent: jax.Array) -> jax.Array:
 
 def _shared_exponent(amax_bits: jax.Array, mode: str, element: _Element) -> jax.Array:
     """Biased E8M0 exponent (int32 in [0, 255]) of each block from the int32 bits of its float32
-    amax (``subnormal.abs_bits``), as torchao's to_mx; ``mode="ggml"`` is gguf-py's rule."""
+    amax (``exact.abs_bits``), as torchao's to_mx; ``mode="ggml"`` is gguf-py's rule."""
     nan = amax_bits > 0x7F800000
     if mode == "ggml":
         return _ggml_biased(amax_bits)
@@ -307,7 +306,7 @@ def _encode(x, fmt, block, axis, scale_mode, element_rounding):
     blocks = to_blocks(x.astype(jnp.float32), block)
     # The amax is an integer max of |x|'s bits: it keeps NaN (XLA's float max drops NaN from large
     # reductions, see blocking.nan_max) and subnormals (XLA's float compares read them as zero).
-    amax_bits = jnp.max(subnormal.abs_bits(blocks), axis=block_axes(x.ndim))
+    amax_bits = jnp.max(abs_bits(blocks), axis=block_axes(x.ndim))
     mode = "ggml" if element_rounding == "ggml" else scale_mode
     biased = _shared_exponent(amax_bits, mode, element)
     scaled = _scale_elements(blocks, biased, mode).reshape(x.shape)

@@ -12,21 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jquant.formats.exact import abs_bits
+
 _MANTISSA_BITS = 23
 _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
 # 1/a is a subnormal exactly when a > 2^126; its steps of 2^-149 are counted by long division.
 _RECIPROCAL_SHIFT = 64
 _BIG = np.float32(2.0 ** 126)
-
-
-def abs_bits(x: jax.Array) -> jax.Array:
-    """int32 bits of float32 ``|x|``: ordered like the values, subnormals kept, NaN above +Inf, so an
-    integer max is an amax that neither drops NaN nor reads subnormals as zero."""
-    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
-
-
-def from_bits(bits: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def is_subnormal(x: jax.Array) -> jax.Array:
