@@ -1,10 +1,29 @@
 import os
 
-# Eight simulated CPU devices so sharding tests run anywhere; must precede the first jax import.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import pytest
+
+# JQUANT_TEST_GPU=1 runs the same tests on the real accelerator: the CPU pin is lifted and the
+# `interpret` fixture turns Pallas interpret mode off, so kernels compile for the GPU.
+ON_GPU = os.environ.get("JQUANT_TEST_GPU") == "1"
+if not ON_GPU:
+    # Eight simulated CPU devices so sharding tests run anywhere; must precede the first jax import.
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import hypothesis  # noqa: E402
 
 hypothesis.settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def interpret() -> bool:
+    """Whether Pallas kernels run in interpret mode: on CPU yes, under JQUANT_TEST_GPU=1 no."""
+    return not ON_GPU
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs the GPU: run with JQUANT_TEST_GPU=1 on the device")
+    for item in items:
+        if "gpu" in item.keywords and not ON_GPU:
+            item.add_marker(skip)
