@@ -1,0 +1,64 @@
+"""Pure-JAX quantize-and-insert of new tokens at flat slot indices (the kernels' reference twin)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jquant.kv import scalar, turboquant
+from jquant.kv.paged import PagedKVCache, slots_for, validate_append
+
+
+def _scatter(arr, slots, new):
+    """arr [P, S, ...] gets new [T, ...] at flat slots; out-of-range or negative slots are dropped."""
+    p, s = arr.shape[:2]
+    flat = arr.reshape(p * s, *arr.shape[2:])
+    safe = jnp.where((slots >= 0) & (slots < p * s), slots, p * s)
+    return flat.at[safe].set(new.astype(arr.dtype), mode="drop").reshape(arr.shape)
+
+
+def insert_reference(cache: PagedKVCache, k_new, v_new, slots) -> PagedKVCache:
+    """Quantize k_new, v_new [T, kv_heads, head_dim] and write token i at flat slot slots[i].
+
+    Negative slots are padding (skipped). Per-tensor formats use the cache's static scales.
+    """
+    spec, d = cache.spec, cache.head_dim
+    if k_new.shape != v_new.shape or k_new.shape[1:] != (cache.kv_heads, d):
+        raise ValueError(f"k_new/v_new must be [T, {cache.kv_heads}, {d}]; got {k_new.shape}, "
+                         f"{v_new.shape}")
+    slots = jnp.asarray(slots, jnp.int32)
+    ks, vs, vm = cache.k_scale, cache.v_scale, cache.v_min
+    if spec.kind == "dense":
+        kc, vc = k_new, v_new
+    elif spec.kind == "per_tensor":
+        kc = scalar.encode(k_new, ks, spec.key_format)
+        vc = scalar.encode(v_new, vs, spec.value_format)
+    elif spec.kind == "per_token_head":
+        kts = scalar.token_head_scale(k_new, spec.key_format)
+        vts = scalar.token_head_scale(v_new, spec.value_format)
+        kc = scalar.encode(k_new, kts[..., None], spec.key_format)
+        vc = scalar.encode(v_new, vts[..., None], spec.value_format)
+        ks, vs = _scatter(ks, slots, kts), _scatter(vs, slots, vts)
+    else:
+        if spec.key_format == "lloyd_max":
+            kc, norm = turboquant.quantize_keys(k_new, spec.key_bits)
+            ks = _scatter(ks, slots, norm)
+        else:
+            kc = scalar.encode(k_new, 1.0, "fp8_e4m3")
+        vc, vsc, vmn = turboquant.quantize_values(v_new, spec.value_bits)
+        vs, vm = _scatter(vs, slots, vsc), _scatter(vm, slots, vmn)
+    return PagedKVCache(_scatter(cache.k_pages, slots, kc), _scatter(cache.v_pages, slots, vc),
+                        ks, vs, vm, spec, d)
+
+
+def append_reference(cache: PagedKVCache, k_new, v_new, block_tables, lengths, *, validate=True):
+    """Append one token per sequence (k_new [B, kv_heads, D]) at position lengths[b].
+
+    Returns (cache, lengths + 1). With concrete inputs the block tables are checked first
+    (validate_append), so a bad table raises before anything is written.
+    """
+    if validate and not any(isinstance(x, jax.core.Tracer) for x in (block_tables, lengths)):
+        validate_append(block_tables, lengths, 1, cache.num_pages, cache.page_size)
+    b = jnp.arange(k_new.shape[0])
+    slots = slots_for(jnp.asarray(block_tables), b, jnp.asarray(lengths), cache.page_size)
+    return insert_reference(cache, k_new, v_new, slots), jnp.asarray(lengths) + 1

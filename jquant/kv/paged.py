@@ -1,0 +1,110 @@
+"""One layer's paged KV cache: pages [num_pages, page_size, kv_heads, head_dim (or packed bytes)].
+
+Side arrays: per-tensor formats hold float32 scalars; per-(token, head) formats float32
+[num_pages, page_size, kv_heads]; TurboQuant holds float16 [num_pages, page_size, kv_heads] key norms,
+value scales and value mins (fp16 as vLLM stores them, so the bytes match its presets).
+Slot of token t of sequence b = block_tables[b, t // page_size] * page_size + t % page_size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jquant.kv import turboquant
+from jquant.kv.dtypes import KVCacheSpec, kv_cache_spec, storage_dtype
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    k_pages: jax.Array
+    v_pages: jax.Array
+    k_scale: jax.Array
+    v_scale: jax.Array
+    v_min: jax.Array
+    spec: KVCacheSpec = dataclasses.field(metadata=dict(static=True))
+    head_dim: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k_pages.shape[2]
+
+
+def _last_dim(fmt: str, bits: int, head_dim: int) -> tuple[int, object]:
+    if fmt in ("lloyd_max", "uniform"):
+        return head_dim * bits // 8, jnp.uint8
+    return head_dim, storage_dtype(fmt)
+
+
+def allocate(kv_cache_dtype: str | KVCacheSpec, num_pages: int, page_size: int, kv_heads: int,
+             head_dim: int, *, k_scale: float = 1.0, v_scale: float = 1.0) -> PagedKVCache:
+    """Zeroed cache; k_scale / v_scale are the static per-tensor scales (checkpoint or calibrated)."""
+    spec = kv_cache_dtype if isinstance(kv_cache_dtype, KVCacheSpec) else kv_cache_spec(kv_cache_dtype)
+    if spec.kind == "turboquant":
+        turboquant.check_head_dim(head_dim)
+    if min(num_pages, page_size, kv_heads, head_dim) <= 0:
+        raise ValueError("num_pages, page_size, kv_heads and head_dim must be positive")
+    lead = (num_pages, page_size, kv_heads)
+    kd, kdt = _last_dim(spec.key_format, spec.key_bits, head_dim)
+    vd, vdt = _last_dim(spec.value_format, spec.value_bits, head_dim)
+    one = jnp.float32(1.0)
+    ks, vs, vm = jnp.float32(k_scale), jnp.float32(v_scale), jnp.float32(0.0)
+    if spec.kind == "per_token_head":
+        ks = vs = jnp.ones(lead, jnp.float32)
+    elif spec.kind == "turboquant":
+        ks = jnp.zeros(lead, jnp.float16) if spec.key_format == "lloyd_max" else one
+        vs = jnp.zeros(lead, jnp.float16)
+        vm = jnp.zeros(lead, jnp.float16)
+    elif spec.kind == "dense":
+        ks = vs = one
+    return PagedKVCache(jnp.zeros((*lead, kd), kdt), jnp.zeros((*lead, vd), vdt), ks, vs, vm,
+                        spec, head_dim)
+
+
+def slots_for(block_tables, seq_ids, positions, page_size: int):
+    """Flat slot index of token `positions[i]` of sequence `seq_ids[i]`."""
+    page = block_tables[seq_ids, positions // page_size]
+    return page * page_size + positions % page_size
+
+
+def validate_append(block_tables, lengths, num_new, num_pages: int, page_size: int) -> None:
+    """Eager check before appending num_new[b] tokens to each sequence b (concrete arrays).
+
+    Raises ValueError if a sequence would write past its pages, a used block-table entry points
+    outside the pool, or two sequences own the same page.
+    """
+    bt = np.asarray(block_tables)
+    ln = np.asarray(lengths).astype(np.int64)
+    nn = np.broadcast_to(np.asarray(num_new), ln.shape).astype(np.int64)
+    if bt.ndim != 2 or ln.shape != (bt.shape[0],):
+        raise ValueError(f"block_tables must be [batch, max_pages] and lengths [batch]; got "
+                         f"{bt.shape}, {ln.shape}")
+    if (ln < 0).any() or (nn < 0).any():
+        raise ValueError("lengths and new token counts must be non-negative")
+    end = ln + nn
+    cap = bt.shape[1] * page_size
+    if (end > cap).any():
+        b = int(np.argmax(end > cap))
+        raise ValueError(f"sequence {b} would hold {end[b]} tokens, past its {cap} slots "
+                         f"({bt.shape[1]} pages x {page_size})")
+    used_pages = -(-end // page_size)
+    owner: dict[int, int] = {}
+    for b in range(bt.shape[0]):
+        for p in bt[b, : used_pages[b]]:
+            if not 0 <= p < num_pages:
+                raise ValueError(f"block table of sequence {b} points at page {p}, outside the "
+                                 f"pool of {num_pages} pages")
+            if owner.setdefault(int(p), b) != b:
+                raise ValueError(f"page {p} is owned by sequences {owner[int(p)]} and {b}")
