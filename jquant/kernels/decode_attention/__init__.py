@@ -1,0 +1,6 @@
+"""Paged decode attention (one query token per sequence) over bf16 / fp8 / int8 KV pages."""
+
+from jquant.kernels.decode_attention.api import choose_impl, decode_attention
+from jquant.kernels.decode_attention.config import TuningConfig
+
+__all__ = ["TuningConfig", "choose_impl", "decode_attention"]

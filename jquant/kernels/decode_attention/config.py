@@ -1,0 +1,48 @@
+"""Launch configuration of the paged decode-attention kernel (Triton-backend Pallas).
+
+The defaults are what ships; each cites the H200 measurement that chose it (bench.py,
+``bench_decode_attention``; B=8, 32/8 heads, d=128, ctx 32k, page 16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    """How one program walks its share of the context.
+
+    block_tokens: tokens per loop step (a multiple of the page size, at least 16: Triton's dot
+      needs 16 on every side).
+    num_splits: programs per (sequence, KV head) along the context (split-K); None picks enough to
+      fill the chip (``splits_for``).
+    num_warps, num_stages: Triton's warps per program and software-pipelining depth.
+    """
+
+    block_tokens: int = 128
+    num_splits: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.block_tokens < 16 or self.block_tokens & (self.block_tokens - 1):
+            raise ValueError(f"block_tokens must be a power of two ≥ 16, got {self.block_tokens}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"num_splits must be ≥ 1 or None, got {self.num_splits}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be a power of two ≤ 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be ≥ 1, got {self.num_stages}")
+
+
+# Programs wanted in flight: 132 SMs × 4, so every SM holds several loads at once.
+TARGET_PROGRAMS = 528
+
+
+def splits_for(batch: int, kv_heads: int, max_tokens: int, block_tokens: int) -> int:
+    """Split-K factor: enough (sequence, head, split) programs to fill the chip, never a split
+    shorter than one loop step."""
+    want = -(-TARGET_PROGRAMS // max(batch * kv_heads, 1))
+    most = max(1, -(-max_tokens // block_tokens))
+    return int(max(1, min(want, most)))
