@@ -4,11 +4,11 @@ from jquant.qtensor import QTensor, dequantize
 from jquant.formats import formats, quantize
 from jquant.checkpoint import from_checkpoint, layouts, to_checkpoint
 from jquant.ops import qdot
-from jquant.registry import Prepared, Scheme, get_scheme, register_scheme, schemes
-from jquant import xla_reference as _xla_reference  # noqa: F401  (registers the XLA implementation)
-from jquant import builtin_schemes as _builtin_schemes  # noqa: F401  (registers the named schemes)
-from jquant.pallas_kernels import scheme_impl as _pallas_impl  # noqa: F401  (registers the Hopper kernels)
-from jquant.hf_config import scheme_from_config
+from jquant.schemes.scheme import Prepared, Scheme, get_scheme, register_scheme, schemes
+from jquant.schemes import xla as _xla_reference  # noqa: F401  (registers the XLA implementation)
+from jquant.schemes import builtin as _builtin_schemes  # noqa: F401  (registers the named schemes)
+from jquant.kernels.w4a16 import from_qtensor as _pallas_impl  # noqa: F401  (registers the Hopper kernels)
+from jquant.checkpoint.hf_config import scheme_from_config
 
 __all__ = [
     "Prepared", "QTensor", "Scheme", "dequantize", "formats", "from_checkpoint", "get_scheme", "layouts",

@@ -27,8 +27,8 @@ def test_import_and_cpu_paths_load_no_pallas_gpu_module():
     body = """
 import jax, jax.numpy as jnp
 import jquant
-from jquant.pallas_kernels import prepack_nk, w4a16_matmul
-from jquant.pallas_kernels.scheme_impl import _prepare
+from jquant.kernels.w4a16 import prepack_nk, w4a16_matmul
+from jquant.kernels.w4a16.from_qtensor import _prepare
 scheme = jquant.get_scheme("int4_g128")
 qt = scheme.quantize_weight(jnp.ones((128, 256), jnp.float32))
 packed = _prepare(scheme, qt)
@@ -41,5 +41,5 @@ for impl in ("auto", "xla", "reference"):
 
 def test_the_kernel_module_loads_mosaic_gpu():
     """The names above are the ones the kernel really imports (else the test above is vacuous)."""
-    loaded = _loaded_gpu_modules("import jquant.pallas_kernels.w4a16_mgpu")
+    loaded = _loaded_gpu_modules("import jquant.kernels.w4a16.mosaic_gpu")
     assert "jax.experimental.pallas.mosaic_gpu" in loaded

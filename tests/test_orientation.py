@@ -10,7 +10,7 @@ import pytest
 
 import jquant
 from jquant import QTensor
-from jquant.pallas_kernels import w4a16_matmul
+from jquant.kernels.w4a16 import w4a16_matmul
 
 N = K = 64
 
@@ -130,7 +130,7 @@ def test_k_axis_is_checked_and_normalised():
 
 
 def test_save_and_restore_keep_k_axis(tmp_path):
-    from jquant.io import _decode_qtensor, _encode_qtensor, restore_quantized, save_quantized
+    from jquant.flax.orbax_io import _decode_qtensor, _encode_qtensor, restore_quantized, save_quantized
 
     params = {"w": jquant.get_scheme("int4_g32").quantize_weight(_square()),
               "kernel": jquant.quantize(_square(1), "int8", axis=0)}

@@ -1,6 +1,6 @@
 """Benchmarks: a timing harness with roofline figures, and the W4A16 kernel benchmark."""
 
-from jquant.bench.cli import main
+from jquant.apps.bench import main
 from jquant.bench.timing import (Roofline, Timing, array_bytes, copies_for,
                                  measure_hbm_bandwidth, roofline, spread_pct, time_fn,
                                  time_interleaved, time_steadiest)

@@ -1,8 +1,8 @@
-"""Flax integration: quantize parameter trees by path rules, run linen and NNX models quantized."""
+"""Deprecated alias of ``jquant.flax`` (the name the Flax integration had before it was ``jquant.flax``)."""
 
-from jquant.nn.qparam import QParam
-from jquant.nn.rules import QuantizeReport, Rule, prepare_params, quantize_params
-from jquant.nn.linen import intercept_quantized, quantized_apply
-from jquant.nn.nnx import QLinear, quantize_nnx
+import warnings
 
-__all__ = ["QLinear", "QParam", "QuantizeReport", "Rule", "intercept_quantized", "prepare_params", "quantize_nnx", "quantize_params", "quantized_apply"]
+from jquant.flax import *  # noqa: F401,F403
+from jquant.flax import __all__  # noqa: F401
+
+warnings.warn("jquant.nn is deprecated: import jquant.flax instead", DeprecationWarning, stacklevel=2)

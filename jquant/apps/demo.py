@@ -1,0 +1,127 @@
+"""``jquant demo``: SmolLM2-135M-Instruct under every registered weight scheme, on real text.
+
+For each scheme: quantize the seven projections of all 30 layers (embeddings and norms stay float),
+then measure perplexity on a fixed Britannica slice, its change against the unquantized model, top-1
+agreement with the unquantized next-token predictions, weight bytes, and tokens/s of the jitted
+forward on this device; finally generate a completion with the best 4-bit scheme.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FOUR_BIT = ("int4", "uint4", "mxfp4", "nvfp4", "nf4", "fp4_bnb")
+
+
+def _progress(i: int, n: int, label: str) -> None:
+    width = 24
+    filled = width * i // n
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {i}/{n} {label:<40}")
+    sys.stderr.flush()
+
+
+def _nll_and_top1(logits: jax.Array, ids: jax.Array):
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+    return jnp.mean(nll), jnp.argmax(logits[:, :-1], axis=-1)
+
+
+def _evaluate(model, params, ids, forward):
+    fn = jax.jit(lambda p, i: _nll_and_top1(forward(model, p, i), i))
+    nll, top1 = fn(params, ids)
+    jax.block_until_ready(nll)
+    t0 = time.perf_counter()  # the first call compiled; time a second one
+    jax.block_until_ready(fn(params, ids))
+    tokens_per_s = ids.size / (time.perf_counter() - t0)
+    return float(jnp.exp(nll)), np.asarray(top1), tokens_per_s
+
+
+def run(argv=None) -> int:
+    from jquant.apps.data import eval_batches
+    from jquant.apps.ledger import weight_ledger
+    from jquant.models import build_tokenizer, generate, load_gguf, smollm2_path
+    from jquant.checkpoint.hf_checkpoint import PROJECTIONS
+    from jquant.models.llama import LlamaForCausalLM
+    from jquant.flax import intercept_quantized, prepare_params, quantize_params, quantized_apply
+    from jquant.schemes.scheme import get_scheme, schemes
+
+    parser = argparse.ArgumentParser(prog="jquant demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--num-seqs", type=int, default=4, help="rows of --seq-len tokens (default 4×512 = 2048)")
+    parser.add_argument("--schemes", default="", help="comma-separated subset of the registered schemes")
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    args = parser.parse_args(argv)
+    names = [s for s in args.schemes.split(",") if s] or list(schemes())
+    unknown = [n for n in names if n not in schemes()]
+    if unknown:   # before minutes of loading and evaluating
+        parser.error(f"unknown schemes {unknown}; registered: {', '.join(schemes())}")
+
+    config, variables, tok_meta = load_gguf(smollm2_path())
+    tokenizer = build_tokenizer(tok_meta)
+    model = LlamaForCausalLM(config)
+    params = variables["params"]
+    ids = jnp.asarray(eval_batches(tokenizer, args.seq_len, args.num_seqs))
+
+    def forward(m, p, i):
+        return quantized_apply(m, {"params": p}, i)[0]
+
+    steps = len(names) + 1
+    _progress(0, steps, "unquantized")
+    base_ppl, base_top1, base_tps = _evaluate(model, params, ids, forward)
+    base_bytes = weight_ledger(params).total
+    rows = [("float32 (unquantized)", 32.0, base_bytes, base_ppl, 0.0, 1.0, base_tps, "")]
+    quantized = {}
+    for i, name in enumerate(names, 1):
+        _progress(i, steps, name)
+        scheme = get_scheme(name)
+        try:
+            qparams, _ = quantize_params(params, [(PROJECTIONS, scheme)], prepare=False)
+        except ValueError as e:
+            rows.append((name, float("nan"), 0, float("nan"), float("nan"), float("nan"), 0.0,
+                         f"n/a: {e}"))
+            continue
+        ledger = weight_ledger(qparams)  # of the QTensors; kernel layouts may pad
+        qparams = prepare_params(qparams)  # the Pallas kernels' layout on Hopper, else unchanged
+        try:
+            ppl, top1, tps = _evaluate(model, qparams, ids, forward)
+        except Exception as e:  # one scheme failing must not hide the other rows
+            rows.append((name, float("nan"), 0, float("nan"), float("nan"), float("nan"), 0.0,
+                         f"failed: {type(e).__name__}: {e}"))
+            continue
+        quantized[name] = (qparams, ppl)
+        rows.append((name, ledger.bits_per_quantized_weight, ledger.total, ppl, ppl - base_ppl,
+                     float(np.mean(top1 == base_top1)), tps, ""))
+    _progress(steps, steps, "done")
+    sys.stderr.write("\n")
+
+    dev = jax.devices()[0]
+    print(f"SmolLM2-135M-Instruct, {ids.size} tokens of Britannica (11th ed.), device: {dev.platform} "
+          f"({dev.device_kind}); projections quantized, embeddings/norms float")
+    head = (f"{'scheme':<28}{'bits/w':>7}{'weights MiB':>12}{'PPL':>9}{'ΔPPL':>8}{'top-1 agree':>12}"
+            f"{'tokens/s':>10}")
+    print(head)
+    print("-" * len(head))
+    for name, bits, nbytes, ppl, dppl, agree, tps, note in rows:
+        if note:
+            print(f"{name:<28}{note}")
+            continue
+        print(f"{name:<28}{bits:>7.2f}{nbytes / 2**20:>12.1f}{ppl:>9.3f}{dppl:>+8.3f}{agree:>12.1%}{tps:>10.0f}")
+
+    four_bit = {n: v for n, v in quantized.items() if get_scheme(n).weight_format.startswith(FOUR_BIT)}
+    if four_bit:
+        best = min(four_bit, key=lambda n: four_bit[n][1])
+        prompt = "The history of the printing press"
+        prompt_ids = jnp.asarray([tokenizer.encode(prompt)], jnp.int32)
+        with intercept_quantized():
+            out = generate(model, {"params": four_bit[best][0]}, prompt_ids, args.max_new_tokens,
+                           eos_id=tokenizer.eos_id)
+        text = tokenizer.decode([int(t) for t in out[0] if int(t) != tokenizer.eos_id])
+        print(f"\nbest 4-bit scheme by perplexity: {best}\n{prompt}{text}")
+    return 0

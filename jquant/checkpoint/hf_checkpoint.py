@@ -1,0 +1,244 @@
+"""HF-style safetensors checkpoints of the Llama model, float or quantized in a vLLM layout.
+
+``save_hf_checkpoint`` writes ``model.safetensors`` with HF's Llama tensor names (projections as the
+scheme's checkpoint layout stores them, e.g. ``...q_proj.qweight``) and a ``config.json`` carrying the
+``quantization_config``; ``load_hf_checkpoint`` reads such a directory back into Flax params whose
+quantized projections are QParams, bit-identical to what was saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from jquant.checkpoint import from_checkpoint, to_checkpoint
+from jquant.checkpoint.hf_config import scheme_from_config, skipped_modules
+from jquant.schemes.qparam import QParam
+from jquant.schemes.scheme import Scheme
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+# Flax paths of the seven projections of every layer: what the demo, ledger and online loading quantize.
+PROJECTIONS = r"layers_\d+/(q|k|v|o|gate|up|down)_proj/kernel"
+
+
+def hf_module_name(flax_module: str) -> str:
+    """``layers_3/q_proj`` → ``model.layers.3.self_attn.q_proj`` (and the other Llama modules)."""
+    m = re.fullmatch(r"layers_(\d+)/(\w+)", flax_module)
+    if m:
+        layer, name = m.groups()
+        group = "self_attn" if name in _ATTN else "mlp" if name in _MLP else None
+        sub = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}.get(name)
+        if group:
+            return f"model.layers.{layer}.{group}.{name}"
+        if sub:
+            return f"model.layers.{layer}.{sub}"
+    fixed = {"embed_tokens": "model.embed_tokens", "final_norm": "model.norm", "lm_head": "lm_head"}
+    if flax_module in fixed:
+        return fixed[flax_module]
+    raise ValueError(f"no HF Llama name for Flax module {flax_module!r}")
+
+
+def skip_from_config(quantization_config: dict) -> Callable[[str], bool]:
+    """A ``quantize_params`` skip predicate on Flax paths (``layers_0/down_proj/kernel``): True where the
+    config's ignore list keeps the HF module (``model.layers.0.mlp.down_proj``) in float."""
+    skipped = skipped_modules(quantization_config)
+
+    def skip(path: str) -> bool:
+        try:
+            return skipped(hf_module_name(path.rsplit("/", 1)[0]))
+        except ValueError:  # not a Llama module: no HF name to match
+            return False
+    return skip
+
+
+def _flat(params: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in params.items():
+        path = f"{prefix}/{k}" if prefix else k
+        if isinstance(v, dict):
+            out.update(_flat(v, path))
+        else:
+            out[path] = v
+    return out
+
+
+def layout_meta(scheme: Scheme) -> dict:
+    """The ``from_checkpoint`` arguments a scheme's layout needs that its tensors do not carry."""
+    fmt, layout = scheme.weight_format, scheme.checkpoint_layout
+    m = re.fullmatch(r"(u?)int(\d)", fmt)
+    if m and layout in ("gptq", "awq", "compressed-tensors"):
+        meta: dict[str, Any] = {"sym": not m.group(1), "dtype": jnp.float32}
+        group = dict(scheme.weight_options).get("group_size")
+        if group is not None:
+            meta["group_size"] = group
+        if layout != "awq":
+            meta["bits"] = int(m.group(2))
+        if layout == "gptq":
+            meta.update(dict(scheme.layout_options))
+        return meta
+    if layout in ("fp8", "fp8-block", "compressed-tensors", "modelopt", "gpt-oss"):
+        return {"dtype": jnp.float32}
+    return {}
+
+
+def save_hf_checkpoint(params: dict, directory, *, quantization_config: dict | None = None,
+                       model_config: dict | None = None) -> pathlib.Path:
+    """Writes ``params`` (float kernels, or QParams holding QTensors) as an HF Llama checkpoint."""
+    from jquant.checkpoint.safetensors_file import save_file
+
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, np.ndarray] = {}
+    for path, leaf in _flat(params).items():
+        module, leaf_name = path.rsplit("/", 1)
+        name = hf_module_name(module)
+        if isinstance(leaf, QParam):
+            scheme = leaf.scheme
+            opts = dict(scheme.layout_options)
+            if leaf.input_scale is not None:
+                opts["input_scale"] = np.asarray(leaf.input_scale)
+            for key, t in to_checkpoint(leaf.qtensor, scheme.checkpoint_layout, **opts).items():
+                sep = "_" if scheme.checkpoint_layout == "gpt-oss" else "."
+                tensors[f"{name}{sep}{key}"] = np.asarray(t, order="C")  # keeps 0-d scales 0-d
+        elif leaf_name == "kernel":
+            tensors[f"{name}.weight"] = np.ascontiguousarray(np.asarray(leaf).T)  # Flax [K, N] → [N, K]
+        else:
+            tensors[f"{name}.weight"] = np.ascontiguousarray(np.asarray(leaf))
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = dict(model_config or {})
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | None = None,
+                       quantize: str | Scheme | None = None, prepare: bool = True) -> dict:
+    """Reads an HF Llama checkpoint into the structure of ``like`` (the model's float params, or their
+    ``jax.eval_shape``). Projections stored quantized become QParams of the config's scheme;
+    ``quantize`` (a scheme name) quantizes a float checkpoint's projections as they load (online
+    quantization). Float tensors load in any float dtype (fp32, bf16, fp16; FP8 without scales), cast to
+    ``like``'s dtypes. Modules the config's ignore list names (``skipped_modules``) must be stored in
+    float and stay float. Static-activation FP8 projections carry their checkpoint ``input_scale``; as
+    vLLM fuses q/k/v and gate/up into one GEMM with one activation scale, each such group shares the
+    largest of its scales.
+
+    Raises ValueError naming the parameter when tensors are missing, left over, or disagree with the config.
+    """
+    from jquant.checkpoint.safetensors_file import load_file
+
+    directory = pathlib.Path(directory)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors files in {str(directory)!r}")
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    if quantization_config is None and (directory / "config.json").exists():
+        quantization_config = json.loads((directory / "config.json").read_text()).get("quantization_config")
+    scheme = scheme_from_config(quantization_config) if quantization_config else None
+    skipped = skipped_modules(quantization_config) if quantization_config else (lambda name: False)
+    used: set[str] = set()
+    out: dict[str, Any] = {}
+    for path, ref in _flat(like).items():
+        module, leaf_name = path.rsplit("/", 1)
+        name = hf_module_name(module)
+        value = _float_weight(tensors, name)
+        stored = sorted(k for k in tensors if k.startswith(name + "."))
+        if value is None and stored and skipped(name):
+            raise ValueError(f"parameter {path!r}: the quantization_config keeps {name} in float (its ignore "
+                             f"list), but the checkpoint stores {stored} for it")
+        if value is not None:
+            used.add(f"{name}.weight")
+            value = value.T if leaf_name == "kernel" else value
+            if value.shape != tuple(ref.shape):
+                raise ValueError(f"parameter {path!r}: checkpoint tensor {name}.weight has shape "
+                                 f"{tuple(value.shape)}, expected {tuple(ref.shape)}")
+            out[path] = jnp.asarray(value, ref.dtype)
+            continue
+        prefix = name + ("_" if scheme is not None and scheme.checkpoint_layout == "gpt-oss" else ".")
+        own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        if not own:
+            raise ValueError(f"parameter {path!r}: no tensor {name}.weight (or quantized tensors) in the checkpoint")
+        if scheme is None or leaf_name != "kernel":
+            raise ValueError(f"parameter {path!r}: the checkpoint stores {sorted(own)} under {name} but no "
+                             "quantization_config says how to read them")
+        try:
+            qt = from_checkpoint(own, scheme.checkpoint_layout, **layout_meta(scheme))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"parameter {path!r}: tensors {sorted(own)} do not match the quantization_config "
+                             f"({scheme.name}): {e}") from e
+        if qt.shape != (ref.shape[1], ref.shape[0]):
+            raise ValueError(f"parameter {path!r}: checkpoint holds a {qt.shape} weight, the model expects "
+                             f"{(ref.shape[1], ref.shape[0])}")
+        used.update(prefix + k for k in own)
+        input_scale = _static_input_scale(own, scheme, path, name) if scheme.activation == "static" else None
+        out[path] = QParam(scheme.process_weights_after_loading(qt) if prepare else qt, scheme, input_scale)
+    _share_fused_input_scales(out)
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise ValueError(f"checkpoint tensors {extra[:8]}{'...' if len(extra) > 8 else ''} match no model parameter")
+    if quantize is not None:
+        if scheme is not None:
+            raise ValueError(f"quantize={quantize!r} asks to quantize a checkpoint that is already quantized "
+                             f"({scheme.name})")
+        from jquant.flax.rules import quantize_params
+
+        return quantize_params(_unflat(out), [(PROJECTIONS, quantize)], prepare=prepare)[0]
+    return _unflat(out)
+
+
+def _float_weight(tensors: dict, name: str):
+    """``name.weight`` when it is a float tensor (any float dtype) that is not the codes of a quantized
+    weight: FP8 codes come with scales under the same module; else None."""
+    weight = tensors.get(f"{name}.weight")
+    if weight is None or not jnp.issubdtype(weight.dtype, jnp.floating):
+        return None
+    if jnp.dtype(weight.dtype).itemsize == 1 and any(k.startswith(name + ".") and k != f"{name}.weight"
+                                                    for k in tensors):
+        return None
+    return weight
+
+
+def _static_input_scale(own: dict, scheme: Scheme, path: str, name: str) -> jnp.ndarray:
+    if "input_scale" not in own:
+        raise ValueError(f"parameter {path!r}: scheme {scheme.name} quantizes activations with a static scale, "
+                         f"but the checkpoint has no {name}.input_scale")
+    scale = np.asarray(own["input_scale"]).astype(np.float32)
+    if scale.size == 0 or not np.all(np.isfinite(scale)) or not np.all(scale > 0):
+        raise ValueError(f"parameter {path!r}: {name}.input_scale must hold positive finite floats, got {scale}")
+    return jnp.asarray(scale.max())  # vLLM keeps one per-tensor scale: the max over stored shards
+
+
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+          "up_proj": "gate_up_proj"}
+
+
+def _share_fused_input_scales(out: dict[str, Any]) -> None:
+    groups: dict[tuple[str, str], list[str]] = {}
+    for path, leaf in out.items():
+        if isinstance(leaf, QParam) and leaf.input_scale is not None:
+            layer, _, proj = path.rsplit("/", 1)[0].rpartition("/")
+            groups.setdefault((layer, _FUSED.get(proj, proj)), []).append(path)
+    for paths in groups.values():
+        shared = jnp.max(jnp.stack([out[p].input_scale for p in paths]))
+        for p in paths:
+            out[p] = dataclasses.replace(out[p], input_scale=shared)
+
+
+def _unflat(flat: dict[str, Any]) -> dict:
+    tree: dict = {}
+    for path, v in flat.items():
+        node = tree
+        *parents, leaf = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = v
+    return tree

@@ -1,0 +1,319 @@
+"""HF ``quantization_config`` → Scheme, in vLLM's ``quant_method`` vocabulary.
+
+Accepted: ``fp8`` (with ``weight_block_size`` and ``scale_fmt``), ``awq`` (GEMM-packed ``version``s),
+``gptq`` (with ``checkpoint_format``), ``compressed-tensors`` (``pack-quantized``, ``float-quantized``,
+``nvfp4-pack-quantized``), ``modelopt`` (FP8, NVFP4; flat or under ``"quantization"``), ``mxfp4`` and
+``bitsandbytes`` (4-bit). Anything else, or a malformed config, raises a ValueError that names the key.
+``skipped_modules`` reads the same config's ignore list: the modules that stay in float.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from typing import Any, Callable
+
+from jquant.schemes import builtin as bs
+from jquant.schemes.scheme import Scheme
+
+
+def _get(cfg: dict, key: str, types, default: Any = ..., where: str = "quantization_config"):
+    if key not in cfg:
+        if default is ...:
+            raise ValueError(f"{where} needs {key!r}; got keys {sorted(cfg)}")
+        return default
+    value = cfg[key]
+    if not isinstance(value, types) or isinstance(value, bool) and bool not in _as_tuple(types):
+        raise ValueError(f"{where}[{key!r}] must be {_type_names(types)}, got {value!r}")
+    return value
+
+
+def _as_tuple(types):
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _type_names(types):
+    return " or ".join(t.__name__ for t in _as_tuple(types))
+
+
+def _group_size(value: int, where: str) -> int | None:
+    if value == -1:
+        return None
+    if value <= 0:
+        raise ValueError(f"{where}['group_size'] must be positive or -1, got {value}")
+    return value
+
+
+def _fp8(cfg: dict) -> Scheme:
+    fmt = _get(cfg, "fmt", str, "e4m3")
+    if fmt not in ("e4m3", "e5m2"):
+        raise ValueError(f"quantization_config['fmt'] must be 'e4m3' or 'e5m2', got {fmt!r}")
+    act = _get(cfg, "activation_scheme", str, "dynamic")
+    if act not in ("dynamic", "static"):
+        raise ValueError(f"quantization_config['activation_scheme'] must be 'dynamic' or 'static', got {act!r}")
+    block = _get(cfg, "weight_block_size", (list, tuple), None)
+    if block is not None:
+        if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+            raise ValueError(f"quantization_config['weight_block_size'] must be two positive ints, got {block!r}")
+        if act != "dynamic":
+            raise ValueError("quantization_config: block FP8 ('weight_block_size') needs activation_scheme "
+                             f"'dynamic', got {act!r}")
+        scale_fmt = _get(cfg, "scale_fmt", (str, type(None)), None)
+        if scale_fmt not in (None, "ue8m0"):
+            raise ValueError(f"quantization_config['scale_fmt'] must be 'ue8m0' or absent, got {scale_fmt!r}")
+        return bs.fp8_block(tuple(block), ue8m0=scale_fmt == "ue8m0", element=f"fp8_{fmt}")
+    return bs.fp8_tensor(static_activations=act == "static", element=f"fp8_{fmt}", layout="fp8")
+
+
+# AutoAWQ / transformers ``version``: exllama(v2) and ipex kernels load GEMM checkpoints and repack at
+# load time; GEMV, GEMV-fast and Marlin checkpoints store other tensor shapes and nibble orders.
+_AWQ_GEMM_PACKED = ("gemm", "exllama", "exllamav2", "ipex")
+_AWQ_OTHER_PACKING = {"gemv": "qweight [N, K/8] packed along K", "gemv_fast": "interleaved [N/4, K/2] words",
+                      "marlin": "Marlin tiles"}
+
+
+def _awq(cfg: dict) -> Scheme:
+    version = _get(cfg, "version", str, "gemm").lower()
+    if version in _AWQ_OTHER_PACKING:
+        raise ValueError(f"quantization_config['version'] {version!r}: AWQ {version} checkpoints store "
+                         f"{_AWQ_OTHER_PACKING[version]}, not the GEMM layout jquant reads; re-export the model "
+                         "with version 'gemm'")
+    if version not in _AWQ_GEMM_PACKED:
+        raise ValueError(f"quantization_config['version'] must be one of {list(_AWQ_GEMM_PACKED)} (GEMM-packed "
+                         f"AWQ), got {version!r}")
+    bits = _get(cfg, "bits", int, _get(cfg, "w_bit", int, 4))
+    if bits != 4:
+        raise ValueError(f"quantization_config['bits'] must be 4 for AWQ, got {bits}")
+    group = _group_size(_get(cfg, "group_size", int, _get(cfg, "q_group_size", int, 128)), "quantization_config")
+    zero_point = _get(cfg, "zero_point", bool, True)
+    return bs.int_weight_only(4, group, symmetric=not zero_point, layout="awq")
+
+
+def _gptq(cfg: dict) -> Scheme:
+    bits = _get(cfg, "bits", int)
+    if bits not in (2, 3, 4, 8):
+        raise ValueError(f"quantization_config['bits'] must be 2, 3, 4 or 8 for GPTQ, got {bits}")
+    group = _group_size(_get(cfg, "group_size", int, 128), "quantization_config")
+    sym = _get(cfg, "sym", bool, True)
+    desc_act = _get(cfg, "desc_act", bool, False)
+    fmt = _get(cfg, "checkpoint_format", str, "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"quantization_config['checkpoint_format'] must be 'gptq' or 'gptq_v2', got {fmt!r}")
+    return bs.int_weight_only(bits, group, symmetric=sym, layout="gptq",
+                              layout_options={"checkpoint_format": fmt, "desc_act": desc_act and group is not None})
+
+
+def _compressed_tensors(cfg: dict) -> Scheme:
+    fmt = _get(cfg, "format", str)
+    groups = _get(cfg, "config_groups", dict)
+    if len(groups) != 1:
+        raise ValueError(f"quantization_config['config_groups'] must hold exactly one group (mixed schemes per "
+                         f"layer are not supported yet), got {sorted(groups)}")
+    (gname, group), = groups.items()
+    where = f"quantization_config['config_groups'][{gname!r}]"
+    if not isinstance(group, dict):
+        raise ValueError(f"{where} must be a dict, got {group!r}")
+    weights = _get(group, "weights", dict, where=where)
+    wwhere = where + "['weights']"
+    acts = _get(group, "input_activations", (dict, type(None)), None, where=where)
+    num_bits = _get(weights, "num_bits", int, where=wwhere)
+    kind = _get(weights, "type", str, "int", where=wwhere)
+    strategy = _get(weights, "strategy", str, where=wwhere)
+    if fmt == "pack-quantized":
+        if kind != "int" or num_bits not in (4, 8):
+            raise ValueError(f"{wwhere}: pack-quantized needs type 'int' with num_bits 4 or 8, got {kind!r}/{num_bits}")
+        if acts is not None:
+            raise ValueError(f"{where}: pack-quantized with input_activations (W{num_bits}A{acts.get('num_bits')}) "
+                             "is not supported; only weight-only")
+        group_size = {"group": lambda: _get(weights, "group_size", int, where=wwhere),
+                      "channel": lambda: None}.get(strategy)
+        if group_size is None:
+            raise ValueError(f"{wwhere}['strategy'] must be 'group' or 'channel' for pack-quantized, got {strategy!r}")
+        return bs.int_weight_only(num_bits, group_size(), symmetric=_get(weights, "symmetric", bool, True, wwhere),
+                                  layout="compressed-tensors")
+    if fmt == "float-quantized":
+        if kind != "float" or num_bits != 8:
+            raise ValueError(f"{wwhere}: float-quantized needs type 'float' with num_bits 8, got {kind!r}/{num_bits}")
+        act_strategy = None if acts is None else _get(acts, "strategy", str, where=where + "['input_activations']")
+        if strategy == "block":
+            block = tuple(_get(weights, "block_structure", (list, tuple), where=wwhere))
+            return bs.fp8_block(block, layout="compressed-tensors")
+        if strategy not in ("tensor", "channel"):
+            raise ValueError(f"{wwhere}['strategy'] must be 'tensor', 'channel' or 'block', got {strategy!r}")
+        if acts is not None and not _get(acts, "dynamic", (bool, str), True, where=where + "['input_activations']"):
+            if act_strategy != "tensor":
+                raise ValueError(f"{where}['input_activations']: static activation scales must be per tensor "
+                                 f"(strategy 'tensor'), got {act_strategy!r}")
+            static = bs.fp8_channel if strategy == "channel" else bs.fp8_tensor
+            return static(static_activations=True, layout="compressed-tensors")
+        if strategy == "channel" or act_strategy == "token":
+            return bs.fp8_channel(layout="compressed-tensors", weight_only=acts is None)
+        return bs.fp8_tensor(layout="compressed-tensors", weight_only=acts is None)
+    if fmt == "nvfp4-pack-quantized":
+        _nvfp4_group(_get(weights, "group_size", int, 16, where=wwhere), wwhere)
+        return bs.nvfp4(convention="compressed-tensors")
+    raise ValueError(f"quantization_config['format'] {fmt!r} is not supported; expected 'pack-quantized', "
+                     "'float-quantized' or 'nvfp4-pack-quantized'")
+
+
+def _modelopt(cfg: dict) -> Scheme:
+    inner = cfg.get("quantization", cfg)
+    if not isinstance(inner, dict):
+        raise ValueError(f"quantization_config['quantization'] must be a dict, got {inner!r}")
+    algo = _get(inner, "quant_algo", str)
+    if algo.upper() == "FP8":
+        return bs.fp8_tensor(static_activations=True, layout="modelopt")
+    if algo.upper() == "NVFP4":
+        where = "quantization_config['quantization']" if inner is not cfg else "quantization_config"
+        _nvfp4_group(_get(inner, "group_size", int, 16, where=where), where)
+        return bs.nvfp4(convention="modelopt")
+    raise ValueError(f"quantization_config['quant_algo'] must be 'FP8' or 'NVFP4' for modelopt, got {algo!r}")
+
+
+def _nvfp4_group(group: int, where: str) -> None:
+    if group != 16:
+        raise ValueError(f"{where}['group_size'] must be 16 for NVFP4 (one E4M3 scale per 16 values), got {group}")
+
+
+def _bitsandbytes(cfg: dict) -> Scheme:
+    if _get(cfg, "load_in_8bit", bool, False):
+        raise ValueError("quantization_config: bitsandbytes 8-bit (LLM.int8) is not supported; use load_in_4bit")
+    if not _get(cfg, "load_in_4bit", bool, True):
+        raise ValueError("quantization_config: bitsandbytes config sets neither load_in_4bit nor load_in_8bit")
+    qtype = _get(cfg, "bnb_4bit_quant_type", str, "fp4")
+    if qtype not in ("nf4", "fp4"):
+        raise ValueError(f"quantization_config['bnb_4bit_quant_type'] must be 'nf4' or 'fp4', got {qtype!r}")
+    return bs.bnb_4bit(qtype, double_quant=_get(cfg, "bnb_4bit_use_double_quant", bool, False))
+
+
+_METHODS = {
+    "fp8": _fp8,
+    "awq": _awq,
+    "gptq": _gptq,
+    "compressed-tensors": _compressed_tensors,
+    "compressed_tensors": _compressed_tensors,
+    "modelopt": _modelopt,
+    "mxfp4": lambda cfg: bs.mxfp4(),
+    "bitsandbytes": _bitsandbytes,
+}
+
+
+def _method(quantization_config: dict) -> str:
+    if not isinstance(quantization_config, dict):
+        raise TypeError(f"quantization_config must be a dict, got {type(quantization_config).__name__}")
+    if "quantization_config" in quantization_config:
+        raise ValueError("this looks like a whole config.json (it has a 'quantization_config' key); pass "
+                         "config['quantization_config'] instead")
+    method = quantization_config.get("quant_method")
+    if method is None and ("model_type" in quantization_config or "architectures" in quantization_config):
+        raise ValueError("this looks like a config.json without a 'quantization_config' entry (it has "
+                         "'model_type'/'architectures'): the model is not quantized; pass "
+                         "config['quantization_config'] of a quantized model")
+    if method is None and "quantization" in quantization_config:
+        method = "modelopt"  # hf_quant_config.json carries no quant_method
+    if not isinstance(method, str):
+        raise ValueError(f"quantization_config needs a 'quant_method' string, got {method!r}")
+    if method.lower() not in _METHODS:
+        raise ValueError(f"quant_method {method!r} is not supported; supported: {sorted(set(_METHODS) - {'compressed_tensors'})}")
+    return "compressed-tensors" if method.lower() == "compressed_tensors" else method.lower()
+
+
+def scheme_from_config(quantization_config: dict) -> Scheme:
+    """The Scheme for a HF ``quantization_config`` dict (the ``config.json`` entry vLLM reads).
+
+    A whole ``config.json`` is refused with a hint to pass its ``quantization_config``.
+    """
+    return _METHODS[_method(quantization_config)](quantization_config)
+
+
+def _names(cfg: dict, key: str, where: str = "quantization_config") -> list[str]:
+    names = _get(cfg, key, (list, tuple, type(None)), None, where=where) or []
+    if not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{where}[{key!r}] must be a list of module names, got {names!r}")
+    return list(names)
+
+
+def _regex(pattern: str, key: str):
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"quantization_config[{key!r}]: {pattern!r} is not a valid regex: {e}") from e
+
+
+def _exact(names):
+    return lambda module: module in names
+
+
+def _substring(names):
+    return lambda module: any(n in module for n in names)
+
+
+def _compressed_tensors_ignore(cfg: dict):
+    # vLLM: "re:<regex>" entries by re.match (anchored at the start only), others by equality.
+    names = _names(cfg, "ignore")
+    regexes = [_regex(n[3:], "ignore") for n in names if n.startswith("re:")]
+    exact = {n for n in names if not n.startswith("re:")}
+    return lambda module: module in exact or any(r.match(module) for r in regexes)
+
+
+def _modelopt_exclude(cfg: dict):
+    # vLLM: exact name, substring (older ModelOpt lists), or a glob (fnmatch) over the module name.
+    inner = cfg.get("quantization", cfg)
+    where = "quantization_config['quantization']" if inner is not cfg else "quantization_config"
+    names = _names(inner, "exclude_modules", where) + (_names(cfg, "ignore") if inner is cfg else [])
+    return lambda module: any(n in module or fnmatch.fnmatchcase(module, n) for n in names)
+
+
+def _gptq_skip(cfg: dict):
+    # GPTQModel's per-module "dynamic" rules: "-:<regex>" (re.match) keeps a module unquantized.
+    dynamic = _get(cfg, "dynamic", (dict, type(None)), None) or {}
+    negative = [_regex(k[2:], "dynamic") for k in dynamic if isinstance(k, str) and k.startswith("-:")]
+    overrides = [k for k, v in dynamic.items() if not str(k).startswith("-:") and v]
+    if overrides:
+        raise ValueError(f"quantization_config['dynamic']: per-module overrides {overrides} (other bits or group "
+                         "sizes per module) are not supported; only '-:' exclusions are")
+    substring = _substring(_names(cfg, "modules_to_not_convert"))
+    return lambda module: substring(module) or any(r.match(module) for r in negative)
+
+
+def _bnb_skip(cfg: dict):
+    # vLLM: a skip entry equal to one dotted component of the name, or to a dotted prefix of it.
+    names = set(_names(cfg, "llm_int8_skip_modules")) | set(_names(cfg, "modules_to_not_convert"))
+
+    def skipped(module: str) -> bool:
+        parts = module.split(".")
+        return any(p in names for p in parts) or any(".".join(parts[:i]) in names for i in range(1, len(parts) + 1))
+    return skipped
+
+
+def _fp8_skip(cfg: dict):
+    # vLLM reads 'ignored_layers', else 'modules_to_not_convert', and matches whole module names.
+    return _exact(set(_names(cfg, "ignored_layers") or _names(cfg, "modules_to_not_convert")))
+
+
+def _mxfp4_skip(cfg: dict):
+    names = _names(cfg, "modules_to_not_convert")  # gpt-oss lists globs ("model.layers.*.self_attn")
+    # A listed module covers its submodules too (self_attn → self_attn.q_proj).
+    return lambda module: any(fnmatch.fnmatchcase(module, n) or fnmatch.fnmatchcase(module, n + ".*")
+                              for n in names)
+
+
+_SKIPS = {
+    "fp8": _fp8_skip,
+    "awq": lambda cfg: _substring(_names(cfg, "modules_to_not_convert")),  # vLLM: substring of the name
+    "gptq": _gptq_skip,
+    "compressed-tensors": _compressed_tensors_ignore,
+    "modelopt": _modelopt_exclude,
+    "mxfp4": _mxfp4_skip,
+    "bitsandbytes": _bnb_skip,
+}
+
+
+def skipped_modules(quantization_config: dict) -> Callable[[str], bool]:
+    """A predicate on HF module names (``model.layers.0.mlp.down_proj``, ``lm_head``): True for the
+    modules the config keeps in float, matched the way vLLM matches each format's list —
+    compressed-tensors ``ignore`` (names, ``re:`` regexes), ``modules_to_not_convert`` (AWQ: substrings;
+    fp8: whole names, or ``ignored_layers``; GPTQ: substrings, plus ``dynamic`` ``-:`` regexes;
+    mxfp4: names or globs), bitsandbytes ``llm_int8_skip_modules`` (name components or dotted
+    prefixes) and ModelOpt ``exclude_modules`` (names, substrings or globs)."""
+    return _SKIPS[_method(quantization_config)](quantization_config)

@@ -1,0 +1,34 @@
+"""Run an existing linen model with quantized Dense kernels, without changing its code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+
+from jquant.schemes.qparam import QParam
+
+
+def _dense_interceptor(next_fun, args, kwargs, context):
+    module = context.module
+    if isinstance(module, nn.Dense) and context.method_name == "__call__" and module.has_variable("params", "kernel"):
+        kernel = module.get_variable("params", "kernel")
+        if isinstance(kernel, QParam):
+            (x,) = args
+            bias = module.get_variable("params", "bias") if module.use_bias else None
+            dtype = module.dtype or x.dtype
+            return kernel.apply(x.astype(dtype), None if bias is None else bias.astype(dtype))
+    return next_fun(*args, **kwargs)
+
+
+def intercept_quantized():
+    """A context in which ``nn.Dense`` layers whose kernel is a QParam run their scheme (wrap any code that
+    traces ``model.apply``, e.g. a generation loop)."""
+    return nn.intercept_methods(_dense_interceptor)
+
+
+def quantized_apply(model: nn.Module, variables: Any, *args, **kwargs):
+    """``model.apply(variables, *args, **kwargs)`` where ``nn.Dense`` layers whose kernel is a QParam
+    (from ``quantize_params``) run their scheme instead of a float matmul."""
+    with intercept_quantized():
+        return model.apply(variables, *args, **kwargs)

@@ -1,0 +1,177 @@
+"""Saving and restoring quantized parameter trees.
+
+``save_quantized`` writes an orbax checkpoint with two items: ``arrays`` (every array leaf, QTensor
+codes and scales included, under its path) and ``structure`` (JSON: where the QParams / QTensors are,
+their static metadata and their schemes), so ``restore_quantized`` rebuilds the tree without a target.
+``export_safetensors`` writes the vLLM checkpoint tensors of each quantized kernel instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jquant.checkpoint import to_checkpoint
+from jquant.schemes.qparam import QParam
+from jquant.qtensor import QTensor
+from jquant.schemes.scheme import Prepared, Scheme
+
+_QT_LEAVES = ("data", "scale", "zero", "global_scale", "group_index")
+_QT_META = ("fmt", "shape", "dtype", "block", "pack_axis", "options", "k_axis")
+
+
+def _jsonable(value):
+    if isinstance(value, tuple):
+        return {"__tuple__": [_jsonable(v) for v in value]}
+    if isinstance(value, np.dtype):
+        return {"__dtype__": value.name}
+    return value
+
+
+def _from_json(value):
+    if isinstance(value, dict) and "__tuple__" in value:
+        return tuple(_from_json(v) for v in value["__tuple__"])
+    if isinstance(value, dict) and "__dtype__" in value:
+        return jnp.dtype(value["__dtype__"])
+    if isinstance(value, list):
+        return tuple(_from_json(v) for v in value)
+    return value
+
+
+def _encode_qtensor(qt: QTensor, prefix: str, arrays: dict) -> dict:
+    meta = {k: _jsonable(getattr(qt, k)) for k in _QT_META}
+    meta["leaves"] = {}
+    for name in _QT_LEAVES:
+        leaf = getattr(qt, name)
+        if isinstance(leaf, QTensor):
+            meta["leaves"][name] = {"qtensor": _encode_qtensor(leaf, f"{prefix}.{name}", arrays)}
+        elif leaf is not None:
+            arrays[f"{prefix}.{name}"] = np.asarray(leaf)
+            meta["leaves"][name] = {"array": f"{prefix}.{name}"}
+    return meta
+
+
+def _decode_qtensor(meta: dict, arrays: dict) -> QTensor:
+    kwargs = {k: _from_json(meta[k]) for k in _QT_META if k in meta}  # (older saves lack k_axis)
+    for name, ref in meta["leaves"].items():
+        kwargs[name] = _decode_qtensor(ref["qtensor"], arrays) if "qtensor" in ref else jnp.asarray(arrays[ref["array"]])
+    return QTensor(**kwargs)
+
+
+def _scheme_json(scheme: Scheme) -> dict:
+    return {f.name: _jsonable(getattr(scheme, f.name)) for f in dataclasses.fields(scheme)}
+
+
+def _path_key(path) -> str:
+    from jquant.flax.rules import path_str
+
+    return path_str(path)
+
+
+def save_quantized(directory: str | os.PathLike, params: Any) -> None:
+    """Saves a tree of arrays, QTensors and QParams (whose weights hold QTensors) with orbax."""
+    import orbax.checkpoint as ocp
+
+    arrays: dict[str, np.ndarray] = {}
+    nodes: dict[str, dict] = {}
+
+    def visit(path, leaf):
+        key = _path_key(path)
+        if isinstance(leaf, QParam):
+            nodes[key] = {"qparam": _encode_qtensor(leaf.qtensor, key, arrays), "scheme": _scheme_json(leaf.scheme)}
+            if leaf.input_scale is not None:
+                arrays[f"{key}.input_scale"] = np.asarray(leaf.input_scale)
+                nodes[key]["input_scale"] = f"{key}.input_scale"
+        elif isinstance(leaf, QTensor):
+            nodes[key] = {"qtensor": _encode_qtensor(leaf, key, arrays)}
+        else:
+            arrays[key] = np.asarray(leaf)
+            nodes[key] = {"array": key}
+        return None
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda l: isinstance(l, (QParam, QTensor)))
+    for path, leaf in flat:
+        visit(path, leaf)
+    skeleton = jax.tree_util.tree_unflatten(treedef, [_path_key(p) for p, _ in flat])
+    structure = {"nodes": nodes, "skeleton": skeleton}
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
+        ckpt.save(pathlib.Path(directory).absolute(),
+                  ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), structure=ocp.args.JsonSave(structure)))
+
+
+def restore_quantized(directory: str | os.PathLike, *, prepare: bool = True) -> Any:
+    """Rebuilds what ``save_quantized`` wrote; QParams are re-prepared for this device when ``prepare``."""
+    import orbax.checkpoint as ocp
+
+    path = pathlib.Path(directory).absolute()
+    if not path.exists():
+        raise ValueError(f"no checkpoint at {str(path)!r}")
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
+        restored = ckpt.restore(path, ocp.args.Composite(arrays=ocp.args.StandardRestore(),
+                                                         structure=ocp.args.JsonRestore()))
+    arrays, structure = restored["arrays"], restored["structure"]
+
+    def build(key):
+        node = structure["nodes"][key]
+        if "array" in node:
+            return jnp.asarray(arrays[node["array"]])
+        if "qtensor" in node:
+            return _decode_qtensor(node["qtensor"], arrays)
+        scheme = Scheme(**{k: _from_json(v) for k, v in node["scheme"].items()})
+        qt = _decode_qtensor(node["qparam"], arrays)
+        input_scale = jnp.asarray(arrays[node["input_scale"]]) if "input_scale" in node else None
+        return QParam(scheme.process_weights_after_loading(qt) if prepare else qt, scheme, input_scale)
+
+    return _map_skeleton(structure["skeleton"], build)
+
+
+def _map_skeleton(node, fn: Callable[[str], Any]):
+    if isinstance(node, dict):
+        return {k: _map_skeleton(v, fn) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_map_skeleton(v, fn) for v in node]
+    return fn(node)
+
+
+def export_safetensors(params: Any, path: str | os.PathLike, *, name_map: Callable[[str], str] | None = None,
+                       layout: str | None = None, **layout_options) -> dict[str, np.ndarray]:
+    """Writes each quantized kernel's checkpoint tensors (``to_checkpoint`` in its scheme's layout, or
+    ``layout``) and every float leaf into one safetensors file; returns the tensors written.
+
+    ``name_map`` turns a kernel's module path (``layers_0/q_proj``) into the checkpoint prefix
+    (``model.layers.0.self_attn.q_proj``); the default joins the path with dots. Float leaves keep their
+    Flax orientation and names.
+    """
+    from jquant.checkpoint.safetensors_file import save_file
+
+    name_map = name_map or (lambda p: p.replace("/", "."))
+    tensors: dict[str, np.ndarray] = {}
+    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda l: isinstance(l, (QParam, QTensor)))
+    for p, leaf in flat:
+        key = _path_key(p)
+        if isinstance(leaf, QParam):
+            module = key.rsplit("/", 1)[0]
+            lay = layout or leaf.scheme.checkpoint_layout
+            if lay is None:
+                raise ValueError(f"parameter {key!r}: scheme {leaf.scheme.name!r} names no checkpoint layout; "
+                                 "pass layout=")
+            opts = dict(leaf.scheme.layout_options) | layout_options
+            if leaf.input_scale is not None:
+                opts["input_scale"] = np.asarray(leaf.input_scale)
+            for name, t in to_checkpoint(leaf.qtensor, lay, **opts).items():
+                tensors[f"{name_map(module)}.{name}"] = np.asarray(t, order="C")  # keeps 0-d scales 0-d
+        elif isinstance(leaf, QTensor):
+            raise ValueError(f"parameter {key!r} is a bare QTensor; wrap it in a QParam to export it")
+        elif isinstance(leaf, Prepared):
+            raise ValueError(f"parameter {key!r} holds a kernel layout; export the QTensor")
+        else:
+            tensors[name_map(key)] = np.ascontiguousarray(np.asarray(leaf))
+    save_file(tensors, str(path), metadata={"format": "np", "producer": "jquant"})
+    return tensors

@@ -1,0 +1,149 @@
+"""``quantize_params``: replace Dense kernels in a parameter tree by QParams, chosen by path rules.
+
+Paths are the tree's keys joined by ``/`` (``layers_3/q_proj/kernel``; NNX: ``layers/3/q_proj/kernel``).
+Rules are tried in order and the first whose regex fully matches a path wins (as in qwix); a rule whose
+scheme is None keeps that path in float. Only 2-D ``kernel`` leaves are candidates, so embeddings, norms
+and biases stay in float unless a model names an embedding ``kernel``; ``skip`` patterns (default:
+anything with ``embed`` in its path) and predicates (e.g. a checkpoint config's ignore list,
+``jquant.checkpoint.hf_checkpoint.skip_from_config``) are never quantized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jquant.schemes.qparam import QParam
+from jquant.qtensor import QTensor
+from jquant.schemes.scheme import Scheme, get_scheme
+
+DEFAULT_SKIP = (r".*embed.*",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    pattern: str
+    scheme: str | Scheme | None
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeReport:
+    quantized: dict[str, str]  # path → scheme name
+    kept: tuple[str, ...]  # candidate kernels left in float
+    unused_rules: tuple[str, ...]  # patterns that matched no path
+
+
+def _as_rules(rules) -> tuple[Rule, ...]:
+    if isinstance(rules, (str, Scheme)):
+        return (Rule(r".*kernel", rules),)
+    out = []
+    for r in rules:
+        if isinstance(r, Rule):
+            out.append(r)
+        elif isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], str):
+            out.append(Rule(r[0], r[1]))
+        else:
+            raise TypeError(f"each rule must be a Rule or a (regex, scheme) pair, got {r!r}")
+    for r in out:
+        try:
+            re.compile(r.pattern)
+        except re.error as e:
+            raise ValueError(f"rule pattern {r.pattern!r} is not a valid regex: {e}") from e
+        if r.scheme is not None:
+            get_scheme(r.scheme)  # fail early on unknown names
+    return tuple(out)
+
+
+def _key_name(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def path_str(path) -> str:
+    return "/".join(_key_name(k) for k in path)
+
+
+def _is_leaf(x) -> bool:
+    return isinstance(x, (QParam, QTensor))
+
+
+def _check_skip(skip) -> tuple:
+    if isinstance(skip, str) or callable(skip):
+        skip = (skip,)
+    for s in skip:
+        if not (isinstance(s, str) or callable(s)):
+            raise TypeError(f"each skip entry must be a regex or a predicate on paths, got {s!r}")
+    return tuple(skip)
+
+
+def _skipped(skip: tuple, name: str) -> bool:
+    return any(s(name) if callable(s) else re.fullmatch(s, name) for s in skip)
+
+
+def quantize_params(params: Any, rules: str | Scheme | Sequence, *,
+                    skip: Sequence[str | Callable[[str], bool]] = DEFAULT_SKIP, prepare: bool = True,
+                    strict: bool = True):
+    """Returns ``(quantized_params, report)``.
+
+    Args:
+      params: a linen params dict or an NNX ``State`` (from ``nnx.split``); float kernels ``[K, N]``.
+      rules: a scheme name / Scheme (every candidate kernel), or a sequence of ``(regex, scheme)`` pairs /
+        ``Rule``s, first match wins; scheme None keeps a path in float.
+      skip: regexes (full match) or predicates of paths never quantized (default: embeddings); add
+        ``skip_from_config(quantization_config)`` to keep a config's ignored modules in float.
+      prepare: lay weights out for this device's kernels (``process_weights_after_loading``); False keeps
+        plain QTensors (for export and inspection).
+      strict: raise when a rule matches no path (else it is only reported).
+    """
+    rules = _as_rules(rules)
+    skip = _check_skip(skip)
+    used: set[int] = set()
+    quantized: dict[str, str] = {}
+    kept: list[str] = []
+
+    def visit(path, leaf):
+        name = path_str(path)
+        candidate = (hasattr(leaf, "ndim") and leaf.ndim == 2 and name.split("/")[-1] == "kernel"
+                     and jnp.issubdtype(leaf.dtype, jnp.floating))
+        if not candidate or _skipped(skip, name):
+            return leaf
+        for i, rule in enumerate(rules):
+            if re.fullmatch(rule.pattern, name):
+                used.add(i)
+                if rule.scheme is None:
+                    kept.append(name)
+                    return leaf
+                scheme = get_scheme(rule.scheme)
+                try:
+                    qw = scheme.quantize_kernel(leaf)
+                except (ValueError, TypeError) as e:
+                    raise ValueError(f"parameter {name!r} (shape {tuple(leaf.shape)}) cannot be quantized "
+                                     f"with scheme {scheme.name!r}: {e}") from e
+                quantized[name] = scheme.name
+                return QParam(scheme.process_weights_after_loading(qw) if prepare else qw, scheme)
+        kept.append(name)
+        return leaf
+
+    out = jax.tree_util.tree_map_with_path(visit, params, is_leaf=_is_leaf)
+    unused = tuple(r.pattern for i, r in enumerate(rules) if i not in used)
+    if unused and strict:
+        raise ValueError(f"quantization rule(s) {list(unused)} matched no parameter path; candidate kernels "
+                         f"were {sorted(quantized) + sorted(kept)}")
+    return out, QuantizeReport(quantized, tuple(kept), unused)
+
+
+def prepare_params(params: Any) -> Any:
+    """Lays every QParam's QTensor out for this device's kernels (``quantize_params(prepare=True)`` does
+    this itself; use it after inspecting or exporting ``prepare=False`` params)."""
+    def prepare(leaf):
+        if isinstance(leaf, QParam) and isinstance(leaf.weight, QTensor):
+            return QParam(leaf.scheme.process_weights_after_loading(leaf.weight), leaf.scheme, leaf.input_scale)
+        return leaf
+
+    return jax.tree.map(prepare, params, is_leaf=_is_leaf)

@@ -1,0 +1,145 @@
+"""``w4a16_matmul``: ``x @ W`` for a 4-bit weight laid out by ``prepack_nk``, dispatched by M and
+device.
+
+Implementations (``impl``):
+* ``"mgpu"``: the Mosaic GPU kernel (Hopper), every M up to ``MGPU_MAX_M``.
+* ``"pallas"``: the kernel, nothing else (an error where no Hopper GPU can run it).
+* ``"xla"``: dequantize to ``x``'s dtype, then ``jnp.dot`` with fp32 accumulation (XLA/cuBLAS).
+* ``"reference"``: dequantize in fp32, fp32 dot (the exact twin; slow on GPUs).
+* ``"auto"``: on Hopper, ``mgpu`` up to ``MGPU_MAX_M`` rows (``MGPU_MAX_M_SMALL_WEIGHT`` for
+  weights under 8192×8192), else xla; xla on other GPUs; reference on CPU. With
+  ``interpret=True`` the kernel runs on any device.
+
+Forcing ``"mgpu"`` where no Hopper GPU can run it warns once and runs the XLA path (the reference
+on CPU). The kernel's modules (Mosaic GPU's Pallas backend) are imported on the first call that
+runs it, not with this module.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from jquant.schemes.dispatch import compute_capability, has_wgmma
+from jquant.kernels.w4a16.layout import PackedW4NK, reference_nk
+from jquant.kernels.w4a16.config import MgpuConfig
+from jquant.qtensor import QTensor
+
+IMPLS = ("auto", "pallas", "mgpu", "xla", "reference")
+# Above these M, "auto" runs XLA: the kernel decodes W once per 128 rows of x. On the H200 it beat
+# XLA dequant + dot up to M = 1024 for weights of 8192×8192 and up (917 vs 1371 µs at 28672×8192)
+# but not for 4096×4096 (131 vs 104 µs) or SmolLM2's 1536×576 past M = 128
+# (docs/design/w4a16.md, "Launch heuristic").
+MGPU_MAX_M = 1024
+MGPU_MAX_M_SMALL_WEIGHT = 128
+MGPU_LARGE_WEIGHT = 8192 * 8192
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def resolve_impl(impl: str, m: int, interpret: bool = False,
+                 weight_elems: int = MGPU_LARGE_WEIGHT) -> str:
+    """The implementation ``w4a16_matmul`` runs for ``impl`` at ``m`` rows on the default device,
+    for a weight of ``weight_elems`` = N·K weights."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl in ("xla", "reference"):
+        return impl
+    if interpret:
+        return "mgpu"
+    cc = compute_capability()  # 0 off NVIDIA GPUs
+    if impl == "auto":
+        if cc == 0:
+            return "reference"
+        max_m = MGPU_MAX_M if weight_elems >= MGPU_LARGE_WEIGHT else MGPU_MAX_M_SMALL_WEIGHT
+        return "mgpu" if has_wgmma(cc) and m <= max_m else "xla"
+    if not has_wgmma(cc):
+        where = jax.devices()[0].platform if cc == 0 else f"compute capability {cc}"
+        if impl == "pallas":
+            raise ValueError(f"impl='pallas' needs a Hopper GPU (sm_90), not {where}; pass "
+                             "interpret=True to run the kernel in interpret mode")
+        _warn_once(f"mgpu{cc}", f"impl='mgpu' cannot run on {where}; using the XLA path instead")
+        return "reference" if cc == 0 else "xla"
+    return "mgpu"
+
+
+def w4a16_matmul(x, packed: PackedW4NK | QTensor, *, bias=None, impl: str = "auto",
+                 config: MgpuConfig | None = None, interpret: bool = False):
+    """``x`` ``[..., K]`` (bf16 / fp16 / fp32) contracted with a 4-bit weight's K axis; fp32
+    accumulation, result ``[..., N]`` in ``x``'s dtype. ``bias`` is an optional ``[N]`` vector.
+
+    The weight is a ``PackedW4NK``, whose K axis is that of the ``[K, N]`` codes it was packed
+    from (``x @ W`` for those codes; a scheme's prepared weight holds its ``[N, K]`` QTensor's
+    codes transposed, so this is ``Scheme.apply``'s ``x @ W.T``), or a 4-bit ``[N, K]`` QTensor
+    recording ``k_axis=1`` (``x @ W.T``), laid out for the kernel on every call
+    (``Scheme.process_weights_after_loading`` lays it out once); any other ``k_axis`` is refused.
+
+    ``config`` overrides the kernel's launch (an ``MgpuConfig``); ``interpret`` runs the kernel in
+    Pallas interpret mode (any device; every never-written output element is NaN there).
+    """
+    if isinstance(packed, QTensor):
+        packed = _pack_qtensor(packed)
+    if not isinstance(packed, PackedW4NK):
+        raise TypeError("packed must be a PackedW4NK (prepack_nk) or a 4-bit QTensor, got "
+                        f"{type(packed).__name__}")
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize not in (2, 4):
+        raise TypeError(f"x must be bf16, fp16 or fp32, got {x.dtype} (shape {tuple(x.shape)})")
+    if x.ndim < 1 or x.shape[-1] != packed.k or x.size == 0:
+        raise ValueError(f"x has shape {tuple(x.shape)}; expected [..., K={packed.k}], non-empty")
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (packed.n,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({packed.n},)")
+    if config is not None and not isinstance(config, MgpuConfig):
+        raise TypeError(f"config for the Mosaic GPU kernel must be an MgpuConfig, got "
+                        f"{type(config).__name__}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, packed.k)
+    return _matmul(x2, packed, bias, impl, config, interpret).reshape(*lead, packed.n)
+
+
+def _pack_qtensor(qt: QTensor) -> PackedW4NK:
+    # Imported here: scheme_impl imports this module.
+    from jquant.kernels.w4a16.from_qtensor import prepack_for_kernels, unified_w4
+
+    if qt.ndim != 2 or qt.k_axis != 1:
+        raise ValueError(f"w4a16_matmul takes a QTensor weight [N, K] with k_axis=1 (x @ W.T); this "
+                         f"{qt.fmt} QTensor of shape {qt.shape} records k_axis={qt.k_axis}: quantize the "
+                         "[N, K] weight along axis 1 (Scheme.quantize_weight), or use jquant.qdot")
+    args = unified_w4(qt)
+    packed = None if args is None else prepack_for_kernels(args)
+    if packed is None:
+        raise ValueError(f"w4a16_matmul: a {qt.fmt} QTensor with shape {qt.shape} and block {qt.block} has "
+                         "no 4-bit kernel layout (4-bit codes in groups of 16, 32 or 64·j along K, or per "
+                         "channel); use Scheme.apply or jquant.qdot")
+    return packed
+
+
+def _matmul(x2, packed: PackedW4NK, bias, impl, config, interpret):
+    kind = resolve_impl(impl, x2.shape[0], interpret, weight_elems=packed.n * packed.k)
+    if kind == "mgpu" and x2.dtype == jnp.float32:
+        if impl == "auto":   # the kernel's wgmma takes 16-bit x; fp32 x keeps full precision in XLA
+            kind = "reference" if compute_capability() == 0 else "xla"
+        else:
+            raise TypeError(f"impl={impl!r} runs the Mosaic GPU kernel, which takes bf16 or fp16 x; "
+                            f"got float32 x of shape {tuple(x2.shape)} (cast it, or use impl='auto')")
+    if kind == "reference":
+        return reference_nk(x2, packed, bias)
+    if kind == "xla":
+        # XLA:CPU cannot always run a bf16 × bf16 → f32 dot; there the operands go to f32 first.
+        dtype = jnp.float32 if jax.devices()[0].platform == "cpu" else x2.dtype
+        return reference_nk(x2, packed, bias, dtype)
+    # Imported here: Mosaic GPU's Pallas backend took ~0.3 s of `import jquant`'s ~1.3 s on a
+    # 2-core CPU host (python -X importtime), and only a kernel call needs it.
+    from jquant.kernels.w4a16.mosaic_gpu import w4a16_mgpu_matmul
+
+    return w4a16_mgpu_matmul(x2, packed, bias, config=config, interpret=interpret)

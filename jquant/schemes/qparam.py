@@ -1,0 +1,43 @@
+"""QParam: a quantized weight together with the scheme that applies it (a pytree leaf group)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jquant.qtensor import QTensor
+from jquant.schemes.scheme import Prepared, Scheme
+
+
+@dataclasses.dataclass(frozen=True)
+class QParam:
+    """A Dense kernel quantized under ``scheme``.
+
+    ``weight`` is the scheme's prepared weight (``[N, K]``, laid out for its kernel) or the plain QTensor;
+    ``scheme`` is static, so a jitted forward specialises on it. ``input_scale`` is the calibrated
+    per-tensor activation scale of a static scheme (a checkpoint's ``input_scale``, a 0-d fp32 array
+    leaf, so it jits and saves with the weight); None for every other scheme.
+    """
+
+    weight: Prepared | QTensor
+    scheme: Scheme
+    input_scale: jax.Array | None = None
+
+    @property
+    def qtensor(self) -> QTensor:
+        """The weight as a QTensor (the XLA layout keeps it as is)."""
+        w = self.weight
+        if isinstance(w, Prepared):
+            if not isinstance(w.data, QTensor):
+                raise ValueError(f"QParam of scheme {self.scheme.name!r} holds a {w.impl!r} kernel layout, "
+                                 "not a QTensor; keep the QTensor (prepare=False) to export it")
+            return w.data
+        return w
+
+    def apply(self, x: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+        """``x @ kernel + bias`` where kernel is the Flax ``[K, N]`` matrix this QParam replaced."""
+        return self.scheme.apply(x, self.weight, bias, input_scale=self.input_scale)
+
+
+jax.tree_util.register_dataclass(QParam, data_fields=["weight", "input_scale"], meta_fields=["scheme"])

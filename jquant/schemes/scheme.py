@@ -1,0 +1,215 @@
+"""Quantization schemes: what to quantize a weight to, how to lay it out for a kernel, how to apply it.
+
+The lifecycle follows vLLM's, without its class hierarchy:
+
+1. ``scheme.quantize_weight(w)`` (online quantization) or ``from_checkpoint`` (a quantized checkpoint)
+   gives a QTensor in PyTorch orientation ``[N, K]``, quantized along K;
+2. ``scheme.process_weights_after_loading(qw)`` re-lays it once for the best implementation this device
+   has (a Pallas kernel's tile layout, or the QTensor itself for the XLA reference);
+3. ``scheme.apply(x, prepared, bias)`` computes ``x @ W.T + bias``; the implementation picks its own path
+   by the batch size M.
+
+Implementations register with ``register_impl``; the best one a device supports lays the weight out,
+unless its ``prepare`` declines that weight (returns None), and the XLA reference (dequantize + dot,
+or XLA's native FP8 dot) serves every scheme on every device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jquant.schemes import dispatch as device_lib
+from jquant.formats import quantize
+from jquant.qtensor import QTensor
+
+ACTIVATION_MODES = ("none", "dynamic_per_tensor", "dynamic_per_token", "dynamic_per_token_group", "static")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """A quantization scheme (hashable, static under jit).
+
+    Attributes:
+      name: registry name.
+      weight_format: QTensor format of the weight (a ``jquant.formats.formats()`` name).
+      weight_options: static options passed to ``quantize`` (group_size, symmetric, ...).
+      activation: how activations are quantized before the GEMM (see ACTIVATION_MODES).
+      activation_options: options of the activation quantizer (group size, ue8m0, fp8 dtype).
+      min_capability: minimum CUDA capability for the fast path (0: anywhere); below it the XLA
+        reference runs.
+      checkpoint_layout: the ``to_checkpoint`` layout vLLM checkpoints of this scheme use.
+      layout_options: options for that layout (``checkpoint_format="gptq_v2"``, ...).
+    """
+
+    name: str
+    weight_format: str
+    weight_options: tuple[tuple[str, Any], ...] = ()
+    activation: str = "none"
+    activation_options: tuple[tuple[str, Any], ...] = ()
+    min_capability: int = 0
+    checkpoint_layout: str | None = None
+    layout_options: tuple[tuple[str, Any], ...] = ()
+    description: str = ""
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATION_MODES:
+            raise ValueError(f"activation must be one of {ACTIVATION_MODES}, got {self.activation!r}")
+        for field in ("weight_options", "activation_options", "layout_options"):
+            object.__setattr__(self, field, tuple(sorted(dict(getattr(self, field)).items())))
+
+    @property
+    def weight_only(self) -> bool:
+        return self.activation == "none"
+
+    def quantize_weight(self, w: jax.Array) -> QTensor:
+        """Quantizes a float weight ``[N, K]`` (out_features, in_features) along K."""
+        if getattr(w, "ndim", None) != 2:
+            raise ValueError(f"scheme {self.name!r}: weight must be 2-D [N, K], got shape "
+                             f"{tuple(getattr(w, 'shape', ()))}")
+        group = dict(self.activation_options).get("group_size")
+        if self.activation == "dynamic_per_token_group" and w.shape[1] % group:
+            raise ValueError(f"scheme {self.name!r} quantizes activations in groups of {group} along K, but the "
+                             f"weight {tuple(w.shape)} has K={w.shape[1]}, not a multiple of {group}")
+        qw = quantize(w, self.weight_format, axis=1, **dict(self.weight_options))
+        return qw if qw.k_axis is not None else qw.replace(k_axis=1)  # (per-tensor, 2-D tiles)
+
+    def quantize_kernel(self, kernel: jax.Array) -> QTensor:
+        """Quantizes a Flax kernel ``[K, N]`` (stored transposed, as ``quantize_weight`` does)."""
+        if getattr(kernel, "ndim", None) != 2:
+            raise ValueError(f"scheme {self.name!r}: kernel must be 2-D [K, N], got shape "
+                             f"{tuple(getattr(kernel, 'shape', ()))}")
+        return self.quantize_weight(jnp.asarray(kernel).T)
+
+    def process_weights_after_loading(self, qweight: QTensor, device: jax.Device | None = None) -> "Prepared":
+        """Re-lays ``qweight`` once for the best implementation available on ``device``."""
+        _check_weight(self, qweight)
+        for impl in candidate_impls(self, device):
+            data = impl.prepare(self, qweight)
+            if data is not None:  # None: this implementation cannot take this particular weight
+                return Prepared(data=data, impl=impl.name, shape=qweight.shape)
+        raise AssertionError("the XLA implementation takes every weight")
+
+    def apply(self, x: jax.Array, weight: "Prepared | QTensor", bias: jax.Array | None = None, *,
+              input_scale: jax.Array | None = None) -> jax.Array:
+        """``x @ W.T + bias`` for ``x [..., K]`` (bf16, fp16 or fp32) and a prepared (or plain QTensor)
+        weight ``[N, K]``.
+
+        ``input_scale`` is the calibrated activation scale of a static scheme (a checkpoint's per-weight
+        ``input_scale``; QParam passes its own); without it a static scheme uses its ``input_scale`` option.
+        """
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize < 2:
+            # Integer codes would enter the dot as they are (and come back as zeros or garbage).
+            raise TypeError(f"scheme {self.name!r}: activations x must be bfloat16, float16 or float32, got "
+                            f"{dtype}; cast them first (x.astype(jnp.bfloat16))")
+        if isinstance(weight, QTensor):
+            _check_weight(self, weight)
+            weight = Prepared(data=weight, impl="xla", shape=weight.shape)
+        if not isinstance(weight, Prepared):
+            raise TypeError(f"weight must be a Prepared or QTensor, got {type(weight).__name__}")
+        if x.shape[-1] != weight.shape[1]:
+            raise ValueError(f"scheme {self.name!r}: x has shape {tuple(x.shape)} but the weight expects "
+                             f"K={weight.shape[1]} (weight shape {weight.shape})")
+        if bias is not None and bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        if self.activation != "static":
+            return _IMPLS[weight.impl].run(self, x, weight.data, bias)
+        if input_scale is None:
+            if "input_scale" not in dict(self.activation_options):
+                raise ValueError(f"scheme {self.name!r} quantizes activations with a static scale: pass "
+                                 "input_scale= (a checkpoint's per-weight input_scale), or use a QParam that "
+                                 "carries one (load_hf_checkpoint does)")
+            input_scale = dict(self.activation_options)["input_scale"]
+        input_scale = jnp.asarray(input_scale)
+        if input_scale.size != 1 or not jnp.issubdtype(input_scale.dtype, jnp.floating):
+            raise ValueError(f"scheme {self.name!r}: input_scale must be one float (per tensor), got "
+                             f"{input_scale.dtype} with shape {tuple(input_scale.shape)}")
+        return _IMPLS[weight.impl].run(self, x, weight.data, bias, input_scale=input_scale.reshape(()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A weight laid out for one implementation (a pytree; ``impl`` and ``shape`` are static)."""
+
+    data: Any
+    impl: str = "xla"
+    shape: tuple[int, ...] = ()
+
+
+jax.tree_util.register_dataclass(Prepared, data_fields=["data"], meta_fields=["impl", "shape"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    """An implementation of ``apply`` for the schemes it ``supports`` on a device capability.
+
+    ``run(scheme, x, data, bias)``; for schemes with static activations ``apply`` also passes
+    ``input_scale=`` (a 0-d fp32 array), so an implementation that supports them takes that keyword.
+    """
+
+    name: str
+    supports: Callable[[Scheme, int, str], bool]
+    prepare: Callable[[Scheme, QTensor], Any]
+    run: Callable[[Scheme, jax.Array, Any, jax.Array | None], jax.Array]
+    priority: int = 0
+
+
+_IMPLS: dict[str, Impl] = {}
+_SCHEMES: dict[str, Scheme] = {}
+_WARNED: set[str] = set()
+
+
+def register_impl(impl: Impl) -> None:
+    _IMPLS[impl.name] = impl
+
+
+def candidate_impls(scheme: Scheme, device: jax.Device | None = None) -> list[Impl]:
+    """Implementations that can run ``scheme`` on ``device``, best first (the XLA reference last)."""
+    cap = device_lib.compute_capability(device)
+    plat = device_lib.platform(device)
+    usable = sorted((i for i in _IMPLS.values() if i.supports(scheme, cap, plat)), key=lambda i: -i.priority)
+    if usable[0].name == "xla" and plat == "gpu" and cap < scheme.min_capability and scheme.name not in _WARNED:
+        _WARNED.add(scheme.name)
+        warnings.warn(f"scheme {scheme.name!r} needs compute capability {scheme.min_capability} for its fast "
+                      f"path; this device has {cap}: using the XLA reference", stacklevel=3)
+    return usable
+
+
+def register_scheme(scheme: Scheme, *, overwrite: bool = False) -> Scheme:
+    if not isinstance(scheme, Scheme):
+        raise TypeError(f"register_scheme expects a Scheme, got {type(scheme).__name__}")
+    if scheme.name in _SCHEMES and not overwrite:
+        raise ValueError(f"scheme {scheme.name!r} is already registered (pass overwrite=True to replace it)")
+    _SCHEMES[scheme.name] = scheme
+    return scheme
+
+
+def get_scheme(name: str | Scheme) -> Scheme:
+    if isinstance(name, Scheme):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"scheme name must be a str, got {type(name).__name__}")
+    if name not in _SCHEMES:
+        raise ValueError(f"unknown scheme {name!r}; registered schemes: {schemes()}")
+    return _SCHEMES[name]
+
+
+def schemes() -> tuple[str, ...]:
+    return tuple(sorted(_SCHEMES))
+
+
+def _check_weight(scheme: Scheme, qweight: QTensor) -> None:
+    if not isinstance(qweight, QTensor):
+        raise TypeError(f"scheme {scheme.name!r}: weight must be a QTensor, got {type(qweight).__name__}")
+    if qweight.fmt != scheme.weight_format or qweight.ndim != 2:
+        raise ValueError(f"scheme {scheme.name!r} expects a 2-D {scheme.weight_format!r} weight, got "
+                         f"fmt={qweight.fmt!r} with shape {qweight.shape}")
+    if qweight.k_axis not in (None, 1):
+        raise ValueError(f"scheme {scheme.name!r} takes weights [N, K] with K on axis 1; this {qweight.shape} "
+                         f"QTensor records K on axis {qweight.k_axis} (a [K, N] kernel): quantize W.T, or "
+                         "use scheme.quantize_kernel for a Flax kernel")

@@ -1,0 +1,80 @@
+"""The XLA implementation of ``Scheme.apply``: runs everywhere, and is the twin kernels are checked against.
+
+Weight-only schemes dequantize and dot (XLA materialises the float weight: correct, not fast). W8A8 FP8
+schemes use XLA's native FP8 dot with per-row/per-column scales where the GPU has FP8 tensor cores
+(it lowers to cuBLASLt's f8 GEMM), and dequantize both operands elsewhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jquant.formats import fp8 as fp8_format
+from jquant.qtensor import QTensor
+from jquant.schemes.scheme import Impl, Scheme, register_impl
+
+FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
+
+
+def quantize_activation(scheme: Scheme, x: jax.Array, input_scale: jax.Array | None = None) -> QTensor:
+    """Quantizes activations ``x [..., K]`` the way ``scheme`` says (static schemes: with ``input_scale``,
+    else the scheme's ``input_scale`` option)."""
+    opts = dict(scheme.activation_options)
+    fmt = opts.get("format", "fp8_e4m3")
+    if scheme.activation == "dynamic_per_token":
+        return fp8_format.quantize_fp8_per_token(x, fmt=fmt)
+    if scheme.activation == "dynamic_per_token_group":
+        return fp8_format.quantize_fp8_per_token_group(x, group_size=opts.get("group_size", 128),
+                                                       ue8m0=opts.get("ue8m0", False), fmt=fmt)
+    if scheme.activation == "dynamic_per_tensor":
+        return fp8_format.quantize_fp8_dynamic_per_tensor(x, fmt=fmt)
+    if scheme.activation == "static":
+        if input_scale is None and "input_scale" not in opts:
+            raise ValueError(f"scheme {scheme.name!r} has static activations but no input_scale")
+        scale = opts["input_scale"] if input_scale is None else input_scale
+        return fp8_format.quantize_fp8_static(x, jnp.asarray(scale, jnp.float32), fmt=fmt)
+    raise ValueError(f"scheme {scheme.name!r} does not quantize activations")
+
+
+def _contract_last(a: jax.Array, w: jax.Array) -> jax.Array:
+    """``a [..., K] · w [N, K]ᵀ`` accumulated in fp32."""
+    return jax.lax.dot_general(a, w, (((a.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _row_scales(qt: QTensor) -> jax.Array | None:
+    """The scale as one value per row (shape ``[rows, 1]``), if the QTensor has that granularity."""
+    if isinstance(qt.scale, QTensor) or qt.global_scale is not None or qt.zero is not None:
+        return None
+    if all(b == s for b, s in zip(qt.block[-1:], qt.shape[-1:])):
+        return jnp.broadcast_to(qt.scale.astype(jnp.float32).reshape(-1, 1), (qt.size // qt.shape[-1], 1))
+    return None
+
+
+def xla_apply(scheme: Scheme, x: jax.Array, qweight: QTensor, bias: jax.Array | None,
+              input_scale: jax.Array | None = None) -> jax.Array:
+    if scheme.weight_only:
+        y = _contract_last(x, qweight.dequantize(x.dtype))
+    else:
+        lead = x.shape[:-1]
+        xq = quantize_activation(scheme, x.reshape(-1, x.shape[-1]), input_scale)
+        xs, ws = _row_scales(xq), _row_scales(qweight)
+        native = (jax.default_backend() == "gpu" and xs is not None and ws is not None
+                  and xq.fmt in FP8_FORMATS and qweight.fmt in FP8_FORMATS)
+        if native:
+            y = _contract_last(xq.data, qweight.data) * xs * ws.T
+        else:
+            y = _contract_last(xq.dequantize(jnp.float32), qweight.dequantize(jnp.float32))
+        y = y.reshape(*lead, -1)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+register_impl(Impl(
+    name="xla",
+    supports=lambda scheme, capability, platform: True,
+    prepare=lambda scheme, qweight: qweight,
+    run=xla_apply,
+    priority=0,
+))

@@ -1,0 +1,108 @@
+"""The benchmark harness on CPU with tiny shapes (the kernels in interpret mode)."""
+
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from jquant.bench import (Timing, array_bytes, copies_for, main, roofline, spread_pct, time_fn,
+                          time_interleaved, time_steadiest)
+from jquant.kernels.w4a16 import bench as bench
+
+
+def test_time_fn_rotates_inputs_and_reports_per_call_time():
+    seen = []
+
+    def fn(a):
+        seen.append(a.shape)             # traced once per rotation program
+        return a * 2.0
+
+    args = [(jnp.ones((8,)) * i,) for i in range(3)]
+    t = time_fn(fn, args, warmup=1, reps=3, calls_per_batch=7)
+    assert t.calls_per_batch == 9        # whole rotations of 3 copies
+    assert len(t.batches_us) == 3 and t.min_us <= t.median_us and t.min_us > 0
+    assert len(seen) == 3                # one trace calls fn on each copy
+
+
+def test_time_fn_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="at least one"):
+        time_fn(lambda a: a, [])
+    with pytest.raises(ValueError, match="warmup and reps"):
+        time_fn(lambda a: a, [(jnp.ones(2),)], reps=0)
+
+
+def test_time_interleaved_runs_every_candidate_every_round():
+
+    def make(tag):
+        def fn(a):
+            return a + jnp.float32(tag)
+        return fn
+
+    cands = {"a": (make(1), [(jnp.ones(4),)]), "b": (make(2), [(jnp.ones(4),), (jnp.zeros(4),)])}
+    t = time_interleaved(cands, warmup=1, reps=4, calls_per_batch=3)
+    assert set(t) == {"a", "b"}
+    assert len(t["a"].batches_us) == 4 and len(t["b"].batches_us) == 4
+    assert t["a"].calls_per_batch == 3 and t["b"].calls_per_batch == 4   # whole rotations
+    assert all(v.min_us <= v.median_us for v in t.values())
+    with pytest.raises(ValueError, match="'b'"):
+        time_interleaved({"a": (make(1), [(jnp.ones(2),)]), "b": (make(1), [])})
+
+
+def _timing(*batches):
+    return Timing(sorted(batches)[len(batches) // 2], min(batches), tuple(batches), 1)
+
+
+def test_time_steadiest_retimes_a_noisy_cell_and_keeps_the_steadiest_attempt():
+    attempts = iter([{"k": _timing(10, 16, 11), "b": _timing(20, 21, 20)},     # 54.5 % spread
+                     {"k": _timing(10, 14, 11), "b": _timing(20, 21, 20)},     # 36.4 %
+                     {"k": _timing(10, 15, 11), "b": _timing(20, 30, 21)}])    # 47.6 %
+    times, spreads = time_steadiest(lambda: next(attempts), max_spread_pct=25, retries=2)
+    assert spreads == [54.5, 36.4, 47.6] and times["k"].batches_us == (10, 14, 11)
+    steady = iter([{"k": _timing(10, 12, 11)}, {"k": _timing(99, 99, 99)}])
+    times, spreads = time_steadiest(lambda: next(steady), max_spread_pct=25, retries=2)
+    assert spreads == [18.2] and times["k"].median_us == 11       # steady at once: no retry
+    assert spread_pct(_timing(10, 12, 11)) == 18.2
+    with pytest.raises(ValueError, match="retries and max_spread_pct must be ≥ 0"):
+        time_steadiest(lambda: {}, max_spread_pct=25, retries=-1)
+
+
+def test_copies_and_roofline():
+    # At least 1 GiB per program (the host's dispatch cost), at least twice the L2.
+    assert copies_for(117 * 2**20) == 9 and copies_for(117 * 2**20, min_bytes=0) == 2
+    assert copies_for(32 * 2**20) == 32 and copies_for(470 * 2**20) == 3
+    assert copies_for(2**20) == 64 and copies_for(2**20, max_copies=8) == 8
+    r = roofline(30.0, nbytes=int(120e6), flops=2 * 8192 * 28672, hbm_bytes_per_s=4e12)
+    assert r.tb_per_s == pytest.approx(4.0)
+    assert r.byte_floor_us == pytest.approx(30.0) and r.pct_of_byte_floor == pytest.approx(100.0)
+    assert r.tflop_per_s == pytest.approx(2 * 8192 * 28672 / 30e-6 / 1e12)
+    with pytest.raises(ValueError, match="positive"):
+        roofline(0.0, 1, 1)
+    assert array_bytes({"a": jnp.ones((4, 4), jnp.bfloat16)}, jnp.ones(3)) == 32 + 12
+
+
+def test_w4a16_run_writes_records(tmp_path):
+    records = bench.run(shapes=((128, 256),), ms=(1, 16), schemes=("int4_g128", "mxfp4", "nf4"),
+                        impls=("auto",), interpret=True, reps=1, log=lambda s: None)
+    assert [(r["scheme"], r["M"], r["op"]) for r in records] == [
+        ("int4_g128", 1, "w4a16_mgpu"), ("int4_g128", 16, "w4a16_mgpu"), ("mxfp4", 1, "w4a16_mgpu"),
+        ("nf4", 1, "w4a16_mgpu")]
+    for r in records:
+        assert r["time_us"] > 0 and set(r["baselines"]) == {"xla_bf16", "xla_dequant_dot"}
+        for key in ("N", "K", "device", "jax_version", "date", "tb_per_s", "tflop_per_s",
+                    "speedup_vs_bf16", "pct_of_byte_floor", "config"):
+            assert key in r
+        assert r["spread_pct"] >= 0 and set(r["baseline_spread_pct"]) == set(r["baselines"])
+        assert len(r["attempt_spreads_pct"]) == 1      # interpret mode never re-times
+    js, md = bench.write(records, tmp_path)
+    assert json.loads(js.read_text()) == records
+    assert md.read_text().count("\n| int4_g128 |") == 2
+    widest = max(records[0]["spread_pct"], *records[0]["baseline_spread_pct"].values())
+    assert md.read_text().splitlines()[6].endswith(f"| {widest} |")
+
+
+def test_cli_main(tmp_path):
+    rc = main(["w4a16", "--out", str(tmp_path), "--shapes", "64x128", "--ms", "1",
+               "--schemes", "int4_g128", "--interpret", "--reps", "1"])
+    assert rc == 0 and (tmp_path / "w4a16.json").exists() and (tmp_path / "w4a16.md").exists()
+    with pytest.raises(SystemExit):
+        main(["w4a16", "--shapes", "64by128"])

@@ -1,0 +1,136 @@
+"""The ``jquant`` command: help, version, argument checks, and rows for schemes that do not fit a model.
+
+``demo`` and ``ledger`` run on a one-layer Llama whose hidden size (64) no group of 128 divides, put in
+place of the SmolLM2 loader, so a scheme that fits no kernel shows up in seconds.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jquant.apps.data
+import jquant.models
+from jquant.apps import cli
+from jquant.models import LlamaConfig, LlamaForCausalLM
+
+TINY = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+                   num_kv_heads=1, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-5,
+                   max_position_embeddings=64)
+
+
+class _Tokenizer:
+    eos_id = 0
+
+    def encode(self, text):
+        return [1 + ord(c) % 63 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+@functools.cache
+def _tiny_variables():
+    ids = jnp.asarray(np.random.default_rng(0).integers(1, TINY.vocab_size, (2, 16)), jnp.int32)
+    return ids, jax.jit(LlamaForCausalLM(TINY).init)(jax.random.key(0), ids)
+
+
+def _int4_g128_error(params) -> str:
+    from jquant.checkpoint.hf_checkpoint import PROJECTIONS
+    from jquant.flax import quantize_params
+
+    with pytest.raises(ValueError) as e:
+        quantize_params(params, [(PROJECTIONS, "int4_g128")], prepare=False)
+    return str(e.value)
+
+
+@pytest.fixture
+def tiny_model(monkeypatch):
+    ids, variables = _tiny_variables()
+    monkeypatch.setattr(jquant.models, "smollm2_path", lambda: "tiny.gguf")
+    monkeypatch.setattr(jquant.models, "load_gguf", lambda path: (TINY, variables, {}))
+    monkeypatch.setattr(jquant.models, "build_tokenizer", lambda meta: _Tokenizer())
+    monkeypatch.setattr(jquant.apps.data, "eval_batches", lambda tok, seq_len, num_seqs: np.asarray(ids))
+
+
+def _exit_code(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    return e.value.code, capsys.readouterr()
+
+
+def test_help_lists_the_commands_and_exits_0(capsys):
+    code, out = _exit_code(["--help"], capsys)
+    assert code == 0 and all(name in out.out for name in ("demo", "bench", "ledger"))
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    code, out = _exit_code(["--version"], capsys)
+    assert code == 0 and out.out.strip() == f"jquant {version('jquant')}"
+
+
+@pytest.mark.parametrize("argv", [[], ["bogus"], ["--quiet", "demo"]])
+def test_no_or_unknown_command_is_a_usage_error(argv, capsys):
+    code, out = _exit_code(argv, capsys)
+    assert code == 2 and "usage: jquant" in out.err
+
+
+def test_bench_calls_itself_jquant_bench(capsys):
+    code, out = _exit_code(["bench", "--help"], capsys)
+    assert code == 0 and out.out.startswith("usage: jquant bench ") and "python -m" not in out.out
+    code, out = _exit_code(["bench", "w4a16", "--shapes", "64by128"], capsys)
+    assert code == 2 and "jquant bench w4a16: error: argument --shapes" in out.err
+    code, out = _exit_code(["bench", "w4a16", "--schemes", "int4"], capsys)
+    assert code == 2 and "jquant bench" in out.err and "int4_g128" in out.err
+
+
+def test_bench_without_a_gpu_says_so(capsys, tmp_path):
+    assert jax.default_backend() == "cpu"   # conftest: the tests run on CPU
+    rc = cli.main(["bench", "w4a16", "--out", str(tmp_path), "--shapes", "64x128", "--ms", "1"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "no GPU present" in err and "--interpret" in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_demo_rejects_unknown_schemes_before_any_work(monkeypatch, capsys):
+    def no_loading(path):
+        raise AssertionError("loaded the model before checking --schemes")
+
+    monkeypatch.setattr(jquant.models, "load_gguf", no_loading)
+    code, out = _exit_code(["demo", "--schemes", "int8_ch,bogus"], capsys)
+    assert code == 2 and "'bogus'" in out.err and "int4_g128" in out.err   # names the valid ones
+
+
+def test_demo_prints_the_full_reason_of_a_scheme_that_does_not_fit(tiny_model, capsys):
+    rc = cli.main(["demo", "--schemes", "int4_g128", "--seq-len", "16", "--num-seqs", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    reason = _int4_g128_error(_tiny_variables()[1]["params"])
+    assert "is not divisible by group_size 128" in reason and len(reason) > 90
+    assert f"{'int4_g128':<28}n/a: {reason}" in lines
+
+
+def test_ledger_shows_a_scheme_that_does_not_fit_as_na(tiny_model, capsys):
+    rc = cli.main(["ledger", "--schemes", "int4_g128,int8_ch", "--context", "64", "--budget-mib", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    assert f"{'int4_g128':<24}n/a: {_int4_g128_error(_tiny_variables()[1]['params'])}" in lines
+    int8 = next(line for line in lines if line.startswith("int8_ch")).split()
+    assert len(int8) == 10 and 8 < float(int8[7]) < 9   # a full row: bits/w of int8 codes + scales
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--budget-mib", "-1"], "argument --budget-mib: must be a positive float"),
+    (["--budget-mib", "nan"], "argument --budget-mib: must be a positive float"),
+    (["--context", "0"], "argument --context: must be a positive int"),
+    (["--batch", "-3"], "argument --batch: must be a positive int"),
+    (["--schemes", "int8_ch,int3"], "unknown schemes ['int3']"),
+])
+def test_ledger_rejects_bad_arguments(argv, match, monkeypatch, capsys):
+    monkeypatch.setattr(jquant.models, "load_gguf", lambda path: pytest.fail("loaded the model"))
+    code, out = _exit_code(["ledger", *argv], capsys)
+    assert code == 2 and match in out.err

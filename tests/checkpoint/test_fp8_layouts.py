@@ -1,0 +1,190 @@
+"""FP8 checkpoint layouts: compressed-tensors goldens, export → import identity, detection, errors."""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jquant
+from jquant.checkpoint import from_checkpoint, to_checkpoint
+from jquant.formats import fp8
+
+GOLDENS = pathlib.Path(__file__).parents[1] / "goldens"
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def weight(shape=(40, 72), seed=0, dtype=jnp.float32):
+    return (jax.random.normal(jax.random.key(seed), shape, jnp.float32) * 0.05).astype(dtype)
+
+
+def from_bits(a):
+    return a.view(ml_dtypes.bfloat16) if a.dtype == np.uint16 else a
+
+
+def assert_same_qtensor(a, b):
+    assert (a.fmt, a.shape, a.block, a.options, a.dtype) == (b.fmt, b.shape, b.block, b.options, b.dtype)
+    assert a.scale.dtype == b.scale.dtype and a.scale.shape == b.scale.shape
+    np.testing.assert_array_equal(np.asarray(a.data).view(np.uint8), np.asarray(b.data).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(a.scale).view(np.uint8), np.asarray(b.scale).view(np.uint8))
+
+
+# ---- compressed-tensors 0.20.1 goldens ---------------------------------------------------------------
+
+CT_CASES = {
+    "channel_f32": ("x_f32", {"granularity": "channel"}),
+    "tensor_f32": ("x_f32", {"granularity": "tensor"}),
+    # llm-compressor keeps scales in the weight's dtype.
+    "channel_bf16": ("x_bf16", {"granularity": "channel", "scale_dtype": jnp.bfloat16}),
+    "block128_bf16": ("x_block_bf16", {"granularity": "block", "scale_dtype": jnp.bfloat16}),
+    "block32_f32": ("x_block_f32", {"granularity": "block", "block_size": (32, 32)}),
+}
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("case", sorted(CT_CASES))
+def test_compressed_tensors_golden(case, use_jit):
+    g = np.load(GOLDENS / "compressed_tensors_fp8.npz")
+    input_name, opts = CT_CASES[case]
+
+    def quantize(x):
+        return fp8.quantize_fp8(x, **opts)
+
+    qt = (jax.jit(quantize) if use_jit else quantize)(jnp.asarray(from_bits(g[input_name])))
+    tensors = to_checkpoint(qt, "compressed-tensors")
+    assert sorted(tensors) == list(g[f"{case}_names"])
+    for name in tensors:
+        expected = g[f"{case}_{name}"]
+        expected = expected.view(E4M3) if name == "weight" else from_bits(expected)
+        assert tensors[name].dtype == expected.dtype and tensors[name].shape == expected.shape, name
+        np.testing.assert_array_equal(tensors[name].view(np.uint8), expected.view(np.uint8))
+
+
+@pytest.mark.parametrize("case", sorted(CT_CASES))
+def test_compressed_tensors_golden_imports(case):
+    g = np.load(GOLDENS / "compressed_tensors_fp8.npz")
+    tensors = {"weight": g[f"{case}_weight"].view(E4M3), "weight_scale": from_bits(g[f"{case}_weight_scale"])}
+    block_size = CT_CASES[case][1].get("block_size", (128, 128))
+    qt = from_checkpoint(tensors, "compressed-tensors", block_size=block_size)
+    assert qt.option("granularity") == CT_CASES[case][1]["granularity"]
+    scale = np.asarray(tensors["weight_scale"], np.float32)
+    if qt.option("granularity") == "block":
+        scale = np.kron(scale, np.ones(block_size, np.float32))[: qt.shape[0], : qt.shape[1]]
+    expected = tensors["weight"].astype(np.float32) * scale
+    np.testing.assert_array_equal(np.asarray(qt.dequantize(jnp.float32)), expected)
+
+
+# ---- export → import ----------------------------------------------------------------------------------
+
+ROUND_TRIPS = [
+    ("compressed-tensors", {"granularity": "tensor"}, {}),
+    ("compressed-tensors", {"granularity": "channel", "scale_dtype": jnp.bfloat16}, {}),
+    ("compressed-tensors", {"granularity": "block", "block_size": (16, 32)}, {"block_size": (16, 32)}),
+    ("modelopt", {"granularity": "tensor"}, {}),
+    ("fp8", {"granularity": "tensor"}, {}),
+    ("fp8", {"granularity": "channel"}, {}),
+    ("fp8-block", {"granularity": "block", "block_size": (16, 32)}, {"block_size": (16, 32)}),
+    ("fp8-block", {"granularity": "block", "block_size": (16, 32), "ue8m0": True}, {"block_size": (16, 32)}),
+]
+
+
+@pytest.mark.parametrize("layout, opts, meta", ROUND_TRIPS,
+                         ids=[f"{layout}-{opts['granularity']}-{i}" for i, (layout, opts, _) in enumerate(ROUND_TRIPS)])
+def test_export_import_is_identical(layout, opts, meta):
+    qt = fp8.quantize_fp8(weight(), **opts)
+    tensors = to_checkpoint(qt, layout, input_scale=0.25) if layout != "fp8-block" else to_checkpoint(qt, layout)
+    assert tensors["weight"].dtype == E4M3 and tensors["weight"].shape == (40, 72)
+    back = from_checkpoint(tensors, layout, dtype=qt.dtype, **meta)
+    assert_same_qtensor(back, qt)
+
+
+def test_stored_shapes_and_dtypes():
+    w = weight()
+    tensor, channel = (fp8.quantize_fp8(w, granularity=g) for g in ("tensor", "channel"))
+    block = fp8.quantize_fp8(w, granularity="block")
+    ct = to_checkpoint(tensor, "compressed-tensors", input_scale=0.5)
+    assert ct["weight_scale"].shape == (1,) and ct["input_scale"].shape == (1,)
+    assert ct["input_scale"].dtype == np.float32
+    assert to_checkpoint(channel, "compressed-tensors")["weight_scale"].shape == (40, 1)
+    assert to_checkpoint(block, "compressed-tensors")["weight_scale"].shape == (1, 1)
+    modelopt = to_checkpoint(tensor, "modelopt", input_scale=0.5)
+    assert modelopt["weight_scale"].shape == () and modelopt["input_scale"].shape == ()
+    assert modelopt["weight_scale"].dtype == np.float32
+    assert to_checkpoint(channel, "fp8")["weight_scale"].shape == (40, 1)
+    ds = to_checkpoint(block, "fp8-block")
+    assert sorted(ds) == ["weight", "weight_scale_inv"] and ds["weight_scale_inv"].shape == (1, 1)
+
+
+def test_variant_detection():
+    qt = fp8.quantize_fp8(weight(), granularity="channel")
+    ct = to_checkpoint(qt, "compressed-tensors")
+    assert_same_qtensor(from_checkpoint(ct, "compressed-tensors"), qt)
+    tensor_qt = fp8.quantize_fp8(weight(), granularity="tensor")
+    modelopt = to_checkpoint(tensor_qt, "modelopt", input_scale=1.0)
+    assert_same_qtensor(from_checkpoint(modelopt, "modelopt"), tensor_qt)
+
+
+def test_imports_accept_scalar_or_one_element_scales():
+    qt = fp8.quantize_fp8(weight(), granularity="tensor")
+    tensors = to_checkpoint(qt, "fp8")
+    for shape in ((), (1,)):
+        scaled = {**tensors, "weight_scale": tensors["weight_scale"].reshape(shape)}
+        assert_same_qtensor(from_checkpoint(scaled, "fp8"), qt)
+        assert_same_qtensor(from_checkpoint(scaled, "compressed-tensors", variant="float-quantized"), qt)
+
+
+# ---- errors ----------------------------------------------------------------------------------------------
+
+def _ct_tensors():
+    return to_checkpoint(fp8.quantize_fp8(weight(), granularity="channel"), "compressed-tensors")
+
+
+@pytest.mark.parametrize("layout, tensors, match", [
+    ("compressed-tensors/float-quantized", {"weight_scale": np.ones((40, 1), np.float32)}, "missing.*weight"),
+    ("compressed-tensors/float-quantized", {**_ct_tensors(), "weight": np.ones((40, 72), np.float32)},
+     "'weight' must be float8_e4m3fn"),
+    ("compressed-tensors/float-quantized", {**_ct_tensors(), "weight_scale": np.ones((40, 2), np.float32)},
+     r"'weight_scale' has shape \(40, 2\)"),
+    ("compressed-tensors/float-quantized", {**_ct_tensors(), "weight_scale": np.ones((40, 1), np.int32)},
+     "'weight_scale' must be"),
+    ("compressed-tensors/float-quantized", {**_ct_tensors(), "input_scale": np.ones((2,), np.float32)},
+     "'input_scale'"),
+    ("compressed-tensors/float-quantized", {**_ct_tensors(), "weight_zero_point": np.ones((40, 1), np.float32)},
+     "zero_point"),
+    ("fp8", {**_ct_tensors(), "weight_scale": np.ones((40, 1), np.float16)}, "'weight_scale' must be"),
+    ("modelopt/fp8", _ct_tensors(), r"'weight_scale' has shape \(40, 1\)"),
+    ("fp8-block", {"weight": _ct_tensors()["weight"], "weight_scale_inv": np.ones((2, 2), np.float32)},
+     r"'weight_scale_inv' has shape \(2, 2\).*\[1, 1\]"),
+    ("fp8-block", _ct_tensors(), "missing.*weight_scale_inv"),
+    ("fp8", {**_ct_tensors(), "weight": _ct_tensors()["weight"][None]}, r"\[N, K\]"),
+])
+def test_import_errors_name_the_tensor(layout, tensors, match):
+    with pytest.raises(ValueError, match=match):
+        from_checkpoint(tensors, layout)
+
+
+def test_export_errors():
+    w = weight()
+    channel = fp8.quantize_fp8(w, granularity="channel")
+    with pytest.raises(ValueError, match="tensor scales"):
+        to_checkpoint(channel, "modelopt")
+    with pytest.raises(ValueError, match="block scales"):
+        to_checkpoint(channel, "fp8-block")
+    with pytest.raises(ValueError, match="cannot store"):
+        to_checkpoint(fp8.quantize_fp8(w, fmt="fp8_e5m2"), "fp8")
+    with pytest.raises(ValueError, match="block"):
+        to_checkpoint(fp8.quantize_fp8(w, granularity="channel", axis=0), "fp8")
+    with pytest.raises(ValueError, match="2-D"):
+        to_checkpoint(fp8.quantize_fp8(weight((2, 4, 8)), granularity="block", block_size=(2, 4)), "fp8-block")
+    with pytest.raises(ValueError, match="input_scale"):
+        to_checkpoint(channel, "fp8", input_scale=np.ones(3, np.float32))
+    ue8m0 = fp8.quantize_fp8(w, granularity="block", ue8m0=True, scale_dtype=jnp.float8_e8m0fnu)
+    with pytest.raises(ValueError, match="scale_dtype"):
+        to_checkpoint(ue8m0, "compressed-tensors")
+    stored = to_checkpoint(ue8m0, "fp8-block")["weight_scale_inv"]  # widened to fp32 exactly
+    assert stored.dtype == np.float32
+    np.testing.assert_array_equal(stored, np.asarray(ue8m0.scale, np.float32))
+    with pytest.raises(TypeError, match="QTensor"):
+        jquant.to_checkpoint(np.ones(3), "fp8")

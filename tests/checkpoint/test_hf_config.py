@@ -1,0 +1,189 @@
+"""scheme_from_config over vLLM's quant_method vocabulary, and its errors."""
+
+import pytest
+
+import jquant
+from jquant import scheme_from_config
+
+CASES = [
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8_e4m3", "dynamic_per_tensor", "fp8"),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, "fp8_e4m3", "static", "fp8"),
+    ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+     "fp8_e4m3", "dynamic_per_token_group", "fp8-block"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
+     "fp8_e4m3", "dynamic_per_token_group", "fp8-block"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+     "uint4", "none", "awq"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": True}, "int4", "none", "gptq"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": False, "checkpoint_format": "gptq_v2"},
+     "uint8", "none", "gptq"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                           "group_size": 128}}}}, "int4", "none", "compressed-tensors"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}},
+     "fp8_e4m3", "dynamic_per_token", "compressed-tensors"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                           "block_structure": [128, 128]},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128,
+                              "dynamic": True}}}},
+     "fp8_e4m3", "dynamic_per_token_group", "compressed-tensors"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                           "group_size": 16}}}}, "nvfp4", "none", "compressed-tensors"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "fp8_e4m3", "static", "modelopt"),
+    ({"quantization": {"quant_algo": "NVFP4", "group_size": 16}}, "nvfp4", "none", "modelopt"),
+    ({"quant_method": "mxfp4"}, "mxfp4", "none", "gpt-oss"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+      "bnb_4bit_use_double_quant": True}, "nf4", "none", "bnb"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}, "fp4_bnb", "none", "bnb"),
+]
+
+
+@pytest.mark.parametrize("config, fmt, activation, layout", CASES)
+def test_config_maps_to_scheme(config, fmt, activation, layout):
+    scheme = scheme_from_config(config)
+    assert (scheme.weight_format, scheme.activation, scheme.checkpoint_layout) == (fmt, activation, layout)
+    assert scheme.weight_format in jquant.formats()
+
+
+def test_gptq_details_carry_over():
+    s = scheme_from_config({"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": True,
+                            "sym": True, "checkpoint_format": "gptq_v2"})
+    assert dict(s.weight_options)["group_size"] == 64
+    assert dict(s.layout_options) == {"checkpoint_format": "gptq_v2", "desc_act": True}
+
+
+def test_block_fp8_ue8m0_carries_over():
+    s = scheme_from_config({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"})
+    assert dict(s.activation_options)["ue8m0"] and dict(s.weight_options)["ue8m0"]
+
+
+@pytest.mark.parametrize("config, err, match", [
+    ("fp8", TypeError, "dict"),
+    ({}, ValueError, "quant_method"),
+    ({"quant_method": "squeezellm"}, ValueError, "not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, ValueError, "weight_block_size"),
+    ({"quant_method": "fp8", "activation_scheme": "per_token"}, ValueError, "activation_scheme"),
+    ({"quant_method": "gptq", "bits": 5}, ValueError, "bits"),
+    ({"quant_method": "gptq", "bits": "4"}, ValueError, "bits"),
+    ({"quant_method": "gptq"}, ValueError, "bits"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, ValueError, "checkpoint_format"),
+    ({"quant_method": "awq", "bits": 3}, ValueError, "bits"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, ValueError, "config_groups"),
+    ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {"g": {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}, ValueError, "format"),
+    ({"quant_method": "modelopt", "quant_algo": "INT4_AWQ"}, ValueError, "quant_algo"),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True}, ValueError, "8-bit"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "int4"}, ValueError,
+     "bnb_4bit_quant_type"),
+])
+def test_malformed_configs(config, err, match):
+    with pytest.raises(err, match=match):
+        scheme_from_config(config)
+
+
+@pytest.mark.parametrize("version", ["gemm", "GEMM", "exllama", "exllamav2", "ipex"])
+def test_awq_versions_with_gemm_packing_load(version):
+    s = scheme_from_config({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                            "version": version})
+    assert s.checkpoint_layout == "awq"
+
+
+@pytest.mark.parametrize("version, match", [("gemv", "packed along K"), ("GEMV_FAST", "interleaved"),
+                                            ("marlin", "Marlin"), ("gemm_v9", "must be one of")])
+def test_awq_versions_with_other_packing_are_refused(version, match):
+    with pytest.raises(ValueError, match=rf"'version'.*{match}"):
+        scheme_from_config({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                            "version": version})
+
+
+@pytest.mark.parametrize("config", [
+    {"quantization": {"quant_algo": "NVFP4", "group_size": 32}},
+    {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 8},
+    {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                           "group_size": 32}}}},
+])
+def test_nvfp4_group_size_other_than_16_is_refused(config):
+    with pytest.raises(ValueError, match=r"'group_size'\] must be 16"):
+        scheme_from_config(config)
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+     "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}},
+    {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64},
+])
+def test_whole_config_json_gets_a_hint(config):
+    with pytest.raises(ValueError, match=r"config\['quantization_config'\]"):
+        scheme_from_config(config)
+    with pytest.raises(ValueError, match=r"config\['quantization_config'\]"):
+        jquant.checkpoint.hf_config.skipped_modules(config)
+
+
+NAMES = ["lm_head", "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+         "model.layers.1.mlp.down_proj", "model.layers.11.mlp.down_proj", "model.layers.1.mlp.up_proj"]
+CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+    "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}}
+
+
+@pytest.mark.parametrize("config, skipped", [
+    # compressed-tensors: equality, and "re:" regexes matched at the start only (re.match).
+    (dict(CT_FP8, ignore=["lm_head", "re:.*layers\\.1\\.mlp\\.down"]), {0, 3}),
+    (dict(CT_FP8, ignore=["re:layers\\.1"]), set()),  # not anchored at the start of the name
+    (dict(CT_FP8, ignore=["model.layers.1.mlp"]), set()),  # a parent name is not a match
+    # AWQ: substrings ("down_proj" hits both layers; "layers.1." does not hit "layers.11.").
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+      "modules_to_not_convert": ["down_proj", "layers.1."]}, {3, 4, 5}),
+    # fp8: whole names, from ignored_layers, else modules_to_not_convert.
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "modules_to_not_convert": ["lm_head", "down_proj"]},
+     {0}),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ["model.layers.0.self_attn.k_proj"],
+      "modules_to_not_convert": ["lm_head"]}, {2}),
+    # GPTQModel dynamic "-:" exclusions (re.match) and modules_to_not_convert substrings.
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*self_attn\\.q": {}}, "modules_to_not_convert": ["lm_"]},
+     {0, 1}),
+    # bitsandbytes: a dotted component, or a dotted prefix.
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "llm_int8_skip_modules": ["lm_head", "model.layers.1"]},
+     {0, 3, 5}),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "llm_int8_skip_modules": ["k_proj", "model.layers.1.m"]},
+     {2}),
+    # ModelOpt: exact, substring or glob, under "quantization" (hf_quant_config.json) or flat ("ignore").
+    ({"quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head", "model.layers.*.k_proj"]}}, {0, 2}),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["*down_proj"]}, {3, 4}),
+    ({"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]}, {0, 1, 2}),
+])
+def test_skipped_modules_match_like_vllm(config, skipped):
+    skip = jquant.checkpoint.hf_config.skipped_modules(config)
+    assert {i for i, n in enumerate(NAMES) if skip(n)} == skipped
+
+
+@pytest.mark.parametrize("config, match", [
+    (dict(CT_FP8, ignore="lm_head"), "'ignore'"),
+    (dict(CT_FP8, ignore=["re:("]), "valid regex"),
+    ({"quant_method": "awq", "modules_to_not_convert": [3]}, "modules_to_not_convert"),
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*down": {"bits": 8}}}, "per-module overrides"),
+])
+def test_bad_skip_lists(config, match):
+    with pytest.raises(ValueError, match=match):
+        jquant.checkpoint.hf_config.skipped_modules(config)
+
+
+def _ct_static(weight_strategy, act_strategy="tensor"):
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": weight_strategy},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": act_strategy, "dynamic": False}}}}
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel"])
+def test_compressed_tensors_static_input_keeps_the_weight_granularity(strategy):
+    s = scheme_from_config(_ct_static(strategy))
+    assert s.activation == "static" and dict(s.weight_options)["granularity"] == strategy
+
+
+def test_compressed_tensors_static_input_must_be_per_tensor():
+    with pytest.raises(ValueError, match="static activation scales must be per tensor"):
+        scheme_from_config(_ct_static("channel", "token"))
