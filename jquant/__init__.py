@@ -5,12 +5,13 @@ from jquant.formats import formats, quantize
 from jquant.checkpoint import from_checkpoint, layouts, to_checkpoint
 from jquant.ops import qdot
 from jquant.schemes.scheme import Prepared, Scheme, get_scheme, register_scheme, schemes
+from jquant.schemes.spec import ActivationSpec, LayoutSpec, WeightSpec
 from jquant.schemes import xla as _xla_reference  # noqa: F401  (registers the XLA implementation)
 from jquant.schemes import builtin as _builtin_schemes  # noqa: F401  (registers the named schemes)
 from jquant.kernels.w4a16 import from_qtensor as _pallas_impl  # noqa: F401  (registers the Hopper kernels)
 from jquant.checkpoint.hf_config import scheme_from_config
 
 __all__ = [
-    "Prepared", "QTensor", "Scheme", "dequantize", "formats", "from_checkpoint", "get_scheme", "layouts",
+    "ActivationSpec", "LayoutSpec", "Prepared", "QTensor", "Scheme", "WeightSpec", "dequantize", "formats", "from_checkpoint", "get_scheme", "layouts",
     "qdot", "quantize", "register_scheme", "scheme_from_config", "schemes", "to_checkpoint",
 ]

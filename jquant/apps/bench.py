@@ -1,7 +1,11 @@
-"""``jquant bench w4a16 --out bench/results [--shapes 28672x8192,...] [--ms 1,16] [--quick]``.
+"""``jquant bench {w4a16,attention,decode} --out bench/results/<device> [options]``.
 
-Times the Mosaic GPU W4A16 kernels against XLA on a CUDA GPU (Hopper for the kernels themselves);
-``--interpret`` runs the same plumbing on CPU in Pallas interpret mode, whose timings mean nothing.
+``w4a16`` times 4-bit weight-only schemes as a model runs them (``get_scheme → quantize_weight →
+process_weights_after_loading → apply``) against XLA; ``attention`` times paged decode attention per
+``kv_cache_dtype`` against JAX's own ``paged_attention``; ``decode`` times one donated decode step of a
+Llama-3-8B-shaped stack per weight scheme × KV dtype, with the bf16 model in the same run. All need a
+CUDA GPU (Hopper for the Mosaic GPU kernels); ``--interpret`` (w4a16) runs the same plumbing on CPU,
+whose timings mean nothing.
 """
 
 from __future__ import annotations
@@ -32,41 +36,121 @@ def build_parser() -> argparse.ArgumentParser:
     w4.add_argument("--out", default="bench/results", help="folder for w4a16.json and w4a16.md")
     w4.add_argument("--shapes", type=_shapes, default=None, help="NxK list, e.g. 28672x8192,8192x8192")
     w4.add_argument("--ms", type=_ints, default=None, help="M values, e.g. 1,16,128")
-    w4.add_argument("--schemes", default=None, help="comma list of int4_g128,mxfp4,nvfp4,nf4")
-    w4.add_argument("--impls", default="auto", help="w4a16_matmul impls to time, e.g. auto,xla")
+    w4.add_argument("--schemes", default=None,
+                    help="comma list of registered weight-only schemes (default int4_g128,mxfp4,nvfp4,nf4)")
+    w4.add_argument("--impls", default="scheme",
+                    help="what to time per cell: scheme (scheme.apply, the default) and/or w4a16_matmul "
+                         "impls for a kernel-level A/B, e.g. scheme,auto,xla")
     w4.add_argument("--quick", action="store_true", help="3 shapes and 4 M values")
     w4.add_argument("--reps", type=int, default=9)
     w4.add_argument("--max-spread", type=float, default=25.0,
                     help="re-time a cell whose widest batch spread exceeds this (%%)")
     w4.add_argument("--retries", type=int, default=2, help="re-timings of a noisy cell at most")
     w4.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode")
+
+    att = sub.add_parser("attention", help="paged decode attention per kv_cache_dtype against JAX's kernel")
+    att.add_argument("--out", default="bench/results", help="folder for attention.json and attention.md")
+    att.add_argument("--batches", type=_ints, default=(8,))
+    att.add_argument("--ctxs", type=_ints, default=(32768,))
+    att.add_argument("--kv-dtypes", default=None, help="comma list of kv_cache_dtype names")
+    att.add_argument("--page-size", type=int, default=16)
+    att.add_argument("--reps", type=int, default=9)
+    att.add_argument("--sweep", action="store_true", help="also time the launch configs of bench.SWEEP")
+
+    dec = sub.add_parser("decode", help="one decode step of a Llama-3-8B-shaped stack per weights x KV dtype")
+    dec.add_argument("--out", default="bench/results", help="folder for decode.json and decode.md")
+    dec.add_argument("--layers", type=int, default=8, help="decoder layers (Llama-3-8B has 32)")
+    dec.add_argument("--batches", type=_ints, default=(1, 16))
+    dec.add_argument("--ctxs", type=_ints, default=(1024, 8192))
+    dec.add_argument("--schemes", default="bf16,int4_g128", help="bf16 and/or registered scheme names")
+    dec.add_argument("--kv-dtypes", default="bf16,fp8", help="comma list of kv_cache_dtype names")
+    dec.add_argument("--reps", type=int, default=7)
+    dec.add_argument("--profile", default=None, metavar="DIR",
+                     help="also write a jax.profiler trace of a few steps of every cell under DIR")
     return parser
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    import jax   # imported here: keep --help fast
+    if args.bench == "w4a16":
+        return _w4a16(parser, args)
+    return _model_bench(parser, args)
+
+
+def _no_gpu(args) -> bool:
+    """True (after saying so) when there is no GPU to time and no --interpret."""
+    from jquant.schemes import dispatch   # imported here: keep --help fast
+
+    if dispatch.is_gpu() or getattr(args, "interpret", False):
+        return False
+    print(f"jquant bench: no GPU present (JAX runs on {dispatch.platform()}); the benchmark times CUDA "
+          "kernels. Run it on a machine with an NVIDIA GPU (Hopper for the Mosaic GPU kernels) and "
+          "jax[cuda12] installed" + (", or add --interpret to check the plumbing on CPU (its timings "
+                                     "mean nothing)." if args.bench == "w4a16" else "."), file=sys.stderr)
+    return True
+
+
+def _w4a16(parser, args) -> int:
     from jquant.kernels.w4a16 import bench as w4a16
 
     shapes = args.shapes or (w4a16.QUICK_SHAPES if args.quick else w4a16.SHAPES)
     ms = args.ms or (w4a16.QUICK_MS if args.quick else w4a16.MS)
-    schemes = tuple(args.schemes.split(",")) if args.schemes else tuple(w4a16.SCHEMES)
-    unknown = [s for s in schemes if s not in w4a16.SCHEMES]
+    schemes = tuple(args.schemes.split(",")) if args.schemes else w4a16.SCHEMES
+    known = w4a16.known_schemes()
+    unknown = [s for s in schemes if s not in known]
     if unknown:
-        parser.error(f"--schemes: unknown {unknown}; known: {', '.join(w4a16.SCHEMES)}")
-    backend = jax.default_backend()
-    if backend != "gpu" and not args.interpret:
-        print(f"jquant bench: no GPU present (JAX runs on {backend}); the benchmark times CUDA kernels. "
-              "Run it on a machine with an NVIDIA GPU (Hopper for the Mosaic GPU kernels) and jax[cuda12] "
-              "installed, or add --interpret to check the plumbing on CPU (its timings mean nothing).",
-              file=sys.stderr)
+        parser.error(f"--schemes: unknown {unknown}; known: {', '.join(known)}")
+    impls = tuple(args.impls.split(","))
+    bad = [i for i in impls if i != "scheme" and i not in w4a16.IMPLS]
+    if bad:
+        parser.error(f"--impls: unknown {bad}; known: scheme, {', '.join(w4a16.IMPLS)}")
+    if _no_gpu(args):
         return 1
     records = []
     for shape in shapes:   # rewrite the files after every shape: a run cut short keeps its rows
-        records += w4a16.run((shape,), ms, schemes, impls=tuple(args.impls.split(",")),
+        records += w4a16.run((shape,), ms, schemes, impls=impls,
                              interpret=args.interpret, reps=args.reps,
                              max_spread_pct=args.max_spread, retries=args.retries)
         js, md = w4a16.write(records, args.out)
+    print(f"wrote {js} and {md}")
+    return 0
+
+
+def _model_bench(parser, args) -> int:
+    """``attention`` and ``decode``: records written after every cell group, so a cut run keeps rows."""
+    from jquant.bench.records import run_meta, write_records
+    from jquant.kv.dtypes import kv_cache_spec
+    from jquant.schemes.scheme import schemes as registered   # filled by import jquant
+
+    kv_dtypes = tuple(args.kv_dtypes.split(",")) if args.kv_dtypes else None
+    for name in kv_dtypes or ():
+        try:
+            kv_cache_spec(name)
+        except ValueError as e:
+            parser.error(f"--kv-dtypes: {e}")
+    weights = tuple(args.schemes.split(",")) if args.bench == "decode" else ()
+    unknown = [s for s in weights if s != "bf16" and s not in registered()]
+    if unknown:
+        parser.error(f"--schemes: unknown {unknown}; bf16 or one of {', '.join(registered())}")
+    if _no_gpu(args):
+        return 1
+    meta = run_meta()
+    records: list[dict] = []
+    if args.bench == "attention":
+        from jquant.kernels.decode_attention import bench
+        for batch in args.batches:
+            for ctx in args.ctxs:
+                records += bench.run((batch,), (ctx,), kv_dtypes or bench.KV_DTYPES, page_size=args.page_size,
+                                     reps=args.reps, meta=meta,
+                                     configs=(None,) + (bench.SWEEP if args.sweep else ()))
+                js, md = write_records(records, args.out, "attention", bench.to_markdown)
+    else:
+        from jquant.models import decode_bench as bench
+        for batch in args.batches:
+            for ctx in args.ctxs:
+                records += bench.run(args.layers, (batch,), (ctx,), weights, kv_dtypes, reps=args.reps, meta=meta,
+                                     profile_dir=args.profile)
+                js, md = write_records(records, args.out, "decode", bench.to_markdown)
     print(f"wrote {js} and {md}")
     return 0

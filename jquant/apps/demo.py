@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jquant.schemes import dispatch
+
 FOUR_BIT = ("int4", "uint4", "mxfp4", "nvfp4", "nf4", "fp4_bnb")
 
 
@@ -101,9 +103,8 @@ def run(argv=None) -> int:
     _progress(steps, steps, "done")
     sys.stderr.write("\n")
 
-    dev = jax.devices()[0]
-    print(f"SmolLM2-135M-Instruct, {ids.size} tokens of Britannica (11th ed.), device: {dev.platform} "
-          f"({dev.device_kind}); projections quantized, embeddings/norms float")
+    print(f"SmolLM2-135M-Instruct, {ids.size} tokens of Britannica (11th ed.), device: {dispatch.platform()} "
+          f"({dispatch.device_kind()}); projections quantized, embeddings/norms float")
     head = (f"{'scheme':<28}{'bits/w':>7}{'weights MiB':>12}{'PPL':>9}{'ΔPPL':>8}{'top-1 agree':>12}"
             f"{'tokens/s':>10}")
     print(head)

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import pathlib
 import statistics
+import subprocess
 import time
 from typing import Any, Callable, Sequence
 
@@ -21,6 +24,7 @@ import numpy as np
 
 H200_L2_BYTES = 60 * 2**20
 H200_HBM_BYTES_PER_S = 4.18e12      # measured: f32 ``x + 1`` over 4 GiB (bench/README.md, Rooflines)
+_CHECKOUT = pathlib.Path(__file__).resolve().parents[2]   # the checkout holding the jquant package
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,3 +174,21 @@ def array_bytes(*trees: Any) -> int:
                if jnp.issubdtype(a.dtype, jnp.integer) and jnp.iinfo(a.dtype).bits < 8
                else int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
                for t in trees for a in jax.tree_util.tree_leaves(t) if hasattr(a, "dtype"))
+
+
+def source_commit(checkout: str | os.PathLike | None = None) -> str:
+    """The commit whose code a run measured, for its records: ``git rev-parse HEAD`` of ``checkout``
+    (default: the one holding this package) when it is a git checkout, else ``$JQUANT_COMMIT``
+    (set it where the code is a copy without ``.git``, e.g. on a benchmark machine), else
+    ``"unknown"``. Uncommitted edits are not reflected."""
+    root = pathlib.Path(checkout) if checkout is not None else _CHECKOUT
+    # Only the checkout's own .git: a copy placed inside another repository must not take its HEAD.
+    if (root / ".git").exists():
+        try:
+            out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                                 text=True, timeout=10, check=True).stdout.strip()
+            if out:
+                return out
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return os.environ.get("JQUANT_COMMIT") or "unknown"

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 import numpy as np
 
-from jquant.checkpoint import from_checkpoint, to_checkpoint
+from jquant.checkpoint import from_checkpoint
 from jquant.checkpoint.hf_config import scheme_from_config, skipped_modules
 from jquant.schemes.qparam import QParam
 from jquant.schemes.scheme import Scheme
@@ -71,17 +71,15 @@ def _flat(params: dict, prefix: str = "") -> dict[str, Any]:
 
 def layout_meta(scheme: Scheme) -> dict:
     """The ``from_checkpoint`` arguments a scheme's layout needs that its tensors do not carry."""
-    fmt, layout = scheme.weight_format, scheme.checkpoint_layout
-    m = re.fullmatch(r"(u?)int(\d)", fmt)
-    if m and layout in ("gptq", "awq", "compressed-tensors"):
-        meta: dict[str, Any] = {"sym": not m.group(1), "dtype": jnp.float32}
-        group = dict(scheme.weight_options).get("group_size")
-        if group is not None:
-            meta["group_size"] = group
+    weight, layout = scheme.weight, scheme.checkpoint_layout
+    if weight.family == "int" and layout in ("gptq", "awq", "compressed-tensors"):
+        meta: dict[str, Any] = {"sym": weight.symmetric, "dtype": jnp.float32}
+        if weight.group_size is not None:  # None (per output channel): the layout infers it from the scales
+            meta["group_size"] = weight.group_size
         if layout != "awq":
-            meta["bits"] = int(m.group(2))
+            meta["bits"] = weight.bits
         if layout == "gptq":
-            meta.update(dict(scheme.layout_options))
+            meta.update(scheme.layout_kwargs())
         return meta
     if layout in ("fp8", "fp8-block", "compressed-tensors", "modelopt", "gpt-oss"):
         return {"dtype": jnp.float32}
@@ -91,27 +89,12 @@ def layout_meta(scheme: Scheme) -> dict:
 def save_hf_checkpoint(params: dict, directory, *, quantization_config: dict | None = None,
                        model_config: dict | None = None) -> pathlib.Path:
     """Writes ``params`` (float kernels, or QParams holding QTensors) as an HF Llama checkpoint."""
-    from jquant.checkpoint.safetensors_file import save_file
+    from jquant.checkpoint.writer import save_checkpoint
 
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, np.ndarray] = {}
-    for path, leaf in _flat(params).items():
-        module, leaf_name = path.rsplit("/", 1)
-        name = hf_module_name(module)
-        if isinstance(leaf, QParam):
-            scheme = leaf.scheme
-            opts = dict(scheme.layout_options)
-            if leaf.input_scale is not None:
-                opts["input_scale"] = np.asarray(leaf.input_scale)
-            for key, t in to_checkpoint(leaf.qtensor, scheme.checkpoint_layout, **opts).items():
-                sep = "_" if scheme.checkpoint_layout == "gpt-oss" else "."
-                tensors[f"{name}{sep}{key}"] = np.asarray(t, order="C")  # keeps 0-d scales 0-d
-        elif leaf_name == "kernel":
-            tensors[f"{name}.weight"] = np.ascontiguousarray(np.asarray(leaf).T)  # Flax [K, N] → [N, K]
-        else:
-            tensors[f"{name}.weight"] = np.ascontiguousarray(np.asarray(leaf))
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_checkpoint(params, directory / "model.safetensors", metadata={"format": "pt"},
+                    name_map=hf_module_name, kernel_to_weight=True)
     config = dict(model_config or {})
     if quantization_config is not None:
         config["quantization_config"] = quantization_config
@@ -179,7 +162,7 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
             raise ValueError(f"parameter {path!r}: checkpoint holds a {qt.shape} weight, the model expects "
                              f"{(ref.shape[1], ref.shape[0])}")
         used.update(prefix + k for k in own)
-        input_scale = _static_input_scale(own, scheme, path, name) if scheme.activation == "static" else None
+        input_scale = _static_input_scale(own, scheme, path, name) if scheme.activation.mode == "static" else None
         out[path] = QParam(scheme.process_weights_after_loading(qt) if prepare else qt, scheme, input_scale)
     _share_fused_input_scales(out)
     extra = sorted(set(tensors) - used)

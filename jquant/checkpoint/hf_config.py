@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from jquant.schemes import builtin as bs
 from jquant.schemes.scheme import Scheme
+from jquant.schemes.spec import LayoutSpec
 
 
 def _get(cfg: dict, key: str, types, default: Any = ..., where: str = "quantization_config"):
@@ -100,7 +101,7 @@ def _gptq(cfg: dict) -> Scheme:
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"quantization_config['checkpoint_format'] must be 'gptq' or 'gptq_v2', got {fmt!r}")
     return bs.int_weight_only(bits, group, symmetric=sym, layout="gptq",
-                              layout_options={"checkpoint_format": fmt, "desc_act": desc_act and group is not None})
+                              layout_spec=LayoutSpec(checkpoint_format=fmt, desc_act=desc_act and group is not None))
 
 
 def _compressed_tensors(cfg: dict) -> Scheme:

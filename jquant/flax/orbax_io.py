@@ -8,7 +8,6 @@ their static metadata and their schemes), so ``restore_quantized`` rebuilds the 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pathlib
@@ -18,10 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jquant.checkpoint import to_checkpoint
 from jquant.schemes.qparam import QParam
 from jquant.qtensor import QTensor
-from jquant.schemes.scheme import Prepared, Scheme
+from jquant.schemes.scheme import Scheme
 
 _QT_LEAVES = ("data", "scale", "zero", "global_scale", "group_index")
 _QT_META = ("fmt", "shape", "dtype", "block", "pack_axis", "options", "k_axis")
@@ -66,7 +64,7 @@ def _decode_qtensor(meta: dict, arrays: dict) -> QTensor:
 
 
 def _scheme_json(scheme: Scheme) -> dict:
-    return {f.name: _jsonable(getattr(scheme, f.name)) for f in dataclasses.fields(scheme)}
+    return scheme.to_dict()
 
 
 def _path_key(path) -> str:
@@ -124,7 +122,7 @@ def restore_quantized(directory: str | os.PathLike, *, prepare: bool = True) -> 
             return jnp.asarray(arrays[node["array"]])
         if "qtensor" in node:
             return _decode_qtensor(node["qtensor"], arrays)
-        scheme = Scheme(**{k: _from_json(v) for k, v in node["scheme"].items()})
+        scheme = Scheme.from_dict({k: _from_json(v) for k, v in node["scheme"].items()})  # (older saves: flat)
         qt = _decode_qtensor(node["qparam"], arrays)
         input_scale = jnp.asarray(arrays[node["input_scale"]]) if "input_scale" in node else None
         return QParam(scheme.process_weights_after_loading(qt) if prepare else qt, scheme, input_scale)
@@ -146,32 +144,11 @@ def export_safetensors(params: Any, path: str | os.PathLike, *, name_map: Callab
     ``layout``) and every float leaf into one safetensors file; returns the tensors written.
 
     ``name_map`` turns a kernel's module path (``layers_0/q_proj``) into the checkpoint prefix
-    (``model.layers.0.self_attn.q_proj``); the default joins the path with dots. Float leaves keep their
-    Flax orientation and names.
+    (``model.layers.0.self_attn.q_proj``); the default joins the path with dots. A kernel's tensors
+    are joined to that prefix as its layout names them (``.qweight``; gpt-oss ``_blocks``). Float
+    leaves keep their Flax orientation and are named ``name_map`` of their whole path.
     """
-    from jquant.checkpoint.safetensors_file import save_file
+    from jquant.checkpoint.writer import save_checkpoint
 
-    name_map = name_map or (lambda p: p.replace("/", "."))
-    tensors: dict[str, np.ndarray] = {}
-    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda l: isinstance(l, (QParam, QTensor)))
-    for p, leaf in flat:
-        key = _path_key(p)
-        if isinstance(leaf, QParam):
-            module = key.rsplit("/", 1)[0]
-            lay = layout or leaf.scheme.checkpoint_layout
-            if lay is None:
-                raise ValueError(f"parameter {key!r}: scheme {leaf.scheme.name!r} names no checkpoint layout; "
-                                 "pass layout=")
-            opts = dict(leaf.scheme.layout_options) | layout_options
-            if leaf.input_scale is not None:
-                opts["input_scale"] = np.asarray(leaf.input_scale)
-            for name, t in to_checkpoint(leaf.qtensor, lay, **opts).items():
-                tensors[f"{name_map(module)}.{name}"] = np.asarray(t, order="C")  # keeps 0-d scales 0-d
-        elif isinstance(leaf, QTensor):
-            raise ValueError(f"parameter {key!r} is a bare QTensor; wrap it in a QParam to export it")
-        elif isinstance(leaf, Prepared):
-            raise ValueError(f"parameter {key!r} holds a kernel layout; export the QTensor")
-        else:
-            tensors[name_map(key)] = np.ascontiguousarray(np.asarray(leaf))
-    save_file(tensors, str(path), metadata={"format": "np", "producer": "jquant"})
-    return tensors
+    return save_checkpoint(params, path, metadata={"format": "np", "producer": "jquant"}, name_map=name_map,
+                           layout=layout, layout_options=layout_options)

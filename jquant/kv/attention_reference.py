@@ -34,6 +34,18 @@ def dequantize_values(cache: PagedKVCache, block_tables):
     return vc.astype(jnp.float32) * (s[..., None] if s.ndim else s)
 
 
+def dequantize_keys(cache: PagedKVCache, block_tables):
+    """Each sequence's keys ``[B, max_pages * page_size, kv_heads, D]`` float32 (TurboQuant keys
+    rotated back; the decode path never forms these, the prefill path attends over them)."""
+    spec, p, d = cache.spec, cache.num_pages, cache.head_dim
+    kc = _gather(cache.k_pages, block_tables, p)
+    if spec.key_format == "lloyd_max":
+        return turboquant.dequantize_keys(kc, _side(cache.k_scale, block_tables, p), spec.key_bits, d,
+                                          spec.norm_correction)
+    ks = _side(cache.k_scale, block_tables, p)
+    return kc.astype(jnp.float32) * (ks[..., None] if ks.ndim else ks)
+
+
 def key_scores(q, cache: PagedKVCache, block_tables):
     """q [B, Hq, D] -> unscaled logits [B, Hq, L]."""
     spec, p, d = cache.spec, cache.num_pages, cache.head_dim

@@ -59,16 +59,16 @@ def allocate(kv_cache_dtype: str | KVCacheSpec, num_pages: int, page_size: int, 
     lead = (num_pages, page_size, kv_heads)
     kd, kdt = _last_dim(spec.key_format, spec.key_bits, head_dim)
     vd, vdt = _last_dim(spec.value_format, spec.value_bits, head_dim)
-    one = jnp.float32(1.0)
-    ks, vs, vm = jnp.float32(k_scale), jnp.float32(v_scale), jnp.float32(0.0)
+    # Every leaf its own buffer: a cache donated to a step must not hold one buffer twice.
+    ks, vs, vm = jnp.array(k_scale, jnp.float32), jnp.array(v_scale, jnp.float32), jnp.zeros((), jnp.float32)
     if spec.kind == "per_token_head":
-        ks = vs = jnp.ones(lead, jnp.float32)
+        ks, vs = jnp.ones(lead, jnp.float32), jnp.ones(lead, jnp.float32)
     elif spec.kind == "turboquant":
-        ks = jnp.zeros(lead, jnp.float16) if spec.key_format == "lloyd_max" else one
+        ks = jnp.zeros(lead, jnp.float16) if spec.key_format == "lloyd_max" else jnp.ones((), jnp.float32)
         vs = jnp.zeros(lead, jnp.float16)
         vm = jnp.zeros(lead, jnp.float16)
     elif spec.kind == "dense":
-        ks = vs = one
+        ks, vs = jnp.ones((), jnp.float32), jnp.ones((), jnp.float32)
     return PagedKVCache(jnp.zeros((*lead, kd), kdt), jnp.zeros((*lead, vd), vdt), ks, vs, vm,
                         spec, head_dim)
 

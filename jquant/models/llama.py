@@ -33,6 +33,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jquant.flax.linen import intercept_quantized
+from jquant.kv.cache import PagedCache
+from jquant.kv.dtypes import kv_cache_spec
+from jquant.kv.paged import PagedKVCache
+from jquant.models.paged_attention import paged_attention
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -112,8 +118,10 @@ class KVCache:
     @classmethod
     def zeros(cls, config: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
         shape = (batch, max_len, config.num_kv_heads, config.head_dim)
-        empty = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-        return cls(keys=empty, values=empty, length=jnp.zeros((), jnp.int32))
+        # Distinct buffers for keys and values, so the cache can be donated to a step.
+        return cls(keys=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+                   values=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+                   length=jnp.zeros((), jnp.int32))
 
 
 # ---- pure functions ------------------------------------------------------------------------------
@@ -153,7 +161,8 @@ def causal_mask(query_positions: jax.Array, key_positions: jax.Array) -> jax.Arr
 def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Softmax attention; query head ``h`` reads KV head ``h // (heads // kv_heads)`` (HF ``repeat_kv``).
 
-    q [batch, T, heads, D]; k, v [batch, S, kv_heads, D]; mask [T, S] bool. Returns [batch, T, heads, D].
+    q [batch, T, heads, D]; k, v [batch, S, kv_heads, D]; mask [T, S] bool (or [batch, 1, 1, T, S]: one
+    per sequence). Returns [batch, T, heads, D].
     """
     batch, t, heads, d = q.shape
     kv_heads = k.shape[2]
@@ -186,7 +195,9 @@ class DecoderLayer(nn.Module):
     dense_cls: Callable[..., nn.Module] = nn.Dense
 
     @nn.compact
-    def __call__(self, x, positions, mask, kv: tuple[jax.Array, jax.Array] | None, write_index):
+    def __call__(self, x, positions, mask, kv, write_index):
+        """``kv``: None (no cache), ``(keys, values)`` of a dense ``KVCache`` written at ``write_index``, or
+        ``(PagedKVCache, block_tables, lengths)`` of a ``PagedCache`` (``mask`` unused: positions decide)."""
         c = self.config
         batch, t, _ = x.shape
         dense = functools.partial(self.dense_cls, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32)
@@ -196,26 +207,34 @@ class DecoderLayer(nn.Module):
         k = dense(c.num_kv_heads * c.head_dim, name="k_proj")(h).reshape(batch, t, c.num_kv_heads, c.head_dim)
         v = dense(c.num_kv_heads * c.head_dim, name="v_proj")(h).reshape(batch, t, c.num_kv_heads, c.head_dim)
         q, k = apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta)
-        if kv is not None:  # write this step's keys/values into the cache, then attend over all of it
+        if kv is not None and isinstance(kv[0], PagedKVCache):
+            attended, layer = paged_attention(q, k, v, kv[0], kv[1], kv[2], positions, grouped_query_attention)
+            kv = (layer,)
+        elif kv is not None:  # write this step's keys/values into the cache, then attend over all of it
             start = (0, write_index, 0, 0)
             k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), start)
             v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), start)
-        attended = grouped_query_attention(q, k.astype(self.dtype), v.astype(self.dtype), mask)
+            kv = (k, v)
+        if kv is None or len(kv) == 2:
+            attended = grouped_query_attention(q, k.astype(self.dtype), v.astype(self.dtype), mask)
         x = x + dense(c.hidden_size, name="o_proj")(attended.reshape(batch, t, c.num_heads * c.head_dim))
 
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_norm")(x)
         gate = dense(c.intermediate_size, name="gate_proj")(h)
         up = dense(c.intermediate_size, name="up_proj")(h)
         x = x + dense(c.hidden_size, name="down_proj")(nn.silu(gate) * up)
-        return x, ((k, v) if kv is not None else None)
+        return x, kv
 
 
 class LlamaForCausalLM(nn.Module):
     """``apply(params, token_ids[, cache]) -> (logits [batch, T, vocab] float32, cache or None)``.
 
-    Without a cache: a full causal forward over positions 0..T-1. With one: the tokens sit at positions
-    ``cache.length ..`` (prefill when the cache is empty, a decode step for T == 1), their keys/values are
-    written into it, and the returned cache has ``length + T`` filled.
+    Without a cache: a full causal forward over positions 0..T-1. With a dense ``KVCache``: the tokens sit
+    at positions ``cache.length ..`` (prefill when the cache is empty, a decode step for T == 1), their
+    keys/values are written into it, and the returned cache has ``length + T`` filled. With a
+    ``jquant.kv.PagedCache``: sequence b continues at ``cache.lengths[b]``, its new keys/values are
+    quantized into its pages in the cache's ``kv_cache_dtype``, and T == 1 runs the paged
+    decode-attention kernel.
     """
 
     config: LlamaConfig
@@ -223,28 +242,35 @@ class LlamaForCausalLM(nn.Module):
     dense_cls: Callable[..., nn.Module] = nn.Dense
 
     @nn.compact
-    def __call__(self, token_ids: jax.Array, cache: KVCache | None = None):
+    def __call__(self, token_ids: jax.Array, cache: KVCache | PagedCache | None = None):
         c = self.config
         t = token_ids.shape[1]
         embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=jnp.float32,
                          name="embed_tokens")
         x = embed(token_ids)
-        if cache is None:
-            positions = jnp.arange(t, dtype=jnp.int32)
-            mask, write_index = causal_mask(positions, positions), None
+        paged = isinstance(cache, PagedCache)
+        if paged:  # each sequence continues at its own length
+            if len(cache.layers) != c.num_layers:
+                raise ValueError(f"the paged cache has {len(cache.layers)} layers, the model {c.num_layers}")
+            positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+            mask = write_index = None
+        elif cache is None:
+            positions = jnp.arange(t, dtype=jnp.int32)[None]
+            mask, write_index = causal_mask(positions[0], positions[0]), None
         else:
-            positions = cache.length + jnp.arange(t, dtype=jnp.int32)
-            mask = causal_mask(positions, jnp.arange(cache.max_len, dtype=jnp.int32))
+            positions = cache.length + jnp.arange(t, dtype=jnp.int32)[None]
+            mask = causal_mask(positions[0], jnp.arange(cache.max_len, dtype=jnp.int32))
             write_index = cache.length
 
-        keys, values = [], []
+        new_layers = []
         for i in range(c.num_layers):
-            layer_kv = None if cache is None else (cache.keys[i], cache.values[i])
+            if paged:
+                layer_kv = (cache.layers[i], cache.block_tables, cache.lengths)
+            else:
+                layer_kv = None if cache is None else (cache.keys[i], cache.values[i])
             x, layer_kv = DecoderLayer(c, self.dtype, self.dense_cls, name=f"layers_{i}")(
-                x, positions[None], mask, layer_kv, write_index)
-            if layer_kv is not None:
-                keys.append(layer_kv[0])
-                values.append(layer_kv[1])
+                x, positions, mask, layer_kv, write_index)
+            new_layers.append(layer_kv)
 
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="final_norm")(x)
         if c.tie_word_embeddings:
@@ -252,17 +278,38 @@ class LlamaForCausalLM(nn.Module):
         else:
             logits = self.dense_cls(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32,
                                     name="lm_head")(x)
-        new_cache = None if cache is None else KVCache(tuple(keys), tuple(values), cache.length + t)
+        if paged:
+            new_cache = PagedCache(tuple(kv[0] for kv in new_layers), cache.block_tables, cache.lengths + t)
+        elif cache is not None:
+            new_cache = KVCache(tuple(kv[0] for kv in new_layers), tuple(kv[1] for kv in new_layers),
+                                cache.length + t)
+        else:
+            new_cache = None
         return logits.astype(jnp.float32), new_cache
 
 
 # ---- generation ----------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "greedy", "eos_id"))
-def _generate(model, params, prompt_ids, rng, temperature, max_new_tokens, greedy, eos_id):
+def new_cache(model: LlamaForCausalLM, batch: int, max_len: int, kv_cache_dtype: str | None = None,
+              page_size: int = 16, **paged_options) -> KVCache | PagedCache:
+    """An empty cache for ``batch`` sequences of up to ``max_len`` tokens: the dense ``KVCache`` in the
+    model's dtype when ``kv_cache_dtype`` is None, else a ``PagedCache`` of that vLLM ``kv_cache_dtype``
+    (``paged_options``: ``skip_layers``, ``k_scales``, ``v_scales`` of ``PagedCache.allocate``)."""
+    c = model.config
+    if kv_cache_dtype is None:
+        return KVCache.zeros(c, batch, max_len, model.dtype)
+    return PagedCache.allocate(kv_cache_dtype, num_layers=c.num_layers, batch=batch, max_len=max_len,
+                               kv_heads=c.num_kv_heads, head_dim=c.head_dim, page_size=page_size,
+                               **paged_options)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "greedy", "eos_id", "kv_cache_dtype",
+                                             "page_size"))
+def _generate(model, params, prompt_ids, rng, temperature, max_new_tokens, greedy, eos_id, kv_cache_dtype,
+              page_size):
     batch, prompt_len = prompt_ids.shape
-    cache = KVCache.zeros(model.config, batch, prompt_len + max_new_tokens, model.dtype)
+    cache = new_cache(model, batch, prompt_len + max_new_tokens, kv_cache_dtype, page_size)
 
     def pick(logits, key):
         if greedy:
@@ -288,11 +335,14 @@ def _generate(model, params, prompt_ids, rng, temperature, max_new_tokens, greed
 
 
 def generate(model: LlamaForCausalLM, params, prompt_ids, max_new_tokens: int, greedy: bool = True, *,
-             rng: jax.Array | None = None, temperature: float = 1.0, eos_id: int | None = None) -> jax.Array:
+             rng: jax.Array | None = None, temperature: float = 1.0, eos_id: int | None = None,
+             kv_cache_dtype: str | None = None, page_size: int = 16) -> jax.Array:
     """``max_new_tokens`` tokens after ``prompt_ids`` [batch, P] (equal-length prompts, no padding):
     one prefill through the KV cache, then one decode step per token inside ``lax.scan``.
     Greedy takes the argmax; otherwise tokens are sampled at ``temperature`` from ``rng``.
-    Returns int32 [batch, max_new_tokens]; after ``eos_id`` a row repeats ``eos_id``."""
+    ``kv_cache_dtype`` (a vLLM name: ``bf16``, ``fp8``, ``int8_per_token_head``, ``turboquant_3bit_nc``,
+    ...) stores the cache paged in that format, ``page_size`` tokens a page; None keeps a dense cache in
+    the model's dtype. Returns int32 [batch, max_new_tokens]; after ``eos_id`` a row repeats ``eos_id``."""
     prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
     if prompt_ids.ndim != 2:
         raise ValueError(f"prompt_ids must be [batch, length], got shape {prompt_ids.shape}")
@@ -303,5 +353,17 @@ def generate(model: LlamaForCausalLM, params, prompt_ids, max_new_tokens: int, g
                          f"context length {model.config.max_position_embeddings}")
     if not greedy and rng is None:
         raise ValueError("sampling (greedy=False) needs an rng key")
+    if kv_cache_dtype is not None:
+        kv_cache_spec(kv_cache_dtype)  # an unknown name fails here, before tracing
     rng = jax.random.key(0) if rng is None else rng
-    return _generate(model, params, prompt_ids, rng, jnp.float32(temperature), max_new_tokens, greedy, eos_id)
+    return _generate(model, params, prompt_ids, rng, jnp.float32(temperature), max_new_tokens, greedy, eos_id,
+                     kv_cache_dtype, page_size)
+
+
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
+def decode_step(model: LlamaForCausalLM, variables, token_ids: jax.Array, cache: PagedCache | KVCache):
+    """``model.apply(variables, token_ids, cache)`` as one jitted step ``(logits [B, T, vocab], cache)``, the cache donated so its pages are updated in
+    place (the caller must not reuse the ``cache`` it passed). Quantized Dense kernels (QParams) run
+    their scheme."""
+    with intercept_quantized():
+        return model.apply(variables, token_ids, cache)

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 from jquant.schemes.scheme import Scheme, register_scheme
+from jquant.schemes.spec import ActivationSpec, LayoutSpec, WeightSpec
 
 FP8_CAPABILITY = 89  # FP8 tensor cores: Ada and Hopper
 
 
 def int_weight_only(bits: int, group_size: int | None, *, symmetric: bool = True, layout: str | None = None,
-                    layout_options: dict | None = None) -> Scheme:
+                    layout_spec: LayoutSpec = LayoutSpec()) -> Scheme:
     """W{bits}A16 integer weights, groups of ``group_size`` along K (None: per output channel)."""
     gname = f"g{group_size}" if group_size else "ch"
     return Scheme(
         name=f"int{bits}_{gname}{'' if symmetric else '_asym'}",
-        weight_format=f"{'int' if symmetric else 'uint'}{bits}",
         # GPTQ and AWQ checkpoints store fp16 scales: quantize with them so export is lossless.
-        weight_options={"group_size": group_size} | ({"scale_dtype": "float16"} if layout in ("gptq", "awq") else {}),
+        weight=WeightSpec.integer(bits, group_size, symmetric=symmetric,
+                                  scale_dtype="float16" if layout in ("gptq", "awq") else None),
         checkpoint_layout=layout,
-        layout_options=layout_options or {},
+        layout=layout_spec,
         description=f"INT{bits} weight-only, {'per-channel' if group_size is None else f'group {group_size}'}, "
                     f"{'symmetric' if symmetric else 'asymmetric (zero points)'}; bf16 activations",
     )
@@ -27,13 +28,10 @@ def fp8_tensor(*, static_activations: bool = False, weight_only: bool = False, e
                layout: str | None = "fp8", input_scale: float | None = None) -> Scheme:
     """FP8 W8A8 with a per-tensor weight scale; dynamic per-tensor (or static) activation scale."""
     activation = "none" if weight_only else ("static" if static_activations else "dynamic_per_tensor")
-    act_opts = {"format": element}
-    if input_scale is not None:
-        act_opts["input_scale"] = float(input_scale)
     return Scheme(
         name=f"{element}_tensor" + ("_static" if static_activations else "") + ("_w_only" if weight_only else ""),
-        weight_format=element, weight_options={"granularity": "tensor"},
-        activation=activation, activation_options={} if weight_only else act_opts,
+        weight=WeightSpec(element, 8, granularity="tensor"),
+        activation=ActivationSpec() if weight_only else ActivationSpec(activation, element, input_scale=input_scale),
         min_capability=FP8_CAPABILITY, checkpoint_layout=layout,
         description="FP8 weights, per-tensor scale; " + ("bf16 activations" if weight_only else
                                                          f"{activation.replace('_', ' ')} FP8 activations"),
@@ -47,8 +45,8 @@ def fp8_channel(*, weight_only: bool = False, static_activations: bool = False, 
     activation = "none" if weight_only else ("static" if static_activations else "dynamic_per_token")
     return Scheme(
         name=f"{element}_channel" + ("_static" if static_activations else "") + ("_w_only" if weight_only else ""),
-        weight_format=element, weight_options={"granularity": "channel"},
-        activation=activation, activation_options={} if weight_only else {"format": element},
+        weight=WeightSpec(element, 8, granularity="channel"),
+        activation=ActivationSpec(activation, None if weight_only else element),
         min_capability=FP8_CAPABILITY, checkpoint_layout=layout,
         description="FP8 weights per output channel; " + ("bf16 activations" if weight_only else
                                                           "static per-tensor FP8 activations" if static_activations
@@ -61,9 +59,8 @@ def fp8_block(block: tuple[int, int] = (128, 128), *, ue8m0: bool = False, eleme
     """DeepSeek-style block FP8: weight blocks of ``block``, activations per token per ``block[1]`` group."""
     return Scheme(
         name=f"{element}_block{block[0]}x{block[1]}" + ("_ue8m0" if ue8m0 else ""),
-        weight_format=element, weight_options={"granularity": "block", "block_size": tuple(block), "ue8m0": ue8m0},
-        activation="dynamic_per_token_group",
-        activation_options={"format": element, "group_size": block[1], "ue8m0": ue8m0},
+        weight=WeightSpec(element, 8, granularity="block", block_size=tuple(block), ue8m0=ue8m0),
+        activation=ActivationSpec("dynamic_per_token_group", element, group_size=block[1], ue8m0=ue8m0),
         min_capability=FP8_CAPABILITY, checkpoint_layout=layout,
         description=f"FP8 {block[0]}x{block[1]} weight blocks, per-token-group FP8 activations"
                     + (", UE8M0 (power-of-two) scales" if ue8m0 else ""),
@@ -71,23 +68,23 @@ def fp8_block(block: tuple[int, int] = (128, 128), *, ue8m0: bool = False, eleme
 
 
 def mxfp4(scale_mode: str = "floor") -> Scheme:
-    return Scheme(name="mxfp4", weight_format="mxfp4", weight_options={"scale_mode": scale_mode},
+    return Scheme(name="mxfp4", weight=WeightSpec("mxfp4", 4, scale_mode=scale_mode),
                   checkpoint_layout="gpt-oss",
                   description="MXFP4 weights (E2M1, block 32, E8M0 scale); bf16 activations (Hopper has no FP4 MMA)")
 
 
 def nvfp4(convention: str = "compressed-tensors") -> Scheme:
     layout = "modelopt" if convention == "modelopt" else "compressed-tensors"
-    return Scheme(name="nvfp4" + ("_modelopt" if convention == "modelopt" else ""), weight_format="nvfp4",
-                  weight_options={"convention": convention}, checkpoint_layout=layout,
+    return Scheme(name="nvfp4" + ("_modelopt" if convention == "modelopt" else ""),
+                  weight=WeightSpec("nvfp4", 4, convention=convention), checkpoint_layout=layout,
                   description="NVFP4 weights (E2M1, block 16, E4M3 scale, FP32 global scale); bf16 activations "
                               "(on Hopper NVFP4 runs weight-only, as vLLM's Marlin path does)")
 
 
 def bnb_4bit(quant_type: str = "nf4", *, double_quant: bool = False, blocksize: int = 64) -> Scheme:
     fmt = "nf4" if quant_type == "nf4" else "fp4_bnb"
-    return Scheme(name=fmt + ("_dq" if double_quant else ""), weight_format=fmt,
-                  weight_options={"blocksize": blocksize, "compress_statistics": double_quant}, checkpoint_layout="bnb",
+    return Scheme(name=fmt + ("_dq" if double_quant else ""),
+                  weight=WeightSpec(fmt, 4, blocksize=blocksize, double_quant=double_quant), checkpoint_layout="bnb",
                   description=f"bitsandbytes {quant_type.upper()} (block {blocksize}, absmax"
                               + (", double-quantized" if double_quant else "") + "); bf16 activations")
 

@@ -1,4 +1,23 @@
-"""What the current accelerator can do, as the scheme dispatch needs it."""
+"""The one place that reads the accelerator (platform, device kind, CUDA compute capability) and
+decides which implementation runs, by architecture and, for the 4-bit GEMM, by the rows M of x.
+
+Policy per architecture:
+
+* Hopper (sm_90, capability 9.0): the Mosaic GPU wgmma kernels run the 4-bit weight-only GEMM
+  (``w4a16_impl``: up to ``MGPU_MAX_M`` rows, ``MGPU_MAX_M_SMALL_WEIGHT`` for weights under
+  8192×8192; XLA above); the Triton-backend Pallas kernels run decode attention.
+* Other CUDA GPUs of capability 8.0 and up (Ampere sm_80/86, Ada sm_89, Blackwell sm_100/sm_120):
+  no wgmma (an sm_90a instruction; Blackwell has tcgen05 instead), so XLA runs the 4-bit GEMM;
+  the Triton-backend Pallas kernels run decode attention (Triton's bf16 dot needs sm_80's mma).
+* CUDA GPUs below 8.0: XLA for everything.
+* Every GPU: W8A8 FP8 schemes use XLA's native FP8 dot (``native_fp8_dot``).
+* CPU and other platforms: XLA; the 4-bit GEMM's "auto" runs the fp32 reference there (``cc == 0``),
+  and a Pallas kernel runs only when asked for in interpret mode.
+
+Functions take an optional device (default: ``jax.devices()[0]``); anything with ``platform``,
+``device_kind`` and ``compute_capability`` attributes will do, so the policy is testable without
+the hardware.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +25,57 @@ import functools
 
 import jax
 
+# Above these M, the 4-bit GEMM's "auto" runs XLA: the kernel decodes W once per 128 rows of x. On
+# the H200 it beat XLA dequant + dot up to M = 1024 for weights of 8192×8192 and up (917 vs 1371 µs
+# at 28672×8192) but not for 4096×4096 (131 vs 104 µs) or SmolLM2's 1536×576 past M = 128
+# (docs/design/w4a16.md, "Launch heuristic").
+MGPU_MAX_M = 1024
+MGPU_MAX_M_SMALL_WEIGHT = 128
+MGPU_LARGE_WEIGHT = 8192 * 8192
+
+TRITON_MIN_CAPABILITY = 80
+
+
+def _device(device=None):
+    return device if device is not None else jax.devices()[0]
+
 
 @functools.cache
 def compute_capability(device: jax.Device | None = None) -> int:
     """CUDA compute capability as an int (90 for sm_90), or 0 for CPU and other platforms."""
-    device = device or jax.devices()[0]
+    device = _device(device)
     if device.platform != "gpu":
         return 0
     cc = getattr(device, "compute_capability", None)
     if not cc:
         return 0
     major, _, minor = str(cc).partition(".")
+    if not (major.isdigit() and (minor or "0").isdigit()):
+        return 0  # not a CUDA capability (a ROCm gfx name): no CUDA kernel runs
     return int(major) * 10 + int(minor or 0)
 
 
 def platform(device: jax.Device | None = None) -> str:
-    return (device or jax.devices()[0]).platform
+    """``"gpu"``, ``"cpu"``, ``"tpu"``, ..."""
+    return _device(device).platform
+
+
+def device_kind(device: jax.Device | None = None) -> str:
+    """The vendor's model name (``"NVIDIA H200"``, ``"cpu"``)."""
+    return str(getattr(_device(device), "device_kind", ""))
+
+
+def device_name(device: jax.Device | None = None) -> str:
+    """``"{platform}:{device_kind}"``, e.g. ``"gpu:NVIDIA H200"``: how benchmarks label results."""
+    return f"{platform(device)}:{device_kind(device)}"
+
+
+def is_gpu(device: jax.Device | None = None) -> bool:
+    return platform(device) == "gpu"
+
+
+def is_cpu(device: jax.Device | None = None) -> bool:
+    return platform(device) == "cpu"
 
 
 def has_wgmma(capability: int) -> bool:
@@ -30,3 +84,39 @@ def has_wgmma(capability: int) -> bool:
     wgmma is an sm_90a instruction; Blackwell (sm_100, sm_120) has none, so those run the XLA path.
     """
     return capability // 10 == 9
+
+
+def runs_mosaic_gpu(device: jax.Device | None = None) -> bool:
+    """Whether the Mosaic GPU (wgmma) kernels run on ``device``."""
+    return is_gpu(device) and has_wgmma(compute_capability(device))
+
+
+def runs_triton_pallas(device: jax.Device | None = None) -> bool:
+    """Whether the Triton-backend Pallas kernels run on ``device``: a CUDA GPU of capability ≥ 8.0."""
+    return is_gpu(device) and compute_capability(device) >= TRITON_MIN_CAPABILITY
+
+
+def native_fp8_dot(device: jax.Device | None = None) -> bool:
+    """Whether W8A8 FP8 schemes feed FP8 codes to XLA's dot (any GPU) instead of dequantizing first."""
+    return is_gpu(device)
+
+
+def decode_attention_impl(device: jax.Device | None = None) -> str:
+    """``"pallas"`` (the Triton-backend kernel) or ``"xla"`` (the kernel would run interpreted)."""
+    return "pallas" if runs_triton_pallas(device) else "xla"
+
+
+def w4a16_impl(m: int, capability: int, weight_elems: int = MGPU_LARGE_WEIGHT) -> str:
+    """The 4-bit weight-only GEMM's "auto" choice for ``m`` rows of x on a device of ``capability``
+    (``compute_capability``) and a weight of ``weight_elems`` = N·K values: ``"mgpu"``, ``"xla"`` or,
+    off CUDA GPUs, ``"reference"``."""
+    if capability == 0:
+        return w4a16_fallback(capability)
+    max_m = MGPU_MAX_M if weight_elems >= MGPU_LARGE_WEIGHT else MGPU_MAX_M_SMALL_WEIGHT
+    return "mgpu" if has_wgmma(capability) and m <= max_m else "xla"
+
+
+def w4a16_fallback(capability: int) -> str:
+    """What runs the 4-bit GEMM where the kernel cannot: the fp32 reference off CUDA GPUs, XLA's
+    dequantize + dot on them."""
+    return "reference" if capability == 0 else "xla"

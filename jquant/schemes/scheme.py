@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jquant.schemes import dispatch as device_lib
 from jquant.formats import quantize
 from jquant.qtensor import QTensor
-
-ACTIVATION_MODES = ("none", "dynamic_per_tensor", "dynamic_per_token", "dynamic_per_token_group", "static")
+from jquant.schemes.spec import (ACTIVATION_MODES, ActivationSpec, LayoutSpec, WeightSpec,  # noqa: F401
+                                 weight_spec_from_options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,46 +36,67 @@ class Scheme:
 
     Attributes:
       name: registry name.
-      weight_format: QTensor format of the weight (a ``jquant.formats.formats()`` name).
-      weight_options: static options passed to ``quantize`` (group_size, symmetric, ...).
-      activation: how activations are quantized before the GEMM (see ACTIVATION_MODES).
-      activation_options: options of the activation quantizer (group size, ue8m0, fp8 dtype).
+      weight: how the weight is quantized (format, bits, group size, ...).
+      activation: how activations are quantized before the GEMM (mode ``"none"``: weight-only).
       min_capability: minimum CUDA capability for the fast path (0: anywhere); below it the XLA
         reference runs.
       checkpoint_layout: the ``to_checkpoint`` layout vLLM checkpoints of this scheme use.
-      layout_options: options for that layout (``checkpoint_format="gptq_v2"``, ...).
+      layout: options for that layout (``checkpoint_format="gptq_v2"``, ...).
     """
 
     name: str
-    weight_format: str
-    weight_options: tuple[tuple[str, Any], ...] = ()
-    activation: str = "none"
-    activation_options: tuple[tuple[str, Any], ...] = ()
+    weight: WeightSpec
+    activation: ActivationSpec = ActivationSpec()
     min_capability: int = 0
     checkpoint_layout: str | None = None
-    layout_options: tuple[tuple[str, Any], ...] = ()
+    layout: LayoutSpec = LayoutSpec()
     description: str = ""
 
     def __post_init__(self):
-        if self.activation not in ACTIVATION_MODES:
-            raise ValueError(f"activation must be one of {ACTIVATION_MODES}, got {self.activation!r}")
-        for field in ("weight_options", "activation_options", "layout_options"):
-            object.__setattr__(self, field, tuple(sorted(dict(getattr(self, field)).items())))
+        for field, cls in (("weight", WeightSpec), ("activation", ActivationSpec), ("layout", LayoutSpec)):
+            if not isinstance(getattr(self, field), cls):
+                raise TypeError(f"scheme {self.name!r}: {field} must be {cls.__name__}(...), got "
+                                f"{getattr(self, field)!r}")
+
+    @property
+    def weight_format(self) -> str:
+        return self.weight.format
 
     @property
     def weight_only(self) -> bool:
-        return self.activation == "none"
+        return self.activation.mode == "none"
+
+    def layout_kwargs(self) -> dict[str, Any]:
+        """The layout options as ``to_checkpoint`` / ``from_checkpoint`` keywords."""
+        return self.layout.kwargs()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The scheme as JSON-able nested dicts (``from_dict`` reads it back)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Scheme":
+        """Reads ``to_dict``'s output, or the flat form of older saves (``weight_format`` with
+        ``weight_options``, ``activation`` a mode string with ``activation_options``, ``layout_options``)."""
+        d = dict(d)
+        if "weight_format" in d:
+            weight = weight_spec_from_options(d.pop("weight_format"), dict(d.pop("weight_options", ())))
+            activation = ActivationSpec(d.pop("activation", "none"), **dict(d.pop("activation_options", ())))
+            return cls(weight=weight, activation=activation, layout=LayoutSpec(**dict(d.pop("layout_options", ()))),
+                       **d)
+        return cls(weight=WeightSpec(**d.pop("weight")), activation=ActivationSpec(**d.pop("activation")),
+                   layout=LayoutSpec(**d.pop("layout")), **d)
 
     def quantize_weight(self, w: jax.Array) -> QTensor:
         """Quantizes a float weight ``[N, K]`` (out_features, in_features) along K."""
         if getattr(w, "ndim", None) != 2:
             raise ValueError(f"scheme {self.name!r}: weight must be 2-D [N, K], got shape "
                              f"{tuple(getattr(w, 'shape', ()))}")
-        group = dict(self.activation_options).get("group_size")
-        if self.activation == "dynamic_per_token_group" and w.shape[1] % group:
+        group = self.activation.group_size
+        if self.activation.mode == "dynamic_per_token_group" and w.shape[1] % group:
             raise ValueError(f"scheme {self.name!r} quantizes activations in groups of {group} along K, but the "
                              f"weight {tuple(w.shape)} has K={w.shape[1]}, not a multiple of {group}")
-        qw = quantize(w, self.weight_format, axis=1, **dict(self.weight_options))
+        qw = quantize(w, self.weight.format, axis=1, **self.weight.quantize_kwargs())
         return qw if qw.k_axis is not None else qw.replace(k_axis=1)  # (per-tensor, 2-D tiles)
 
     def quantize_kernel(self, kernel: jax.Array) -> QTensor:
@@ -100,7 +121,7 @@ class Scheme:
         weight ``[N, K]``.
 
         ``input_scale`` is the calibrated activation scale of a static scheme (a checkpoint's per-weight
-        ``input_scale``; QParam passes its own); without it a static scheme uses its ``input_scale`` option.
+        ``input_scale``; QParam passes its own); without it a static scheme uses ``activation.input_scale``.
         """
         dtype = getattr(x, "dtype", None)
         if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize < 2:
@@ -117,14 +138,14 @@ class Scheme:
                              f"K={weight.shape[1]} (weight shape {weight.shape})")
         if bias is not None and bias.shape != (weight.shape[0],):
             raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-        if self.activation != "static":
+        if self.activation.mode != "static":
             return _IMPLS[weight.impl].run(self, x, weight.data, bias)
         if input_scale is None:
-            if "input_scale" not in dict(self.activation_options):
+            if self.activation.input_scale is None:
                 raise ValueError(f"scheme {self.name!r} quantizes activations with a static scale: pass "
                                  "input_scale= (a checkpoint's per-weight input_scale), or use a QParam that "
                                  "carries one (load_hf_checkpoint does)")
-            input_scale = dict(self.activation_options)["input_scale"]
+            input_scale = self.activation.input_scale
         input_scale = jnp.asarray(input_scale)
         if input_scale.size != 1 or not jnp.issubdtype(input_scale.dtype, jnp.floating):
             raise ValueError(f"scheme {self.name!r}: input_scale must be one float (per tensor), got "
@@ -206,8 +227,8 @@ def schemes() -> tuple[str, ...]:
 def _check_weight(scheme: Scheme, qweight: QTensor) -> None:
     if not isinstance(qweight, QTensor):
         raise TypeError(f"scheme {scheme.name!r}: weight must be a QTensor, got {type(qweight).__name__}")
-    if qweight.fmt != scheme.weight_format or qweight.ndim != 2:
-        raise ValueError(f"scheme {scheme.name!r} expects a 2-D {scheme.weight_format!r} weight, got "
+    if qweight.fmt != scheme.weight.format or qweight.ndim != 2:
+        raise ValueError(f"scheme {scheme.name!r} expects a 2-D {scheme.weight.format!r} weight, got "
                          f"fmt={qweight.fmt!r} with shape {qweight.shape}")
     if qweight.k_axis not in (None, 1):
         raise ValueError(f"scheme {scheme.name!r} takes weights [N, K] with K on axis 1; this {qweight.shape} "

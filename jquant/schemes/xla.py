@@ -1,8 +1,8 @@
 """The XLA implementation of ``Scheme.apply``: runs everywhere, and is the twin kernels are checked against.
 
 Weight-only schemes dequantize and dot (XLA materialises the float weight: correct, not fast). W8A8 FP8
-schemes use XLA's native FP8 dot with per-row/per-column scales where the GPU has FP8 tensor cores
-(it lowers to cuBLASLt's f8 GEMM), and dequantize both operands elsewhere.
+schemes use XLA's native FP8 dot with per-row/per-column scales on a GPU (``dispatch.native_fp8_dot``;
+it lowers to cuBLASLt's f8 GEMM), and dequantize both operands elsewhere.
 """
 
 from __future__ import annotations
@@ -12,27 +12,27 @@ import jax.numpy as jnp
 
 from jquant.formats import fp8 as fp8_format
 from jquant.qtensor import QTensor
+from jquant.schemes import dispatch
 from jquant.schemes.scheme import Impl, Scheme, register_impl
 
 FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
 
 
 def quantize_activation(scheme: Scheme, x: jax.Array, input_scale: jax.Array | None = None) -> QTensor:
-    """Quantizes activations ``x [..., K]`` the way ``scheme`` says (static schemes: with ``input_scale``,
-    else the scheme's ``input_scale`` option)."""
-    opts = dict(scheme.activation_options)
-    fmt = opts.get("format", "fp8_e4m3")
-    if scheme.activation == "dynamic_per_token":
+    """Quantizes activations ``x [..., K]`` the way ``scheme.activation`` says (static schemes: with
+    ``input_scale``, else the spec's ``input_scale``)."""
+    spec = scheme.activation
+    fmt = spec.format
+    if spec.mode == "dynamic_per_token":
         return fp8_format.quantize_fp8_per_token(x, fmt=fmt)
-    if scheme.activation == "dynamic_per_token_group":
-        return fp8_format.quantize_fp8_per_token_group(x, group_size=opts.get("group_size", 128),
-                                                       ue8m0=opts.get("ue8m0", False), fmt=fmt)
-    if scheme.activation == "dynamic_per_tensor":
+    if spec.mode == "dynamic_per_token_group":
+        return fp8_format.quantize_fp8_per_token_group(x, group_size=spec.group_size, ue8m0=spec.ue8m0, fmt=fmt)
+    if spec.mode == "dynamic_per_tensor":
         return fp8_format.quantize_fp8_dynamic_per_tensor(x, fmt=fmt)
-    if scheme.activation == "static":
-        if input_scale is None and "input_scale" not in opts:
+    if spec.mode == "static":
+        if input_scale is None and spec.input_scale is None:
             raise ValueError(f"scheme {scheme.name!r} has static activations but no input_scale")
-        scale = opts["input_scale"] if input_scale is None else input_scale
+        scale = spec.input_scale if input_scale is None else input_scale
         return fp8_format.quantize_fp8_static(x, jnp.asarray(scale, jnp.float32), fmt=fmt)
     raise ValueError(f"scheme {scheme.name!r} does not quantize activations")
 
@@ -59,7 +59,7 @@ def xla_apply(scheme: Scheme, x: jax.Array, qweight: QTensor, bias: jax.Array | 
         lead = x.shape[:-1]
         xq = quantize_activation(scheme, x.reshape(-1, x.shape[-1]), input_scale)
         xs, ws = _row_scales(xq), _row_scales(qweight)
-        native = (jax.default_backend() == "gpu" and xs is not None and ws is not None
+        native = (dispatch.native_fp8_dot() and xs is not None and ws is not None
                   and xq.fmt in FP8_FORMATS and qweight.fmt in FP8_FORMATS)
         if native:
             y = _contract_last(xq.data, qweight.data) * xs * ws.T

@@ -1,10 +1,14 @@
 """The benchmark harness on CPU with tiny shapes (the kernels in interpret mode)."""
 
 import json
+import pathlib
+import subprocess
 
 import jax.numpy as jnp
 import pytest
 
+import jquant
+from jquant.bench.timing import source_commit
 from jquant.bench import (Timing, array_bytes, copies_for, main, roofline, spread_pct, time_fn,
                           time_interleaved, time_steadiest)
 from jquant.kernels.w4a16 import bench as bench
@@ -89,8 +93,9 @@ def test_w4a16_run_writes_records(tmp_path):
     for r in records:
         assert r["time_us"] > 0 and set(r["baselines"]) == {"xla_bf16", "xla_dequant_dot"}
         for key in ("N", "K", "device", "jax_version", "date", "tb_per_s", "tflop_per_s",
-                    "speedup_vs_bf16", "pct_of_byte_floor", "config"):
+                    "speedup_vs_bf16", "pct_of_byte_floor", "config", "commit", "prepared_impl"):
             assert key in r
+        assert r["impl"] == "auto" and r["config"] is not None   # the kernel-level A/B path
         assert r["spread_pct"] >= 0 and set(r["baseline_spread_pct"]) == set(r["baselines"])
         assert len(r["attempt_spreads_pct"]) == 1      # interpret mode never re-times
     js, md = bench.write(records, tmp_path)
@@ -100,9 +105,54 @@ def test_w4a16_run_writes_records(tmp_path):
     assert md.read_text().splitlines()[6].endswith(f"| {widest} |")
 
 
+def test_w4a16_cells_time_what_users_run(monkeypatch):
+    """By default a cell's candidate is scheme.apply on a weight from get_scheme → quantize_weight
+    → process_weights_after_loading, and its record says which impl prepared it."""
+    seen = {"quantize_weight": [], "process_weights_after_loading": [], "apply": []}
+    for method in seen:
+        original = getattr(jquant.Scheme, method)
+
+        def spy(self, *a, _m=method, _f=original, **kw):
+            seen[_m].append(self.name)
+            return _f(self, *a, **kw)
+        monkeypatch.setattr(jquant.Scheme, method, spy)
+    monkeypatch.setenv("JQUANT_COMMIT", "abc123")
+    records = bench.run(shapes=((128, 256),), ms=(1, 16), schemes=("int4_g128", "nvfp4"),
+                        interpret=True, reps=1, log=lambda s: None)
+    assert [(r["scheme"], r["M"], r["impl"]) for r in records] == [
+        ("int4_g128", 1, "scheme"), ("int4_g128", 16, "scheme"), ("nvfp4", 1, "scheme")]
+    for method, names in seen.items():
+        assert set(names) == {"int4_g128", "nvfp4"}, method
+    want = jquant.get_scheme("int4_g128").process_weights_after_loading(
+        jquant.get_scheme("int4_g128").quantize_weight(jnp.zeros((128, 256), jnp.bfloat16))).impl
+    for r in records:
+        assert r["prepared_impl"] == want          # the impl this device prepares weights for
+        assert r["op"] == ("w4a16_mgpu" if want == "pallas_w4a16" and r["M"] <= 128 else want)
+        assert r["commit"] == source_commit() and r["commit"] != ""
+        assert r["time_us"] > 0 and set(r["baselines"]) == {"xla_bf16", "xla_dequant_dot"}
+    with pytest.raises(ValueError, match="impls \\['nope'\\] unknown"):
+        bench.run(shapes=((128, 256),), ms=(1,), impls=("nope",), interpret=True, log=lambda s: None)
+
+
+def test_source_commit_falls_back_to_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("JQUANT_COMMIT", "deadbeef")
+    assert source_commit(tmp_path) == "deadbeef"          # a copy of the tree without .git
+    monkeypatch.delenv("JQUANT_COMMIT")
+    assert source_commit(tmp_path) == "unknown"
+    checkout = pathlib.Path(jquant.__file__).resolve().parents[1]
+    if (checkout / ".git").exists():
+        head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        monkeypatch.setenv("JQUANT_COMMIT", "deadbeef")
+        assert source_commit() == head                     # git first, the variable only without it
+
+
 def test_cli_main(tmp_path):
     rc = main(["w4a16", "--out", str(tmp_path), "--shapes", "64x128", "--ms", "1",
                "--schemes", "int4_g128", "--interpret", "--reps", "1"])
     assert rc == 0 and (tmp_path / "w4a16.json").exists() and (tmp_path / "w4a16.md").exists()
     with pytest.raises(SystemExit):
         main(["w4a16", "--shapes", "64by128"])
+    for bad in (["--schemes", "int4_g128,nope"], ["--impls", "scheme,fast"]):
+        with pytest.raises(SystemExit):
+            main(["w4a16", "--interpret", *bad])

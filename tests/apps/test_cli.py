@@ -134,3 +134,14 @@ def test_ledger_rejects_bad_arguments(argv, match, monkeypatch, capsys):
     monkeypatch.setattr(jquant.models, "load_gguf", lambda path: pytest.fail("loaded the model"))
     code, out = _exit_code(["ledger", *argv], capsys)
     assert code == 2 and match in out.err
+
+
+def test_model_benches_check_their_options_then_say_no_gpu(capsys, tmp_path):
+    code, out = _exit_code(["bench", "decode", "--kv-dtypes", "fp4"], capsys)
+    assert code == 2 and "unknown kv_cache_dtype 'fp4'" in out.err
+    code, out = _exit_code(["bench", "decode", "--schemes", "int3"], capsys)
+    assert code == 2 and "int4_g128" in out.err
+    for bench in ("decode", "attention"):
+        rc = cli.main(["bench", bench, "--out", str(tmp_path)])
+        assert rc == 1 and "no GPU present" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -4,6 +4,7 @@ import pytest
 
 import jquant
 from jquant import scheme_from_config
+from jquant.schemes.spec import LayoutSpec
 
 CASES = [
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8_e4m3", "dynamic_per_tensor", "fp8"),
@@ -45,20 +46,21 @@ CASES = [
 @pytest.mark.parametrize("config, fmt, activation, layout", CASES)
 def test_config_maps_to_scheme(config, fmt, activation, layout):
     scheme = scheme_from_config(config)
-    assert (scheme.weight_format, scheme.activation, scheme.checkpoint_layout) == (fmt, activation, layout)
-    assert scheme.weight_format in jquant.formats()
+    assert (scheme.weight.format, scheme.activation.mode, scheme.checkpoint_layout) == (fmt, activation, layout)
+    assert scheme.weight.format in jquant.formats()
 
 
 def test_gptq_details_carry_over():
     s = scheme_from_config({"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": True,
                             "sym": True, "checkpoint_format": "gptq_v2"})
-    assert dict(s.weight_options)["group_size"] == 64
-    assert dict(s.layout_options) == {"checkpoint_format": "gptq_v2", "desc_act": True}
+    assert (s.weight.bits, s.weight.symmetric, s.weight.group_size) == (4, True, 64)
+    assert s.layout == LayoutSpec(checkpoint_format="gptq_v2", desc_act=True)
+    assert s.layout_kwargs() == {"checkpoint_format": "gptq_v2", "desc_act": True}
 
 
 def test_block_fp8_ue8m0_carries_over():
     s = scheme_from_config({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"})
-    assert dict(s.activation_options)["ue8m0"] and dict(s.weight_options)["ue8m0"]
+    assert s.activation.ue8m0 is True and s.weight.ue8m0 is True
 
 
 @pytest.mark.parametrize("config, err, match", [
@@ -181,7 +183,7 @@ def _ct_static(weight_strategy, act_strategy="tensor"):
 @pytest.mark.parametrize("strategy", ["tensor", "channel"])
 def test_compressed_tensors_static_input_keeps_the_weight_granularity(strategy):
     s = scheme_from_config(_ct_static(strategy))
-    assert s.activation == "static" and dict(s.weight_options)["granularity"] == strategy
+    assert s.activation.mode == "static" and s.weight.granularity == strategy
 
 
 def test_compressed_tensors_static_input_must_be_per_tensor():

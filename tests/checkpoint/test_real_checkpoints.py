@@ -122,7 +122,7 @@ def test_fp8_dynamic_layer_outputs_match_the_tool(name):
     for i in range(model.config.num_layers):
         for proj, group in PROJECTIONS.items():
             qparam = params[f"layers_{i}"][proj]["kernel"]
-            assert isinstance(qparam, QParam) and qparam.scheme.activation == "dynamic_per_token", qparam
+            assert isinstance(qparam, QParam) and qparam.scheme.activation.mode == "dynamic_per_token", qparam
             module = f"model.layers.{i}.{group}.{proj}"
             x, expected = ref[f"{module}.input"], ref[f"{module}.output"]
             _assert_close(qparam.apply(jnp.asarray(x)), expected, module)

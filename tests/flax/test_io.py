@@ -1,5 +1,7 @@
 """Orbax round trip of quantized params, and safetensors export in vLLM layouts."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -78,3 +80,43 @@ def test_safetensors_export_writes_a_static_input_scale(tmp_path, layout, shape)
     scale = loaded["layers_0.q_proj.input_scale"]
     assert scale.shape == shape and scale.dtype == np.float32 and float(scale.reshape(())) == np.float32(0.0123)
     assert loaded["layers_0.q_proj.weight_scale"].shape == (() if layout != "compressed-tensors" else (1,))
+
+
+def test_safetensors_export_names_gpt_oss_tensors_with_underscores(tmp_path):
+    from jquant.checkpoint.hf_checkpoint import hf_module_name, save_hf_checkpoint
+    from jquant.checkpoint.safetensors_file import load_file
+
+    qparams, _ = quantize_params(_params(), [(r".*mlp/kernel", "mxfp4"), (r".*", None)], prepare=False)
+    export_safetensors(qparams, tmp_path / "model.safetensors")
+    loaded = load_file(str(tmp_path / "model.safetensors"))
+    # transformers' gpt-oss names: <module>_blocks / <module>_scales (mlp.experts.gate_up_proj_blocks)
+    assert {"layers_0.mlp_blocks", "layers_0.mlp_scales"} <= set(loaded)
+    assert not {"layers_0.mlp.blocks", "layers_0.mlp.scales"} & set(loaded)
+    qt = jquant.from_checkpoint({"blocks": loaded["layers_0.mlp_blocks"], "scales": loaded["layers_0.mlp_scales"]},
+                                "gpt-oss")
+    original = qparams["layers_0"]["mlp"]["kernel"].qtensor
+    assert qt.fmt == original.fmt == "mxfp4" and qt.shape == original.shape
+    np.testing.assert_array_equal(np.asarray(qt.data), np.asarray(original.data))
+    np.testing.assert_array_equal(np.asarray(qt.scale).view(np.uint8), np.asarray(original.scale).view(np.uint8))
+    # The HF writer names the same QParam's tensors the same way.
+    gate = {"layers_0": {"gate_proj": {"kernel": qparams["layers_0"]["mlp"]["kernel"]}}}
+    exported = export_safetensors(gate, tmp_path / "gate.safetensors", name_map=hf_module_name)
+    save_hf_checkpoint(gate, tmp_path / "hf")
+    assert set(exported) == set(load_file(str(tmp_path / "hf" / "model.safetensors"))) == {
+        "model.layers.0.mlp.gate_proj_blocks", "model.layers.0.mlp.gate_proj_scales"}
+
+
+def test_safetensors_export_refuses_what_it_cannot_name(tmp_path):
+    qparams, _ = quantize_params(_params(), [(r".*q_proj/kernel", "int4_g128"), (r".*", None)], prepare=False)
+    bare = {"w": qparams["layers_0"]["q_proj"]["kernel"].qtensor}
+    with pytest.raises(ValueError, match="'w' is a bare QTensor"):
+        export_safetensors(bare, tmp_path / "a.safetensors")
+    prepared = {"w": jquant.get_scheme("int4_g128").process_weights_after_loading(bare["w"])}
+    with pytest.raises(ValueError, match="'w' is a bare prepared weight"):
+        export_safetensors(prepared, tmp_path / "b.safetensors")
+    nameless = QParam(bare["w"], dataclasses.replace(jquant.get_scheme("int4_g128"), name="x",
+                                                     checkpoint_layout=None))
+    with pytest.raises(ValueError, match="names no checkpoint layout; pass layout="):
+        export_safetensors({"q": {"kernel": nameless}}, tmp_path / "c.safetensors")
+    written = export_safetensors({"q": {"kernel": nameless}}, tmp_path / "c.safetensors", layout="gptq")
+    assert set(written) >= {"q.qweight", "q.scales"}

@@ -15,7 +15,7 @@ TOLERANCE = {"int8": 0.02, "fp8": 0.08, "int4": 0.15, "uint4": 0.15, "mxfp4": 0.
 
 
 def _tolerance(scheme):
-    return next(v for k, v in TOLERANCE.items() if scheme.weight_format.startswith(k))
+    return next(v for k, v in TOLERANCE.items() if scheme.weight.format.startswith(k))
 
 
 def _data(n=96, k=256, m=5):
@@ -30,7 +30,7 @@ def test_apply_close_to_float(name):
     scheme = get_scheme(name)
     w, x, b = _data()
     qw = scheme.quantize_weight(w)
-    assert qw.shape == w.shape and qw.fmt == scheme.weight_format
+    assert qw.shape == w.shape and qw.fmt == scheme.weight.format
     prepared = scheme.process_weights_after_loading(qw)
     y = jax.jit(scheme.apply)(x, prepared, b.astype(jnp.bfloat16))
     assert y.dtype == jnp.bfloat16 and y.shape == (5, 96)
@@ -92,7 +92,7 @@ def test_every_scheme_exports_to_its_checkpoint_layout_losslessly(name):
     scheme = get_scheme(name)
     assert scheme.checkpoint_layout is not None, f"{name} names no vLLM checkpoint layout"
     qw = scheme.quantize_weight(_data()[0])
-    tensors = jquant.to_checkpoint(qw, scheme.checkpoint_layout, **dict(scheme.layout_options))
+    tensors = jquant.to_checkpoint(qw, scheme.checkpoint_layout, **scheme.layout_kwargs())
     back = jquant.from_checkpoint(tensors, scheme.checkpoint_layout, **layout_meta(scheme))
     np.testing.assert_array_equal(back.dequantize(jnp.float32), qw.dequantize(jnp.float32))
 

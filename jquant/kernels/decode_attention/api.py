@@ -23,9 +23,12 @@ _CODE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn, jnp.f
 
 
 def choose_impl(q, k_pages) -> str:
-    """"pallas" on a CUDA device, "xla" elsewhere (CPU: the kernel would run interpreted)."""
+    """"pallas" on a CUDA GPU of capability 8.0 or more, "xla" elsewhere (CPU: the kernel would run
+    interpreted); the policy is ``jquant.schemes.dispatch.decode_attention_impl``'s."""
     del q, k_pages
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    from jquant.schemes import dispatch
+
+    return dispatch.decode_attention_impl()
 
 
 def _check(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale):

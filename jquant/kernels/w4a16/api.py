@@ -7,7 +7,8 @@ Implementations (``impl``):
 * ``"xla"``: dequantize to ``x``'s dtype, then ``jnp.dot`` with fp32 accumulation (XLA/cuBLAS).
 * ``"reference"``: dequantize in fp32, fp32 dot (the exact twin; slow on GPUs).
 * ``"auto"``: on Hopper, ``mgpu`` up to ``MGPU_MAX_M`` rows (``MGPU_MAX_M_SMALL_WEIGHT`` for
-  weights under 8192×8192), else xla; xla on other GPUs; reference on CPU. With
+  weights under 8192×8192), else xla; xla on other GPUs; reference on CPU
+  (``jquant.schemes.dispatch.w4a16_impl``, with the rest of the device policy). With
   ``interpret=True`` the kernel runs on any device.
 
 Forcing ``"mgpu"`` where no Hopper GPU can run it warns once and runs the XLA path (the reference
@@ -19,22 +20,16 @@ from __future__ import annotations
 
 import warnings
 
-import jax
 import jax.numpy as jnp
 
-from jquant.schemes.dispatch import compute_capability, has_wgmma
+from jquant.schemes import dispatch as device_lib
+from jquant.schemes.dispatch import (MGPU_LARGE_WEIGHT, MGPU_MAX_M, MGPU_MAX_M_SMALL_WEIGHT,  # noqa: F401
+                                     compute_capability, has_wgmma)
 from jquant.kernels.w4a16.layout import PackedW4NK, reference_nk
 from jquant.kernels.w4a16.config import MgpuConfig
 from jquant.qtensor import QTensor
 
 IMPLS = ("auto", "pallas", "mgpu", "xla", "reference")
-# Above these M, "auto" runs XLA: the kernel decodes W once per 128 rows of x. On the H200 it beat
-# XLA dequant + dot up to M = 1024 for weights of 8192×8192 and up (917 vs 1371 µs at 28672×8192)
-# but not for 4096×4096 (131 vs 104 µs) or SmolLM2's 1536×576 past M = 128
-# (docs/design/w4a16.md, "Launch heuristic").
-MGPU_MAX_M = 1024
-MGPU_MAX_M_SMALL_WEIGHT = 128
-MGPU_LARGE_WEIGHT = 8192 * 8192
 
 _warned: set[str] = set()
 
@@ -57,17 +52,14 @@ def resolve_impl(impl: str, m: int, interpret: bool = False,
         return "mgpu"
     cc = compute_capability()  # 0 off NVIDIA GPUs
     if impl == "auto":
-        if cc == 0:
-            return "reference"
-        max_m = MGPU_MAX_M if weight_elems >= MGPU_LARGE_WEIGHT else MGPU_MAX_M_SMALL_WEIGHT
-        return "mgpu" if has_wgmma(cc) and m <= max_m else "xla"
+        return device_lib.w4a16_impl(m, cc, weight_elems)
     if not has_wgmma(cc):
-        where = jax.devices()[0].platform if cc == 0 else f"compute capability {cc}"
+        where = device_lib.platform() if cc == 0 else f"compute capability {cc}"
         if impl == "pallas":
             raise ValueError(f"impl='pallas' needs a Hopper GPU (sm_90), not {where}; pass "
                              "interpret=True to run the kernel in interpret mode")
         _warn_once(f"mgpu{cc}", f"impl='mgpu' cannot run on {where}; using the XLA path instead")
-        return "reference" if cc == 0 else "xla"
+        return device_lib.w4a16_fallback(cc)
     return "mgpu"
 
 
@@ -128,7 +120,7 @@ def _matmul(x2, packed: PackedW4NK, bias, impl, config, interpret):
     kind = resolve_impl(impl, x2.shape[0], interpret, weight_elems=packed.n * packed.k)
     if kind == "mgpu" and x2.dtype == jnp.float32:
         if impl == "auto":   # the kernel's wgmma takes 16-bit x; fp32 x keeps full precision in XLA
-            kind = "reference" if compute_capability() == 0 else "xla"
+            kind = device_lib.w4a16_fallback(compute_capability())
         else:
             raise TypeError(f"impl={impl!r} runs the Mosaic GPU kernel, which takes bf16 or fp16 x; "
                             f"got float32 x of shape {tuple(x2.shape)} (cast it, or use impl='auto')")
@@ -136,7 +128,7 @@ def _matmul(x2, packed: PackedW4NK, bias, impl, config, interpret):
         return reference_nk(x2, packed, bias)
     if kind == "xla":
         # XLA:CPU cannot always run a bf16 × bf16 → f32 dot; there the operands go to f32 first.
-        dtype = jnp.float32 if jax.devices()[0].platform == "cpu" else x2.dtype
+        dtype = jnp.float32 if device_lib.is_cpu() else x2.dtype
         return reference_nk(x2, packed, bias, dtype)
     # Imported here: Mosaic GPU's Pallas backend took ~0.3 s of `import jquant`'s ~1.3 s on a
     # 2-core CPU host (python -X importtime), and only a kernel call needs it.

@@ -1,17 +1,21 @@
-"""The W4A16 benchmark: kernels against XLA bf16 ``x @ W`` and XLA dequant+dot, in one run.
+"""The W4A16 benchmark: 4-bit weight-only schemes as a model runs them, against XLA bf16 ``x @ W``
+and XLA dequant+dot, in one run.
 
-Each record (JSON) holds op, impl, scheme, M, N, K, time_us, baselines {name: time_us}, device,
-jax_version, date, the launch config, TB/s, TFLOP/s, speedup vs bf16, % of the byte floor, and
-the batch spread ((slowest − fastest) / median, %) of the kernel and of each baseline.
-The baselines and kernels of one cell are timed interleaved, a batch of each in turn
-(``time_interleaved``).
+A cell's weight comes from the public API: ``get_scheme(name).quantize_weight(w)`` of a random
+``[N, K]`` weight, then ``process_weights_after_loading``; the timed candidate is
+``scheme.apply(x, prepared)``. ``impls`` may add ``w4a16_matmul`` impls on the weight's kernel
+layout, for kernel-level A/Bs.
+
+Each record (JSON) holds op, impl, prepared_impl, scheme, M, N, K, time_us, baselines
+{name: time_us}, device, jax_version, commit, date, the launch config, TB/s, TFLOP/s, speedup vs
+bf16, % of the byte floor, and the batch spread ((slowest − fastest) / median, %) of the kernel and
+of each baseline. The baselines and kernels of one cell are timed interleaved, a batch of each in
+turn (``time_interleaved``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
 import pathlib
 from typing import Callable, Iterable
 
@@ -20,24 +24,28 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+import jquant
 from jquant.bench.timing import (H200_HBM_BYTES_PER_S, array_bytes, copies_for, roofline,
                                  spread_pct, time_interleaved, time_steadiest)
-from jquant.kernels.w4a16 import (PackedW4NK, default_mgpu_config, prepack_nk, resolve_impl,
+from jquant.kernels.w4a16 import (IMPLS, PackedW4NK, default_mgpu_config, resolve_impl,
                                    w4a16_matmul)
+from jquant.kernels.w4a16.from_qtensor import prepack_for_kernels, unified_w4
+from jquant.bench.records import run_meta, write_records
 
 SHAPES = ((28672, 8192), (8192, 28672), (8192, 8192), (4096, 4096), (1536, 576))
 MS = (1, 4, 16, 32, 64, 128, 256, 1024, 4096)
 QUICK_SHAPES = ((28672, 8192), (8192, 8192), (4096, 4096))
 QUICK_MS = (1, 16, 128, 1024)
-# scheme → (lut, group size, scale kind); int4 is GPTQ-style symmetric uint4b8.
-SCHEMES = {"int4_g128": ("int4", 128, "bf16"), "mxfp4": ("e2m1", 32, "e8m0"),
-           "nvfp4": ("e2m1", 16, "e4m3"), "nf4": ("nf4", 64, "f32")}
+# Registered scheme names timed by default; int4 is GPTQ-style symmetric uint4b8, groups of 128.
+SCHEMES = ("int4_g128", "mxfp4", "nvfp4", "nf4")
 M1_ONLY_SCHEMES = ("mxfp4", "nvfp4", "nf4")
 
 
 _SCALE_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
 
 
+# Random kernel inputs for the kernel tests (tests/kernels/w4a16); the benchmark itself quantizes
+# through the schemes.
 def random_w4_weight(rng: np.random.Generator, k: int, n: int, group: int, *, zeros: str | None = None,
                      scale_dtype="f32"):
     """Random ``prepack_nk`` inputs: codes ``[K, N]``, per-group scales and optional zero points.
@@ -62,21 +70,14 @@ def random_w4_weight(rng: np.random.Generator, k: int, n: int, group: int, *, ze
     return q, s, z
 
 
-def make_weight(scheme: str, n: int, k: int, key) -> dict:
-    """Random codes [K, N] and scales for ``scheme`` (generated on the device)."""
-    lut, group, scale_kind = SCHEMES[scheme]
+def _int4_baseline_weight(n: int, k: int, key) -> tuple[jax.Array, jax.Array]:
+    """Inputs of the ``xla_dequant_dot`` baseline: random int4 codes packed two per byte along K
+    (``[K/2, N]``, low nibble first) and bf16 scales in groups of 128 (made on the device)."""
     kq, ks = jax.random.split(key)
     q = jax.random.randint(kq, (k, n), 0, 16, jnp.int32).astype(jnp.uint8)
-    groups = -(-k // group)
-    s = jax.random.uniform(ks, (groups, n), jnp.float32, 0.5, 2.0) * 0.01
-    if scale_kind == "e8m0":
-        s = s.astype(jnp.float8_e8m0fnu)
-    elif scale_kind == "e4m3":
-        s = (s * 100).astype(jnp.float8_e4m3fn)
-    elif scale_kind == "bf16":
-        s = s.astype(jnp.bfloat16)
-    gs = 0.01 if scheme == "nvfp4" else None
-    return dict(q=q, scale=s, lut=lut, group_size=group, global_scale=gs)
+    scale = (jax.random.uniform(ks, (-(-k // 128), n), jnp.float32, 0.5, 2.0) * 0.01).astype(jnp.bfloat16)
+    codes = jnp.pad(q, ((0, k % 2), (0, 0)))
+    return (codes[0::2] | (codes[1::2] << 4)).astype(jnp.uint8), scale
 
 
 def _xla_dequant_dot_fn(k: int, group: int) -> Callable:
@@ -90,118 +91,196 @@ def _xla_dequant_dot_fn(k: int, group: int) -> Callable:
     return jax.jit(fn)
 
 
-def _device_name() -> str:
-    d = jax.devices()[0]
-    return f"{d.platform}:{d.device_kind}"
+def known_schemes() -> tuple[str, ...]:
+    """Registered weight-only schemes: what a cell can time through ``Scheme.apply``."""
+    return tuple(s for s in jquant.schemes() if jquant.get_scheme(s).weight_only)
+
+
+@dataclasses.dataclass
+class _SchemeWeight:
+    """One scheme's weight for a shape, as users get it, with copies for L2-defeating rotation."""
+
+    scheme: jquant.Scheme
+    prepared: list[jquant.Prepared]                  # process_weights_after_loading, then copies
+    packed: list[PackedW4NK] | None = None           # the kernel layout, for --impls A/Bs
+
+
+def _scheme_weight(name: str, w: jax.Array, max_copies: int, kernel_impls: bool) -> _SchemeWeight:
+    """``get_scheme → quantize_weight → process_weights_after_loading`` on ``w`` ``[N, K]``."""
+    scheme = jquant.get_scheme(name)
+    # One jitted program: eager quantization of a 28672×8192 weight materializes every
+    # intermediate of 235M elements.
+    qw = jax.jit(scheme.quantize_weight)(w)
+    prepared = _copies(scheme.process_weights_after_loading(qw), max_copies)
+    packed = None
+    if kernel_impls:
+        if isinstance(prepared[0].data, PackedW4NK):
+            packed = [p.data for p in prepared]
+        else:   # the device took the XLA reference: lay the weight out for the kernel here
+            args = unified_w4(qw)
+            one = None if args is None else prepack_for_kernels(args)
+            packed = None if one is None else _copies(one, max_copies)
+    return _SchemeWeight(scheme, prepared, packed)
+
+
+def _copies(tree, max_copies: int) -> list:
+    """``tree`` and copies of it: distinct buffers holding the same values, so the L2 never has the
+    next one."""
+    n = copies_for(array_bytes(tree), max_copies=max_copies)
+    return [tree] + [jax.tree_util.tree_map(lambda a: a.copy(), tree) for _ in range(n - 1)]
+
+
+def _scheme_op(prepared: jquant.Prepared, m: int) -> str:
+    """What ``scheme.apply`` runs at ``m`` rows: with the Mosaic GPU impl's layout, the path
+    ``w4a16_matmul(impl="auto")`` picks (``w4a16_mgpu`` or ``w4a16_xla``); else the impl's name
+    (``xla``: the scheme's XLA reference, dequantize + dot)."""
+    if isinstance(prepared.data, PackedW4NK):
+        return f"w4a16_{resolve_impl('auto', m, weight_elems=prepared.data.n * prepared.data.k)}"
+    return prepared.impl
 
 
 def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
-        schemes: Iterable[str] = tuple(SCHEMES), configs: dict | None = None,
-        impls: Iterable[str] = ("auto",), interpret: bool = False, reps: int = 9,
+        schemes: Iterable[str] = SCHEMES, configs: dict | None = None,
+        impls: Iterable[str] = ("scheme",), interpret: bool = False, reps: int = 9,
         hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S, log: Callable[[str], None] = print,
         max_copies: int = 64, max_spread_pct: float = 25.0, retries: int = 2) -> list[dict]:
     """Measures every (shape, M) for int4 (and the M=1 row for the other schemes).
 
-    ``configs`` maps ``(N, K, M)`` to an ``MgpuConfig`` (e.g. a sweep's winners); missing
-    entries use ``default_mgpu_config``. ``impls`` lists the ``w4a16_matmul`` impls to time per cell.
+    ``impls``: ``"scheme"`` times ``scheme.apply(x, prepared)``, what a model runs; the names of
+    ``w4a16_matmul`` impls (``IMPLS``: auto, mgpu, xla, ...) time that function on the weight's
+    kernel layout, a kernel-level A/B. ``configs`` maps ``(N, K, M)`` to an ``MgpuConfig`` for
+    those (e.g. a sweep's winners); missing entries use ``default_mgpu_config``.
     A cell whose widest batch spread (kernel or baseline) exceeds ``max_spread_pct`` is timed
     again, up to ``retries`` times; its record keeps the steadiest attempt and lists every
     attempt's widest spread (``attempt_spreads_pct``).
     """
     configs = configs or {}
+    impls = tuple(impls)
+    bad = [i for i in impls if i != "scheme" and i not in IMPLS]
+    if bad:
+        raise ValueError(f"impls {bad} unknown; use 'scheme' or w4a16_matmul impls {IMPLS}")
     if interpret:   # interpret mode measures nothing real: one copy, one warm-up, just the plumbing
         max_copies, warmup, retries = 1, 1, 0
     else:
         warmup = 3
     records = []
     key = jax.random.PRNGKey(0)
-    meta = dict(device=_device_name(), jax_version=jax.__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    meta = run_meta()
+    how = _Timing(impls, configs, interpret, key, max_copies, warmup, reps, hbm_bytes_per_s,
+                  max_spread_pct, retries, meta, log)
     for n, k in shapes:
         w_bf16 = [jax.random.normal(jax.random.fold_in(key, c), (k, n), jnp.bfloat16)
                   for c in range(copies_for(k * n * 2, max_copies=max_copies))]
-        int4 = make_weight("int4_g128", n, k, key)
-        k_even = k + (k % 2)
-        codes = jnp.pad(int4["q"], ((0, k_even - k), (0, 0)))
-        rows = (codes[0::2] | (codes[1::2] << 4)).astype(jnp.uint8)
+        rows, int4_scale = _int4_baseline_weight(n, k, key)
         dequant_fn = _xla_dequant_dot_fn(k, 128)
-        packed_cache: dict = {}
+        w = jax.random.normal(jax.random.fold_in(key, 7), (n, k), jnp.bfloat16)
         for scheme in schemes:
-            weight = int4 if scheme == "int4_g128" else make_weight(scheme, n, k, key)
+            try:
+                weight = _scheme_weight(scheme, w, max_copies, any(i != "scheme" for i in impls))
+            except Exception as e:  # one failing scheme must not end the run
+                log(f"  FAILED {scheme} {n}x{k}: quantize/prepare: {type(e).__name__}: {e}")
+                continue
             for m in ms:
                 if scheme in M1_ONLY_SCHEMES and m != 1:
                     continue
-                # As many distinct x as a program has calls of the dequant+dot (which reads one
-                # copy of the codes), so XLA merges none of them.
-                n_x = copies_for(k * n // 2 + m * k * 2, max_copies=max_copies)
-                xs = [jax.random.normal(jax.random.fold_in(key, 100 + c), (m, k), jnp.bfloat16)
-                      for c in range(n_x)]
-                # Baselines and impls of a cell are timed in turn, so a drift of the
-                # device's clocks falls on all of them alike and their ratios hold.
-                cands = {}
-                if scheme == "int4_g128" or m == 1:
-                    cands["xla_bf16"] = (jnp.dot, [(xs[c % n_x], w) for c, w in enumerate(w_bf16)])
-                    cands["xla_dequant_dot"] = (dequant_fn, [(x, rows, int4["scale"]) for x in xs])
-                timed = {}
-                packed = _packed(packed_cache, scheme, weight, max_copies)
-                for impl in impls:
-                    mode = resolve_impl(impl, m, interpret, weight_elems=n * k)
-                    cfg = None
-                    if mode == "mgpu":
-                        cfg = configs.get((n, k, m)) or default_mgpu_config(m, packed[0])
-                    fn = jax.jit(lambda x, p, _impl=impl, _cfg=cfg: w4a16_matmul(
-                        x, p, impl=_impl, config=_cfg, interpret=interpret))
-                    args = [(xs[c % n_x], p) for c, p in enumerate(packed)]
-                    try:
-                        jax.block_until_ready(fn(*args[0]))
-                    except Exception as e:  # one failing cell must not end the run
-                        log(f"  FAILED {scheme} {n}x{k} M={m} impl={impl}: {type(e).__name__}: {e}")
-                        continue
-                    cands[f"impl:{impl}"] = (fn, args)
-                    timed[impl] = (mode, cfg, packed)
-                # 10 ms batches: the H200 A/Bs timed with them ran steady, the two H200 runs
-                # with 2 ms batches did not (batch spreads in bench/results/h200/w4a16.md).
-                times, attempts = time_steadiest(
-                    lambda cands=cands: time_interleaved(
-                        cands, warmup=warmup, reps=reps,
-                        min_batch_s=1e-3 if interpret else 10e-3),
-                    max_spread_pct, retries)
-                baselines = {b: times[b].median_us for b in ("xla_bf16", "xla_dequant_dot")
-                             if b in times}
-                spread = {b: spread_pct(times[b]) for b in baselines}
-                for impl, (mode, cfg, packed) in timed.items():
-                    t = times[f"impl:{impl}"]
-                    nbytes = array_bytes(packed[0], xs[0]) + m * n * 2
-                    roof = roofline(t.median_us, nbytes, 2 * m * n * k, hbm_bytes_per_s)
-                    rec = dict(op=f"w4a16_{mode}", impl=impl, scheme=scheme, M=m, N=n, K=k,
-                               time_us=round(t.median_us, 2),
-                               baselines={b: round(v, 2) for b, v in baselines.items()},
-                               spread_pct=spread_pct(t), baseline_spread_pct=spread,
-                               attempt_spreads_pct=attempts,
-                               config=dataclasses.asdict(cfg) if cfg else None,
-                               tb_per_s=round(roof.tb_per_s, 3),
-                               tflop_per_s=round(roof.tflop_per_s, 2),
-                               pct_of_byte_floor=round(roof.pct_of_byte_floor, 1), **meta)
-                    if "xla_bf16" in baselines:
-                        rec["speedup_vs_bf16"] = round(baselines["xla_bf16"] / t.median_us, 3)
-                    records.append(rec)
-                    log(f"  {scheme:9s} {n}x{k} M={m:<5d} {rec['op']:11s} {rec['time_us']:9.1f} us"
-                        f"  bf16 {baselines.get('xla_bf16', float('nan')):9.1f}"
-                        f"  x{rec.get('speedup_vs_bf16', float('nan')):.2f}"
-                        f"  {rec['tb_per_s']:.2f} TB/s")
+                records += _cell(weight, n, k, m, w_bf16, (dequant_fn, rows, int4_scale), how)
+        del w   # before the next shape's weights are made
     return records
 
 
-def _packed(cache: dict, scheme: str, weight: dict, max_copies: int) -> list[PackedW4NK]:
-    """Copies of the weight in the kernel's layout."""
-    if scheme not in cache:
-        one = prepack_nk(weight["q"], weight["scale"], group_size=weight["group_size"],
-                         lut=weight["lut"], global_scale=weight["global_scale"])
-        copies = copies_for(one.nbytes, max_copies=max_copies)
-        # Copies are distinct buffers holding the same values: the L2 never has the next one.
-        cache[scheme] = [one] + [jax.tree_util.tree_map(lambda a: a.copy(), one)
-                                 for _ in range(copies - 1)]
-    return cache[scheme]
+@dataclasses.dataclass(frozen=True)
+class _Timing:
+    """How ``run`` times its cells (its arguments, and the records' common fields)."""
+
+    impls: tuple[str, ...]
+    configs: dict
+    interpret: bool
+    key: jax.Array
+    max_copies: int
+    warmup: int
+    reps: int
+    hbm_bytes_per_s: float
+    max_spread_pct: float
+    retries: int
+    meta: dict
+    log: Callable[[str], None]
+
+
+def _cell(weight: _SchemeWeight, n: int, k: int, m: int, w_bf16: list, dequant: tuple,
+          how: _Timing) -> list[dict]:
+    """Times one (shape, M, scheme) cell: its baselines and every impl, interleaved."""
+    scheme = weight.scheme.name
+    impls, configs, interpret, key, max_copies, log = (how.impls, how.configs, how.interpret, how.key,
+                                                       how.max_copies, how.log)
+    # As many distinct x as a program has calls of the dequant+dot (which reads one copy of the
+    # codes), so XLA merges none of them.
+    n_x = copies_for(k * n // 2 + m * k * 2, max_copies=max_copies)
+    xs = [jax.random.normal(jax.random.fold_in(key, 100 + c), (m, k), jnp.bfloat16) for c in range(n_x)]
+    # Baselines and impls of a cell are timed in turn, so a drift of the device's clocks falls on
+    # all of them alike and their ratios hold.
+    cands = {}
+    if scheme == "int4_g128" or m == 1:
+        dequant_fn, rows, int4_scale = dequant
+        cands["xla_bf16"] = (jnp.dot, [(xs[c % n_x], w) for c, w in enumerate(w_bf16)])
+        cands["xla_dequant_dot"] = (dequant_fn, [(x, rows, int4_scale) for x in xs])
+    timed = {}
+    for impl in impls:
+        if impl == "scheme":
+            op = _scheme_op(weight.prepared[0], m)
+            cfg = default_mgpu_config(m, weight.prepared[0].data) if op == "w4a16_mgpu" else None
+            fn = jax.jit(lambda x, p, _s=weight.scheme: _s.apply(x, p))
+            copies = weight.prepared
+        else:
+            if weight.packed is None:
+                log(f"  SKIPPED {scheme} {n}x{k} M={m} impl={impl}: no 4-bit kernel layout for this weight")
+                continue
+            op = f"w4a16_{resolve_impl(impl, m, interpret, weight_elems=n * k)}"
+            cfg = (configs.get((n, k, m)) or default_mgpu_config(m, weight.packed[0])
+                   if op == "w4a16_mgpu" else None)
+            fn = jax.jit(lambda x, p, _impl=impl, _cfg=cfg: w4a16_matmul(
+                x, p, impl=_impl, config=_cfg, interpret=interpret))
+            copies = weight.packed
+        args = [(xs[c % n_x], p) for c, p in enumerate(copies)]
+        try:
+            jax.block_until_ready(fn(*args[0]))
+        except Exception as e:  # one failing cell must not end the run
+            log(f"  FAILED {scheme} {n}x{k} M={m} impl={impl}: {type(e).__name__}: {e}")
+            continue
+        cands[f"impl:{impl}"] = (fn, args)
+        timed[impl] = (op, cfg, copies[0])
+    if not timed:
+        return []
+    # 10 ms batches: the H200 A/Bs timed with them ran steady, the two H200 runs with 2 ms
+    # batches did not (batch spreads in bench/results/h200/w4a16.md).
+    times, attempts = time_steadiest(
+        lambda: time_interleaved(cands, warmup=how.warmup, reps=how.reps,
+                                 min_batch_s=1e-3 if interpret else 10e-3),
+        how.max_spread_pct, how.retries)
+    baselines = {b: times[b].median_us for b in ("xla_bf16", "xla_dequant_dot") if b in times}
+    spread = {b: spread_pct(times[b]) for b in baselines}
+    records = []
+    for impl, (op, cfg, one) in timed.items():
+        t = times[f"impl:{impl}"]
+        nbytes = array_bytes(one, xs[0]) + m * n * 2
+        roof = roofline(t.median_us, nbytes, 2 * m * n * k, how.hbm_bytes_per_s)
+        rec = dict(op=op, impl=impl, scheme=scheme, M=m, N=n, K=k,
+                   prepared_impl=weight.prepared[0].impl,
+                   time_us=round(t.median_us, 2),
+                   baselines={b: round(v, 2) for b, v in baselines.items()},
+                   spread_pct=spread_pct(t), baseline_spread_pct=spread,
+                   attempt_spreads_pct=attempts,
+                   config=dataclasses.asdict(cfg) if cfg else None,
+                   tb_per_s=round(roof.tb_per_s, 3),
+                   tflop_per_s=round(roof.tflop_per_s, 2),
+                   pct_of_byte_floor=round(roof.pct_of_byte_floor, 1), **how.meta)
+        if "xla_bf16" in baselines:
+            rec["speedup_vs_bf16"] = round(baselines["xla_bf16"] / t.median_us, 3)
+        records.append(rec)
+        log(f"  {scheme:9s} {n}x{k} M={m:<5d} {impl:6s} {rec['op']:11s} {rec['time_us']:9.1f} us"
+            f"  bf16 {baselines.get('xla_bf16', float('nan')):9.1f}"
+            f"  x{rec.get('speedup_vs_bf16', float('nan')):.2f}"
+            f"  {rec['tb_per_s']:.2f} TB/s")
+    return records
 
 
 def to_markdown(records: list[dict]) -> str:
@@ -210,13 +289,15 @@ def to_markdown(records: list[dict]) -> str:
     rows = []
     for r in records:
         b = r["baselines"]
-        rows.append(f"| {r['scheme']} | {r['N']}×{r['K']} | {r['M']} | {r['op']} | {r['time_us']} | "
+        op = r["op"] if r.get("impl", "scheme") == "scheme" else f"{r['op']} ({r['impl']})"
+        rows.append(f"| {r['scheme']} | {r['N']}×{r['K']} | {r['M']} | {op} | {r['time_us']} | "
                     f"{b.get('xla_bf16', '')} | {b.get('xla_dequant_dot', '')} | "
                     f"{r.get('speedup_vs_bf16', '')} | {r['tb_per_s']} | {r['pct_of_byte_floor']} | "
                     f"{_cell_spread(r)} |")
     meta = records[0] if records else {}
+    commit = f", commit {meta['commit']}" if "commit" in meta else ""
     title = (f"# W4A16 benchmark\n\n{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, "
-             f"{meta.get('date', '')}\n\n")
+             f"{meta.get('date', '')}{commit}\n\n")
     return title + head + "\n".join(rows) + "\n"
 
 
@@ -228,9 +309,4 @@ def _cell_spread(record: dict) -> str:
 
 
 def write(records: list[dict], out_dir, stem: str = "w4a16") -> tuple[pathlib.Path, pathlib.Path]:
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    js, md = out / f"{stem}.json", out / f"{stem}.md"
-    js.write_text(json.dumps(records, indent=1))
-    md.write_text(to_markdown(records))
-    return js, md
+    return write_records(records, out_dir, stem, to_markdown)

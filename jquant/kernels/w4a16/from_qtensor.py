@@ -44,7 +44,7 @@ def unified_w4(qt: QTensor) -> dict | None:
         codes = unpack_bits(qt.data, 4, axis=1)
         group = qt.block[1]
         scale = qt.scale
-    args = dict(q=codes.T, scale=scale.T, lut=_LUT[qt.fmt], group_size=-1 if group == k else group)
+    args = dict(q=codes.T, scale=scale.T, lut=_LUT[qt.fmt], group_size=None if group == k else group)
     if qt.fmt == "nvfp4" and qt.global_scale is not None:
         # e4m3 block scales stay exact; the per-tensor factor is applied once, in fp32.
         args["global_scale"] = nvfp4.global_multiplier(qt)
@@ -56,7 +56,7 @@ def unified_w4(qt: QTensor) -> dict | None:
 
 
 def _supports(scheme: Scheme, capability: int, platform: str) -> bool:
-    return platform == "gpu" and has_wgmma(capability) and scheme.weight_only and scheme.weight_format in _LUT
+    return platform == "gpu" and has_wgmma(capability) and scheme.weight_only and scheme.weight.format in _LUT
 
 
 def prepack_for_kernels(args: dict) -> PackedW4NK | None:

@@ -1,0 +1,30 @@
+"""What every benchmark record carries about its run, and how a record list is written."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+from typing import Callable
+
+import jax
+
+from jquant.bench.timing import source_commit
+from jquant.schemes.dispatch import device_name
+
+
+def run_meta() -> dict:
+    """``device`` (platform:device_kind), ``jax_version``, ``commit`` and ``date`` (UTC, the run's start)."""
+    return dict(device=device_name(), jax_version=jax.__version__, commit=source_commit(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+def write_records(records: list[dict], out_dir, stem: str,
+                  to_markdown: Callable[[list[dict]], str]) -> tuple[pathlib.Path, pathlib.Path]:
+    """``<out_dir>/<stem>.json`` (the records) and ``<stem>.md`` (``to_markdown`` of them)."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    js, md = out / f"{stem}.json", out / f"{stem}.md"
+    js.write_text(json.dumps(records, indent=1))
+    md.write_text(to_markdown(records))
+    return js, md

@@ -1,0 +1,115 @@
+"""One safetensors writer for parameter trees: float leaves and QParams, named as checkpoints name them.
+
+``checkpoint_tensors`` turns a tree into ``{tensor name: numpy array}``: each QParam becomes the tensors
+``to_checkpoint`` gives in its layout, under its module's name joined by the layout's separator
+(``tensor_name``); each float leaf becomes one tensor. ``save_checkpoint`` writes them with
+``safetensors_file.save_file``. ``save_hf_checkpoint`` and ``export_safetensors`` both call it, so a
+layout's tensor names are decided here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jquant.checkpoint.base import to_checkpoint
+from jquant.qtensor import QTensor
+from jquant.schemes.qparam import QParam
+from jquant.schemes.scheme import Prepared
+
+# Layouts whose tensors hang off the module name with "_" (transformers' gpt-oss names its MXFP4
+# experts ``mlp.experts.gate_up_proj_blocks`` / ``..._scales``); every other layout uses ".".
+_UNDERSCORE_LAYOUTS = ("gpt-oss",)
+
+
+def tensor_separator(layout: str | None) -> str:
+    """What joins a module's name and its tensors' keys in ``layout`` (``"_"`` or ``"."``)."""
+    return "_" if layout is not None and layout.split("/", 1)[0] in _UNDERSCORE_LAYOUTS else "."
+
+
+def tensor_name(module: str, key: str, layout: str | None) -> str:
+    """The checkpoint name of tensor ``key`` (a ``to_checkpoint`` key) of ``module`` in ``layout``."""
+    return f"{module}{tensor_separator(layout)}{key}"
+
+
+def _key_name(k) -> str:
+    # The Flax path convention (``jquant.flax.rules.path_str``), kept here so checkpoint code does
+    # not import the Flax layer.
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _default_name(path: str) -> str:
+    return path.replace("/", ".")
+
+
+def checkpoint_tensors(params: Any, *, name_map: Callable[[str], str] | None = None,
+                       kernel_to_weight: bool = False, layout: str | None = None,
+                       layout_options: dict | None = None) -> dict[str, np.ndarray]:
+    """The checkpoint tensors of ``params`` (a tree of float arrays and QParams holding QTensors).
+
+    ``name_map`` turns a ``/``-joined module path (``layers_0/q_proj``) into the checkpoint's module
+    name (default: the path joined with dots). A QParam at ``<module>/<leaf>`` is stored as
+    ``to_checkpoint(qtensor, layout)`` (its scheme's layout unless ``layout`` is given; its scheme's
+    layout options, updated by ``layout_options``, and its ``input_scale`` as options), each tensor
+    named ``tensor_name(name_map(module), key, layout)``.
+
+    Float leaves: with ``kernel_to_weight`` every one is ``<name_map(module)>.weight`` (HF names: one
+    float tensor per module), a Flax ``kernel`` ``[K, N]`` transposed to PyTorch's ``[N, K]``; without
+    it a leaf keeps its orientation and is named ``name_map(path)`` of its whole path.
+
+    Raises ValueError for a QParam without a layout, a bare QTensor, a kernel layout (Prepared) and
+    two leaves that would share one tensor name.
+    """
+    name_map = name_map or _default_name
+    tensors: dict[str, np.ndarray] = {}
+
+    def put(name: str, value: np.ndarray, path: str) -> None:
+        if name in tensors:
+            raise ValueError(f"parameter {path!r}: tensor name {name!r} is already taken by another parameter")
+        tensors[name] = value
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda l: isinstance(l, (QParam, QTensor, Prepared)))
+    for keys, leaf in flat:
+        path = "/".join(_key_name(k) for k in keys)
+        module, _, leaf_name = path.rpartition("/")
+        module = module or path   # a top-level leaf is its own module
+        if isinstance(leaf, QParam):
+            lay = layout or leaf.scheme.checkpoint_layout
+            if lay is None:
+                raise ValueError(f"parameter {path!r}: scheme {leaf.scheme.name!r} names no checkpoint layout; "
+                                 "pass layout=")
+            opts = leaf.scheme.layout_kwargs() | dict(layout_options or {})
+            if leaf.input_scale is not None:
+                opts["input_scale"] = np.asarray(leaf.input_scale)
+            prefix = name_map(module)
+            for key, t in to_checkpoint(leaf.qtensor, lay, **opts).items():
+                put(tensor_name(prefix, key, lay), np.asarray(t, order="C"), path)  # keeps 0-d scales 0-d
+        elif isinstance(leaf, QTensor):
+            raise ValueError(f"parameter {path!r} is a bare QTensor; wrap it in a QParam to export it")
+        elif isinstance(leaf, Prepared):
+            raise ValueError(f"parameter {path!r} is a bare prepared weight (impl {leaf.impl!r}); export "
+                             "the QTensor it was prepared from, in a QParam")
+        elif kernel_to_weight:
+            value = np.asarray(leaf)
+            put(f"{name_map(module)}.weight",
+                np.ascontiguousarray(value.T if leaf_name == "kernel" else value), path)
+        else:
+            put(name_map(path), np.ascontiguousarray(np.asarray(leaf)), path)
+    return tensors
+
+
+def save_checkpoint(params: Any, path: str | os.PathLike, *, metadata: dict[str, str] | None = None,
+                    **options) -> dict[str, np.ndarray]:
+    """Writes ``checkpoint_tensors(params, **options)`` to the safetensors file ``path``; returns them."""
+    from jquant.checkpoint.safetensors_file import save_file
+
+    tensors = checkpoint_tensors(params, **options)
+    save_file(tensors, path, metadata=metadata)
+    return tensors

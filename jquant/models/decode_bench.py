@@ -1,0 +1,199 @@
+"""The decode-step benchmark: one jitted, cache-donating step of a Llama-3-8B-shaped stack.
+
+A cell is (weight scheme, kv_cache_dtype, batch, context). Weights are random (bf16, or quantized by
+``quantize_params`` with the scheme on the seven projections, as a user would); the paged cache is
+filled with random codes so every sequence holds ``ctx`` tokens. The step is what ``decode_step``
+runs: embed, 8 (or more) layers with the weight GEMMs, quantize-and-insert of the new token and
+paged decode attention, the tied lm_head. In the same run: the bf16 model on a bf16 paged cache, and
+the bf16 model on the dense cache (``KVCache``: attention over the whole masked ``max_len``).
+
+The byte floor of a step is the bytes it must read once (every weight, lm_head included, and the
+ctx tokens of cache per sequence and layer) at the HBM rate measured in the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jquant.bench.profile import summarize_trace
+from jquant.bench.timing import array_bytes, measure_hbm_bandwidth
+from jquant.checkpoint.hf_checkpoint import PROJECTIONS
+from jquant.kernels.decode_attention.bench import random_pages
+from jquant.kv.cache import PagedCache
+from jquant.kv.dtypes import kv_cache_spec
+from jquant.models.llama import KVCache, LlamaConfig, LlamaForCausalLM, decode_step, new_cache
+
+STEPS_PER_BATCH = 16
+
+
+def llama3_8b_shape(num_layers: int = 8, max_len: int = 8192) -> LlamaConfig:
+    """Llama-3-8B's layer shapes (hidden 4096, intermediate 14336, 32 query / 8 KV heads of 128) with a
+    32000-token vocabulary and ``num_layers`` layers."""
+    return LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=num_layers,
+                       num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
+                       max_position_embeddings=max_len)
+
+
+def random_bf16_params(model: LlamaForCausalLM, key) -> dict:
+    """Random bf16 parameters (made on the device): weights N(0, 0.02²), norm scales 1."""
+    shapes = jax.eval_shape(model.init, key, jnp.zeros((1, 1), jnp.int32))["params"]
+    leaves, tree = jax.tree.flatten(shapes)
+    keys = jax.random.split(key, len(leaves))
+
+    @jax.jit
+    def make(ks):
+        return [jnp.ones(s.shape, jnp.bfloat16) if s.ndim == 1 else
+                (0.02 * jax.random.normal(k, s.shape, jnp.float32)).astype(jnp.bfloat16)
+                for k, s in zip(ks, leaves)]
+    return jax.tree.unflatten(tree, make(keys))
+
+
+def weights_for(scheme: str, bf16_params: dict) -> dict:
+    """bf16 params as they are, or their projections quantized and prepared with ``scheme``."""
+    if scheme == "bf16":
+        return bf16_params
+    from jquant.flax.rules import quantize_params
+    qparams, _ = quantize_params(bf16_params, [(PROJECTIONS, scheme)])
+    return qparams
+
+
+def filled_cache(model: LlamaForCausalLM, kv_cache_dtype: str | None, batch: int, ctx: int, max_len: int,
+                 key):
+    """A cache whose sequences each hold ``ctx`` random tokens (dense ``KVCache`` when None)."""
+    cache = new_cache(model, batch, max_len, kv_cache_dtype)
+    if kv_cache_dtype is None:
+        rand = lambda i, a: 0.5 * jax.random.normal(jax.random.fold_in(key, i), a.shape, a.dtype)
+        return KVCache(tuple(rand(i, k) for i, k in enumerate(cache.keys)),
+                       tuple(rand(1000 + i, v) for i, v in enumerate(cache.values)), jnp.int32(ctx))
+    layers = tuple(random_pages(layer, jax.random.fold_in(key, i)) for i, layer in enumerate(cache.layers))
+    return PagedCache(layers, cache.block_tables, jnp.full((batch,), ctx, jnp.int32))
+
+
+def _at_ctx(cache, ctx: int):
+    """The same buffers with every sequence reset to ``ctx`` tokens (so each batch times the same step)."""
+    if isinstance(cache, KVCache):
+        return KVCache(cache.keys, cache.values, jnp.int32(ctx))
+    return dataclasses.replace(cache, lengths=jnp.full_like(cache.lengths, ctx))
+
+
+def step_bytes(params: dict, cache, batch: int, ctx: int, config: LlamaConfig) -> int:
+    """Weights (every leaf once; the tied embedding is lm_head's read) plus ctx cached tokens per
+    sequence and layer. A dense cache is counted as the ctx tokens it needs, not its max_len."""
+    kv = 0
+    for i in range(config.num_layers):
+        name = "bf16" if isinstance(cache, KVCache) else cache.layers[i].spec.name
+        kv += batch * ctx * config.num_kv_heads * kv_cache_spec(name).bytes_per_token_per_head(config.head_dim)
+    return array_bytes(params) + kv
+
+
+def time_decode(model, variables, cache, batch: int, ctx: int, reps: int, warmup: int = 2):
+    """Median µs per step over ``reps`` batches of back-to-back donated steps; returns (µs list, cache)."""
+    token = jnp.ones((batch, 1), jnp.int32)
+    for _ in range(warmup):
+        cache = _at_ctx(cache, ctx)
+        for _ in range(STEPS_PER_BATCH):
+            logits, cache = decode_step(model, variables, token, cache)
+        logits.block_until_ready()
+    samples = []
+    for _ in range(reps):
+        cache = _at_ctx(cache, ctx)
+        jax.block_until_ready(cache)
+        t0 = time.perf_counter()
+        for _ in range(STEPS_PER_BATCH):
+            logits, cache = decode_step(model, variables, token, cache)
+        logits.block_until_ready()
+        samples.append(1e6 * (time.perf_counter() - t0) / STEPS_PER_BATCH)
+    if not np.isfinite(np.asarray(logits, np.float32)).all():
+        raise FloatingPointError("the decode step produced non-finite logits")
+    return samples, cache
+
+
+def _trace(folder: str, model, variables, cache, batch: int, ctx: int, steps: int = 4) -> dict:
+    """Traces ``steps`` decode steps into ``folder``; returns ``summarize_trace`` of it."""
+    token = jnp.ones((batch, 1), jnp.int32)
+    cache = _at_ctx(cache, ctx)
+    with jax.profiler.trace(folder):
+        for _ in range(steps):
+            logits, cache = decode_step(model, variables, token, cache)
+        logits.block_until_ready()
+    return summarize_trace(folder, steps)
+
+
+def run(num_layers: int = 8, batches: Iterable[int] = (1, 16), ctxs: Iterable[int] = (1024, 8192),
+        schemes: Iterable[str] = ("bf16", "int4_g128"), kv_dtypes: Iterable[str] = ("bf16", "fp8"),
+        reps: int = 7, meta: dict | None = None, log: Callable[[str], None] = print,
+        shape: Callable[[int, int], LlamaConfig] = llama3_8b_shape, profile_dir: str | None = None) -> list[dict]:
+    """Every (scheme, kv dtype) cell at every (batch, ctx), with the bf16/bf16 and dense-cache baselines
+    of the same (batch, ctx) timed in the same rounds. ``shape(num_layers, max_len)`` gives the model.
+    ``profile_dir``: also write a ``jax.profiler`` trace of a few steps of each cell there (one folder a cell),
+    to see where a step's time goes."""
+    schemes, kv_dtypes = tuple(schemes), tuple(kv_dtypes)
+    hbm = measure_hbm_bandwidth()
+    log(f"  HBM copy rate {hbm / 1e12:.2f} TB/s")
+    key = jax.random.key(0)
+    records = []
+    for batch in batches:
+        for ctx in ctxs:
+            max_len = ctx + (reps + 2) * STEPS_PER_BATCH + 16
+            config = shape(num_layers, max_len)
+            model = LlamaForCausalLM(config, dtype=jnp.bfloat16)
+            bf16 = random_bf16_params(model, key)
+            weights = {s: weights_for(s, bf16) for s in dict.fromkeys(("bf16",) + schemes)}
+            cells = {("bf16", "dense"): None}
+            cells.update({(s, kv): kv for s in ("bf16",) + schemes for kv in dict.fromkeys(("bf16",) + kv_dtypes)
+                          if s == "bf16" and kv == "bf16" or (s in schemes and kv in kv_dtypes)})
+            timed = {}
+            for (scheme, kv), kv_name in cells.items():
+                cache = filled_cache(model, kv_name, batch, ctx, max_len, jax.random.fold_in(key, 7))
+                try:
+                    samples, cache = time_decode(model, {"params": weights[scheme]}, cache, batch, ctx, reps)
+                    profile = {}
+                    if profile_dir:
+                        profile = _trace(f"{profile_dir}/{scheme}_{kv}_b{batch}_ctx{ctx}", model,
+                                         {"params": weights[scheme]}, cache, batch, ctx)
+                        log(f"  profile {scheme} kv={kv}: " + json.dumps(profile))
+                except Exception as e:  # one failing cell must not end the run
+                    log(f"  FAILED {scheme} kv={kv} B={batch} ctx={ctx}: {type(e).__name__}: {e}")
+                    continue
+                timed[(scheme, kv)] = (float(np.median(samples)), samples,
+                                       step_bytes(weights[scheme], cache, batch, ctx, config), profile)
+                del cache
+            base = timed.get(("bf16", "bf16"), (None,))[0]
+            dense = timed.get(("bf16", "dense"), (None,))[0]
+            for (scheme, kv), (t, samples, nbytes, profile) in timed.items():
+                floor_us = 1e6 * nbytes / hbm
+                rec = dict(op="decode_step", scheme=scheme, kv_dtype=kv, batch=batch, ctx=ctx, layers=num_layers,
+                           time_us=round(t, 1), tokens_per_s=round(batch * 1e6 / t, 1),
+                           baselines={"bf16_weights_bf16_kv": base and round(base, 1),
+                                      "bf16_weights_dense_cache": dense and round(dense, 1)},
+                           spread_pct=round(100 * (max(samples) - min(samples)) / t, 1),
+                           step_bytes=nbytes, byte_floor_us=round(floor_us, 1),
+                           pct_of_byte_floor=round(100 * floor_us / t, 1), hbm_tb_per_s=round(hbm / 1e12, 3),
+                           speedup_vs_bf16=base and round(base / t, 3), **(meta or {}))
+                if profile:
+                    rec["profile"] = profile
+                records.append(rec)
+                log(f"  decode {scheme:10s} kv={kv:20s} B={batch:<3d} ctx={ctx:<6d} {t:9.1f} us  floor "
+                    f"{floor_us:8.1f}  x{rec['speedup_vs_bf16'] or float('nan'):.2f} vs bf16")
+    return records
+
+
+def to_markdown(records: list[dict]) -> str:
+    meta = records[0] if records else {}
+    out = [f"# Decode step benchmark\n\n{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, "
+           f"{meta.get('date', '')}, commit {meta.get('commit', '')}; Llama-3-8B-shaped, "
+           f"{meta.get('layers', '')} layers, random weights\n",
+           "| weights | KV | B | ctx | step µs | tokens/s | byte floor µs | % floor | vs bf16+bf16 KV | "
+           "bf16 dense-cache µs | spread % |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        out.append(f"| {r['scheme']} | {r['kv_dtype']} | {r['batch']} | {r['ctx']} | {r['time_us']} | "
+                   f"{r['tokens_per_s']} | {r['byte_floor_us']} | {r['pct_of_byte_floor']} | "
+                   f"{r['speedup_vs_bf16']} | {r['baselines']['bf16_weights_dense_cache']} | {r['spread_pct']} |")
+    return "\n".join(out) + "\n"

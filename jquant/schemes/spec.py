@@ -1,0 +1,228 @@
+"""Typed, hashable descriptions of what a scheme quantizes and how: ``WeightSpec``, ``ActivationSpec`` and
+``LayoutSpec``.
+
+They are frozen dataclasses so a ``Scheme`` holding them stays hashable and can be a static argument
+under jit. Bits, symmetry and group sizes are fields, checked against the format when it is a known one;
+nothing is read back out of a format's name. A group size of None means one group per output channel,
+the only encoding of that case (HF configs' -1 is translated where the config is read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any
+
+from jquant.formats.fp8 import FP8_DTYPES, WEIGHT_GRANULARITIES
+from jquant.formats.integer import BITS, int_format
+
+ACTIVATION_MODES = ("none", "dynamic_per_tensor", "dynamic_per_token", "dynamic_per_token_group", "static")
+
+# Known formats → (family, bits). Integer names are built from their (bits, symmetric) fields.
+_INT_FORMATS = {int_format(b, s): (b, s) for b in BITS for s in (True, False)}
+_FAMILIES = {**{f: ("int", b) for f, (b, _) in _INT_FORMATS.items()},
+             **{f: ("fp8", 8) for f in FP8_DTYPES},
+             "mxfp4": ("mx", 4), "mxfp8_e4m3": ("mx", 8), "mxfp8_e5m2": ("mx", 8),
+             "nvfp4": ("nvfp4", 4), "nf4": ("bnb", 4), "fp4_bnb": ("bnb", 4)}
+# The WeightSpec option fields each family's quantizer takes (symmetric is checked on its own).
+_OPTION_FIELDS = ("group_size", "scale_dtype", "granularity", "block_size", "ue8m0", "scale_mode",
+                  "convention", "blocksize", "double_quant")
+_FAMILY_OPTIONS = {"int": ("group_size", "scale_dtype"), "fp8": ("granularity", "block_size", "ue8m0"),
+                   "mx": ("scale_mode",), "nvfp4": ("convention",), "bnb": ("blocksize", "double_quant")}
+# WeightSpec field → the quantizer's keyword, where the names differ.
+_KWARG_NAMES = {"double_quant": "compress_statistics"}
+
+
+def _positive_int(value, what: str, *, none_hint: str = "") -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{what} must be a positive int{none_hint}, got {value!r}")
+
+
+def _optional(value, types, what: str) -> None:
+    if value is not None and not isinstance(value, types):
+        names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise TypeError(f"{what} must be {names} or None, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    """How a weight ``[N, K]`` is quantized along K.
+
+    Attributes:
+      format: a ``jquant.formats.formats()`` name (``"int4"``, ``"fp8_e4m3"``, ``"nf4"``, ...).
+      bits: bits per code (checked against ``format`` when it is a known one).
+      symmetric: integer formats: True for codes around zero, False for zero points; None elsewhere.
+      group_size: integer formats: values per scale along K; None is one group per output channel.
+      scale_dtype: integer formats: dtype the scales are stored in (GPTQ/AWQ store ``"float16"``).
+      granularity: FP8: ``"tensor"``, ``"channel"`` or ``"block"``.
+      block_size: FP8 block: ``(rows, cols)`` of one scale block.
+      ue8m0: FP8 block: power-of-two scales.
+      scale_mode: MX formats: how the shared exponent is chosen (``"floor"``, ...).
+      convention: NVFP4: ``"compressed-tensors"`` or ``"modelopt"`` global-scale convention.
+      blocksize: bitsandbytes: values per absmax.
+      double_quant: bitsandbytes: absmax values themselves quantized to 8 bits.
+    """
+
+    format: str
+    bits: int
+    symmetric: bool | None = None
+    group_size: int | None = None
+    scale_dtype: str | None = None
+    granularity: str | None = None
+    block_size: tuple[int, int] | None = None
+    ue8m0: bool | None = None
+    scale_mode: str | None = None
+    convention: str | None = None
+    blocksize: int | None = None
+    double_quant: bool | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.format, str) or not self.format:
+            raise TypeError(f"WeightSpec.format must be a format name, got {self.format!r}")
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits <= 0:
+            raise ValueError(f"WeightSpec.bits must be a positive int, got {self.bits!r}")
+        _positive_int(self.group_size, "WeightSpec.group_size", none_hint=" (None: one group per output channel)")
+        _positive_int(self.blocksize, "WeightSpec.blocksize")
+        for name, types in (("symmetric", bool), ("ue8m0", bool), ("double_quant", bool), ("scale_dtype", str),
+                            ("granularity", str), ("scale_mode", str), ("convention", str)):
+            _optional(getattr(self, name), types, f"WeightSpec.{name}")
+        if self.block_size is not None:
+            block = tuple(self.block_size)  # a list from JSON or a config: kept hashable
+            if len(block) != 2:
+                raise ValueError(f"WeightSpec.block_size must be two positive ints, got {self.block_size!r}")
+            for b in block:
+                _positive_int(b, "WeightSpec.block_size entries")
+            object.__setattr__(self, "block_size", block)
+        family, bits = _FAMILIES.get(self.format, (None, None))
+        if bits is not None and self.bits != bits:
+            raise ValueError(f"WeightSpec: format {self.format!r} has {bits}-bit codes, got bits={self.bits}")
+        if family == "int" and (self.symmetric is None or int_format(self.bits, self.symmetric) != self.format):
+            want = _INT_FORMATS[self.format][1]
+            raise ValueError(f"WeightSpec: format {self.format!r} needs symmetric={want}, got {self.symmetric!r}")
+        if family is not None:
+            allowed = _FAMILY_OPTIONS[family] + (("symmetric",) if family == "int" else ())
+            extra = [f for f in _OPTION_FIELDS + ("symmetric",) if getattr(self, f) is not None and f not in allowed]
+            if extra:
+                raise ValueError(f"WeightSpec: {', '.join(extra)} do not apply to format {self.format!r} "
+                                 f"(it takes {', '.join(allowed)})")
+        if family == "fp8":
+            if self.granularity is not None and self.granularity not in WEIGHT_GRANULARITIES:
+                raise ValueError(f"WeightSpec.granularity must be one of {WEIGHT_GRANULARITIES}, "
+                                 f"got {self.granularity!r}")
+            if (self.granularity == "block") != (self.block_size is not None):
+                raise ValueError("WeightSpec: block_size goes with granularity='block' (and only with it), got "
+                                 f"granularity={self.granularity!r}, block_size={self.block_size!r}")
+            if self.granularity == "block" and self.ue8m0 is None:
+                object.__setattr__(self, "ue8m0", False)
+
+    @property
+    def family(self) -> str | None:
+        """``"int"``, ``"fp8"``, ``"mx"``, ``"nvfp4"`` or ``"bnb"``; None for a format not known here."""
+        return _FAMILIES.get(self.format, (None,))[0]
+
+    @classmethod
+    def integer(cls, bits: int, group_size: int | None, *, symmetric: bool = True,
+                scale_dtype: str | None = None) -> "WeightSpec":
+        """An integer weight: ``int{bits}`` (symmetric) or ``uint{bits}`` (zero points)."""
+        return cls(int_format(bits, symmetric), bits, symmetric=symmetric, group_size=group_size,
+                   scale_dtype=scale_dtype)
+
+    def quantize_kwargs(self) -> dict[str, Any]:
+        """The keyword options ``jquant.formats.quantize(w, self.format, axis=1, **options)`` takes."""
+        family = self.family
+        fields = _FAMILY_OPTIONS[family] if family is not None else _OPTION_FIELDS
+        # Integer quantizers are always told the group size: None asks for per-channel scales.
+        return {_KWARG_NAMES.get(f, f): getattr(self, f) for f in fields
+                if getattr(self, f) is not None or (family == "int" and f == "group_size")}
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSpec:
+    """How activations are quantized before the GEMM.
+
+    Attributes:
+      mode: one of ``ACTIVATION_MODES`` (``"none"``: weight-only, activations stay in float).
+      format: FP8 format of the quantized activations (``"fp8_e4m3"`` unless given); None when ``"none"``.
+      group_size: ``"dynamic_per_token_group"``: values per scale along K.
+      ue8m0: ``"dynamic_per_token_group"``: power-of-two scales.
+      input_scale: ``"static"``: a calibrated per-tensor scale used where no per-weight one is passed.
+    """
+
+    mode: str = "none"
+    format: str | None = None
+    group_size: int | None = None
+    ue8m0: bool = False
+    input_scale: float | None = None
+
+    def __post_init__(self):
+        if self.mode not in ACTIVATION_MODES:
+            raise ValueError(f"activation must be one of {ACTIVATION_MODES}, got {self.mode!r}")
+        _positive_int(self.group_size, "ActivationSpec.group_size")
+        if not isinstance(self.ue8m0, bool):
+            raise TypeError(f"ActivationSpec.ue8m0 must be a bool, got {self.ue8m0!r}")
+        if self.mode == "none":
+            if (self.format, self.group_size, self.ue8m0, self.input_scale) != (None, None, False, None):
+                raise ValueError("ActivationSpec: mode 'none' (weight-only) takes no format, group_size, ue8m0 "
+                                 "or input_scale")
+            return
+        if self.format is None:
+            object.__setattr__(self, "format", "fp8_e4m3")
+        if self.format not in FP8_DTYPES:
+            raise ValueError(f"ActivationSpec.format must be one of {tuple(FP8_DTYPES)}, got {self.format!r}")
+        if (self.mode == "dynamic_per_token_group") != (self.group_size is not None):
+            raise ValueError(f"ActivationSpec: group_size goes with mode 'dynamic_per_token_group' (and only with "
+                             f"it), got mode={self.mode!r}, group_size={self.group_size!r}")
+        if self.ue8m0 and self.mode != "dynamic_per_token_group":
+            raise ValueError(f"ActivationSpec: ue8m0 applies to mode 'dynamic_per_token_group', not {self.mode!r}")
+        if self.input_scale is not None:
+            if self.mode != "static":
+                raise ValueError(f"ActivationSpec: input_scale applies to mode 'static', not {self.mode!r}")
+            if isinstance(self.input_scale, bool) or not isinstance(self.input_scale, numbers.Real):
+                raise TypeError(f"ActivationSpec.input_scale must be a float, got {self.input_scale!r}")
+            scale = float(self.input_scale)
+            if not math.isfinite(scale) or scale <= 0:
+                raise ValueError(f"ActivationSpec.input_scale must be positive and finite, got {scale}")
+            object.__setattr__(self, "input_scale", scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutSpec:
+    """Options of a scheme's checkpoint layout that its tensors do not carry (``to_checkpoint`` and
+    ``from_checkpoint`` keywords).
+
+    Attributes:
+      checkpoint_format: GPTQ: ``"gptq"`` (zero points stored minus one) or ``"gptq_v2"``.
+      desc_act: GPTQ: act-order checkpoints (a ``g_idx`` per input row).
+    """
+
+    checkpoint_format: str | None = None
+    desc_act: bool | None = None
+
+    def __post_init__(self):
+        _optional(self.checkpoint_format, str, "LayoutSpec.checkpoint_format")
+        _optional(self.desc_act, bool, "LayoutSpec.desc_act")
+
+    def kwargs(self) -> dict[str, Any]:
+        """The options that are set, as ``to_checkpoint`` / ``from_checkpoint`` keywords."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
+def weight_spec_from_options(fmt: str, options: dict[str, Any]) -> WeightSpec:
+    """A WeightSpec from a format and ``quantize`` options (what schemes saved before the typed specs hold).
+
+    Bits and symmetry come from the format tables above, never from parsing the name.
+    """
+    if fmt not in _FAMILIES:
+        raise ValueError(f"cannot tell the bits of format {fmt!r}; build a WeightSpec with bits= instead")
+    family, bits = _FAMILIES[fmt]
+    names = {v: k for k, v in _KWARG_NAMES.items()}
+    fields = {names.get(k, k): (tuple(v) if k == "block_size" and v is not None else v) for k, v in options.items()}
+    if family == "int":
+        fields["symmetric"] = _INT_FORMATS[fmt][1]
+    return WeightSpec(fmt, bits, **fields)
+
+
+__all__ = ["ACTIVATION_MODES", "ActivationSpec", "LayoutSpec", "WeightSpec", "weight_spec_from_options"]

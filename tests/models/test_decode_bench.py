@@ -1,0 +1,53 @@
+"""The decode and attention benchmarks' plumbing on CPU (their timings mean nothing here)."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from jquant.kernels.decode_attention import bench as attention_bench
+from jquant.kv.cache import PagedCache
+from jquant.models import decode_bench
+from jquant.models.llama import LlamaConfig, LlamaForCausalLM
+
+
+def tiny(num_layers, max_len):
+    return LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=num_layers,
+                       num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1e4, rms_norm_eps=1e-5,
+                       max_position_embeddings=max_len)
+
+
+def test_decode_bench_records_every_cell_with_its_floor():
+    recs = decode_bench.run(num_layers=2, batches=(2,), ctxs=(40,), schemes=("bf16", "int8_ch"),
+                            kv_dtypes=("bf16", "fp8_per_token_head"), reps=1, shape=tiny,
+                            meta={"device": "cpu", "commit": "x"}, log=lambda s: None)
+    cells = {(r["scheme"], r["kv_dtype"]) for r in recs}
+    assert cells == {("bf16", "dense"), ("bf16", "bf16"), ("bf16", "fp8_per_token_head"), ("int8_ch", "bf16"),
+                     ("int8_ch", "fp8_per_token_head")}
+    for r in recs:
+        assert r["time_us"] > 0 and r["byte_floor_us"] > 0 and r["commit"] == "x"
+        assert r["baselines"]["bf16_weights_bf16_kv"] > 0
+    by = {(r["scheme"], r["kv_dtype"]): r for r in recs}
+    # int8 weights and fp8 pages read fewer bytes than bf16 ones.
+    assert by[("int8_ch", "fp8_per_token_head")]["step_bytes"] < by[("int8_ch", "bf16")]["step_bytes"] \
+        < by[("bf16", "bf16")]["step_bytes"]
+    assert "| int8_ch | fp8_per_token_head | 2 | 40 |" in decode_bench.to_markdown(recs)
+
+
+def test_filled_cache_holds_ctx_random_tokens():
+    import jax
+    model = LlamaForCausalLM(tiny(2, 64))
+    cache = decode_bench.filled_cache(model, "int8_per_token_head", 3, 20, 64, jax.random.key(1))
+    assert isinstance(cache, PagedCache)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [20, 20, 20])
+    pages = np.asarray(cache.layers[0].k_pages)
+    assert (pages != 0).mean() > 0.9 and np.asarray(cache.layers[0].k_scale).min() > 0
+
+
+def test_attention_bench_plumbing():
+    recs = attention_bench.run(batches=(2,), ctxs=(64,), kv_dtypes=("bf16", "int8_per_token_head",
+                                                                     "turboquant_3bit_nc"),
+                               reps=1, interpret=True, meta={"device": "cpu"}, log=lambda s: None)
+    assert [r["kv_dtype"] for r in recs] == ["bf16", "int8_per_token_head", "turboquant_3bit_nc"]
+    assert recs[0]["kv_bytes"] == 2 * 64 * 8 * 512
+    assert recs[2]["kv_bytes"] == 2 * 64 * 8 * 102
+    assert all(r["time_us"] > 0 and "xla" in r["baselines"] for r in recs)
+    assert "| turboquant_3bit_nc | 2 | 64 |" in attention_bench.to_markdown(recs)

@@ -1,0 +1,153 @@
+"""The Llama model over a paged, quantized KV cache: equal to the dense cache in bf16, the prefill and
+decode paths agree on every format, ragged batches continue at their own lengths, overflow is loud."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jquant.kv import PagedCache, default_skip_layers
+from jquant.models.llama import KVCache, LlamaConfig, LlamaForCausalLM, decode_step, generate, new_cache
+
+CONFIG = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=5, num_heads=4,
+                     num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
+                     max_position_embeddings=256)
+MODEL = LlamaForCausalLM(CONFIG)
+FORMATS = ["bf16", "fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head", "turboquant_k8v4",
+           "turboquant_4bit_nc", "turboquant_3bit_nc"]
+
+
+@pytest.fixture(autouse=True)
+def full_precision_matmuls():
+    """On a GPU, float32 dots default to TF32 (~1e-3 relative): the comparisons below are of paths that
+    must agree to float32 rounding, so they run at full precision there too."""
+    with jax.default_matmul_precision("float32"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def params():
+    ids = jnp.zeros((1, 4), jnp.int32)
+    # A fixed model: the error bounds below are for a chaotic random network, set with 2x margin.
+    p = MODEL.init(jax.random.key(0), ids)
+    # Larger than init's weights so attention is not uniform and the formats' errors show.
+    return jax.tree.map(lambda a: a * 3.0, p)
+
+
+def _ids(batch, length, seed):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, CONFIG.vocab_size, (batch, length)), jnp.int32)
+
+
+def test_bf16_paged_equals_dense_cache(params):
+    """A dense cache stored in bf16 rounds keys/values exactly as the bf16 pages do."""
+    ids = _ids(2, 11, 0)
+    dense = KVCache.zeros(CONFIG, 2, 32, jnp.bfloat16)
+    paged = new_cache(MODEL, 2, 32, "bf16", page_size=8)
+    lp, paged = MODEL.apply(params, ids[:, :7], paged)
+    ld, dense = MODEL.apply(params, ids[:, :7], dense)
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(ld), atol=1e-4, rtol=1e-4)
+    for t in range(7, 11):
+        sp, paged = MODEL.apply(params, ids[:, t:t + 1], paged)
+        sd, dense = MODEL.apply(params, ids[:, t:t + 1], dense)
+        np.testing.assert_allclose(np.asarray(sp), np.asarray(sd), atol=2e-3, rtol=1e-3)  # sum order
+    np.testing.assert_array_equal(np.asarray(paged.lengths), [11, 11])
+
+
+@pytest.mark.parametrize("kv", FORMATS)
+def test_prefill_equals_token_by_token_decode(params, kv):
+    """Prefill attends over the cache as stored, so one call over the prompt scores like T decode steps."""
+    ids = _ids(2, 9, 1)
+    c1 = new_cache(MODEL, 2, 16, kv, page_size=4)
+    whole, c1 = MODEL.apply(params, ids, c1)
+    c2 = new_cache(MODEL, 2, 16, kv, page_size=4)
+    steps = []
+    for t in range(9):
+        lg, c2 = MODEL.apply(params, ids[:, t:t + 1], c2)
+        steps.append(lg[:, 0])
+    steps = np.stack(steps, axis=1)
+    assert np.isfinite(steps).all()
+    np.testing.assert_allclose(np.asarray(whole), steps, atol=2e-3, rtol=2e-3)
+    # The same codes, but for a rare flip where the batched and one-row projections round apart.
+    for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        close = np.isclose(a, b, rtol=1e-2, atol=1e-2)
+        assert close.mean() > 0.99, (kv, close.mean())
+
+
+def test_quantized_cache_error_follows_the_bits(params):
+    ids = _ids(2, 12, 2)
+    full = np.asarray(MODEL.apply(params, ids)[0])
+    err = {}
+    for kv in ("bf16", "int8_per_token_head", "fp8_per_token_head", "fp8", "turboquant_3bit_nc"):
+        got, _ = MODEL.apply(params, ids, new_cache(MODEL, 2, 12, kv, page_size=4, skip_layers=()))
+        err[kv] = np.linalg.norm(np.asarray(got) - full) / np.linalg.norm(full)
+    assert err["bf16"] < 0.1 and err["int8_per_token_head"] < 0.2 and err["fp8_per_token_head"] < 0.4, err
+    assert err["bf16"] < err["int8_per_token_head"] < err["fp8_per_token_head"] < err["turboquant_3bit_nc"], err
+
+
+def test_ragged_batch_continues_each_sequence_at_its_own_length(params):
+    a, b = _ids(1, 5, 3), _ids(1, 9, 4)
+    cache = new_cache(MODEL, 2, 16, "int8_per_token_head", page_size=4)
+    # Prefill each row separately into one batch cache: row 0 gets 5 tokens, row 1 gets 9.
+    one = new_cache(MODEL, 1, 16, "int8_per_token_head", page_size=4)
+    _, ca = MODEL.apply(params, a, one)
+    _, cb = MODEL.apply(params, b, one)
+    layers = tuple(jax.tree.map(lambda x, y, z: x.at[:4].set(y[:4]).at[4:].set(z[:4])
+                                if x.ndim else x, full, la, lb)
+                   for full, la, lb in zip(cache.layers, ca.layers, cb.layers))
+    cache = PagedCache(layers, cache.block_tables, jnp.asarray([5, 9], jnp.int32))
+    nxt = _ids(2, 1, 5)
+    got, cache = MODEL.apply(params, nxt, cache)
+    want_a, _ = MODEL.apply(params, nxt[:1], ca)
+    want_b, _ = MODEL.apply(params, nxt[1:], cb)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want_a[0]), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want_b[0]), atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [6, 10])
+
+
+def test_overflow_is_nan_and_writes_nothing(params):
+    cache = new_cache(MODEL, 2, 8, "fp8_per_token_head", page_size=4)
+    _, cache = MODEL.apply(params, _ids(2, 8, 6), cache)
+    before = jax.tree.map(np.asarray, cache.layers)
+    logits, after = MODEL.apply(params, _ids(2, 1, 7), cache)
+    assert np.isnan(np.asarray(logits)).all()
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after.layers)):
+        np.testing.assert_array_equal(x, np.asarray(y))
+
+
+def test_generate_with_a_quantized_cache(params):
+    ids = _ids(2, 6, 8)
+    paged = generate(MODEL, params, ids, 5, kv_cache_dtype="int8_per_token_head", page_size=4)
+    cache = new_cache(MODEL, 2, 11, "int8_per_token_head", page_size=4)
+    step = jax.jit(MODEL.apply)
+    logits, cache = step(params, ids, cache)
+    want = []
+    for _ in range(5):
+        want.append(jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32))
+        logits, cache = step(params, want[-1][:, None], cache)
+    np.testing.assert_array_equal(np.asarray(paged), np.stack(want, axis=1))
+    tq = generate(MODEL, params, ids, 5, kv_cache_dtype="turboquant_3bit_nc")
+    assert tq.shape == (2, 5) and (np.asarray(tq) >= 0).all()
+    with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
+        generate(MODEL, params, ids, 2, kv_cache_dtype="fp4")
+
+
+def test_decode_step_donates_the_cache(params):
+    cache = new_cache(MODEL, 1, 8, "fp8", page_size=4)
+    _, cache = decode_step(MODEL, params, _ids(1, 3, 9), cache)
+    old = cache
+    logits, cache = decode_step(MODEL, params, _ids(1, 1, 10), cache)
+    assert logits.shape == (1, 1, CONFIG.vocab_size)
+    assert int(cache.lengths[0]) == 4
+    if jax.default_backend() != "cpu":   # CPU ignores donation
+        assert old.layers[0].k_pages.is_deleted()
+
+
+def test_turboquant_keeps_boundary_layers_bf16():
+    assert default_skip_layers("turboquant_3bit_nc", 5) == (0, 1, 3, 4)
+    assert default_skip_layers("turboquant_3bit_nc", 3) == (0, 1, 2)
+    assert default_skip_layers("fp8", 5) == ()
+    cache = new_cache(MODEL, 1, 8, "turboquant_3bit_nc")
+    assert cache.kv_cache_dtypes == ("bf16", "bf16", "turboquant_3bit_nc", "bf16", "bf16")
+    with pytest.raises(ValueError, match="outside"):
+        new_cache(MODEL, 1, 8, "turboquant_3bit_nc", skip_layers=(7,))
