@@ -87,7 +87,7 @@ def test_readme_speed_table_matches_the_table_of_record():
     assert head, "README lost its H200 speed table"
     ms = [int(m) for m in re.findall(r"M=(\d+)", head[1].split("XLA")[0])]
     rows = re.findall(r"^\| (\d+×\d+) \|(.*)\|$", text[head.end():].split("\n\n", 1)[0], re.M)
-    assert len(rows) == 5
+    assert len(rows) == 4   # the int4 shapes of the benchmark; K=576 takes no groups of 128
     records = _table_of_record()
     for shape, rest in rows:
         cells = [c.strip() for c in rest.split("|")]

@@ -177,10 +177,12 @@ def array_bytes(*trees: Any) -> int:
 
 
 def source_commit(checkout: str | os.PathLike | None = None) -> str:
-    """The commit whose code a run measured, for its records: ``git rev-parse HEAD`` of ``checkout``
-    (default: the one holding this package) when it is a git checkout, else ``$JQUANT_COMMIT``
-    (set it where the code is a copy without ``.git``, e.g. on a benchmark machine), else
-    ``"unknown"``. Uncommitted edits are not reflected."""
+    """The commit whose code a run measured, for its records: ``$JQUANT_COMMIT`` when set (a copy of the
+    code on a benchmark machine may carry a stale ``.git``), else ``git rev-parse HEAD`` of ``checkout``
+    (default: the one holding this package) when it is a git checkout, else ``"unknown"``. Uncommitted
+    edits are not reflected."""
+    if os.environ.get("JQUANT_COMMIT"):
+        return os.environ["JQUANT_COMMIT"]
     root = pathlib.Path(checkout) if checkout is not None else _CHECKOUT
     # Only the checkout's own .git: a copy placed inside another repository must not take its HEAD.
     if (root / ".git").exists():
@@ -191,4 +193,4 @@ def source_commit(checkout: str | os.PathLike | None = None) -> str:
                 return out
         except (OSError, subprocess.SubprocessError):
             pass
-    return os.environ.get("JQUANT_COMMIT") or "unknown"
+    return "unknown"
