@@ -19,6 +19,7 @@ import numpy as np
 
 from jquant.checkpoint import from_checkpoint
 from jquant.checkpoint.hf_config import scheme_from_config, skipped_modules
+from jquant.checkpoint.writer import tensor_separator
 from jquant.schemes.qparam import QParam
 from jquant.schemes.scheme import Scheme
 
@@ -146,7 +147,7 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
                                  f"{tuple(value.shape)}, expected {tuple(ref.shape)}")
             out[path] = jnp.asarray(value, ref.dtype)
             continue
-        prefix = name + ("_" if scheme is not None and scheme.checkpoint_layout == "gpt-oss" else ".")
+        prefix = name + tensor_separator(scheme.checkpoint_layout if scheme is not None else None)
         own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
         if not own:
             raise ValueError(f"parameter {path!r}: no tensor {name}.weight (or quantized tensors) in the checkpoint")
