@@ -252,6 +252,13 @@ class LlamaForCausalLM(nn.Module):
         if paged:  # each sequence continues at its own length
             if len(cache.layers) != c.num_layers:
                 raise ValueError(f"the paged cache has {len(cache.layers)} layers, the model {c.num_layers}")
+            layer = cache.layers[0]
+            if (layer.kv_heads, layer.head_dim) != (c.num_kv_heads, c.head_dim):
+                raise ValueError(f"the paged cache holds {layer.kv_heads} KV heads of {layer.head_dim}; the model "
+                                 f"has {c.num_kv_heads} of {c.head_dim}")
+            if token_ids.shape[0] != cache.batch:
+                raise ValueError(f"token_ids has batch {token_ids.shape[0]} but the paged cache holds "
+                                 f"{cache.batch} sequences")
             positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
             mask = write_index = None
         elif cache is None:

@@ -151,3 +151,16 @@ def test_turboquant_keeps_boundary_layers_bf16():
     assert cache.kv_cache_dtypes == ("bf16", "bf16", "turboquant_3bit_nc", "bf16", "bf16")
     with pytest.raises(ValueError, match="outside"):
         new_cache(MODEL, 1, 8, "turboquant_3bit_nc", skip_layers=(7,))
+
+
+def test_a_cache_of_another_shape_is_refused(params):
+    with pytest.raises(ValueError, match="batch 3 but the paged cache holds 2"):
+        MODEL.apply(params, _ids(3, 1, 11), new_cache(MODEL, 2, 8, "fp8"))
+    other = PagedCache.allocate("bf16", num_layers=CONFIG.num_layers, batch=1, max_len=8, kv_heads=4, head_dim=16)
+    with pytest.raises(ValueError, match="4 KV heads of 16; the model has 2 of 16"):
+        MODEL.apply(params, _ids(1, 1, 12), other)
+    short = PagedCache.allocate("bf16", num_layers=2, batch=1, max_len=8, kv_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="2 layers, the model 5"):
+        MODEL.apply(params, _ids(1, 1, 13), short)
+    with pytest.raises(ValueError, match="positive"):
+        PagedCache.allocate("bf16", num_layers=2, batch=0, max_len=8, kv_heads=2, head_dim=16)
