@@ -43,7 +43,7 @@ def _ledger(argv) -> int:
     parser.add_argument("--schemes", default="int8_ch,fp8_e4m3_channel,int4_g64,mxfp4,nvfp4,nf4_dq")
     parser.add_argument("--batch", type=_positive(int), default=8)
     parser.add_argument("--context", type=_positive(int), default=8192, help="tokens per sequence")
-    parser.add_argument("--kv-dtype", default="bf16", choices=sorted(KV_DTYPES))
+    parser.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES, help="a vLLM kv_cache_dtype")
     parser.add_argument("--budget-mib", type=_positive(float), default=1024.0, help="memory for weights + KV cache")
     args = parser.parse_args(argv)
     names = [s for s in args.schemes.split(",") if s]

@@ -44,6 +44,20 @@ def _evaluate(model, params, ids, forward):
     return float(jnp.exp(nll)), np.asarray(top1), tokens_per_s
 
 
+def _kv_dtypes(parser, text: str) -> tuple[str, ...]:
+    from jquant.kv.dtypes import VALID_NAMES, kv_cache_spec
+
+    if text == "all":
+        return tuple(dict.fromkeys(kv_cache_spec(n).name for n in VALID_NAMES))
+    names = tuple(n for n in text.split(",") if n)
+    for n in names:
+        try:
+            kv_cache_spec(n)
+        except ValueError as e:
+            parser.error(f"--kv-cache-dtypes: {e}")
+    return names
+
+
 def run(argv=None) -> int:
     from jquant.apps.data import eval_batches
     from jquant.apps.ledger import weight_ledger
@@ -57,13 +71,19 @@ def run(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--num-seqs", type=int, default=4, help="rows of --seq-len tokens (default 4×512 = 2048)")
-    parser.add_argument("--schemes", default="", help="comma-separated subset of the registered schemes")
+    parser.add_argument("--schemes", default="",
+                        help="comma-separated subset of the registered schemes (none: only the KV table)")
     parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--kv-cache-dtypes", default="",
+                        help="also evaluate the float model with a paged KV cache of each of these vLLM "
+                             "kv_cache_dtypes (all: every one) on --kv-seq-len-token rows")
+    parser.add_argument("--kv-seq-len", type=int, default=1024)
     args = parser.parse_args(argv)
-    names = [s for s in args.schemes.split(",") if s] or list(schemes())
+    names = [] if args.schemes == "none" else [s for s in args.schemes.split(",") if s] or list(schemes())
     unknown = [n for n in names if n not in schemes()]
     if unknown:   # before minutes of loading and evaluating
         parser.error(f"unknown schemes {unknown}; registered: {', '.join(schemes())}")
+    kv_dtypes = _kv_dtypes(parser, args.kv_cache_dtypes)
 
     config, variables, tok_meta = load_gguf(smollm2_path())
     tokenizer = build_tokenizer(tok_meta)
@@ -114,6 +134,15 @@ def run(argv=None) -> int:
             print(f"{name:<28}{note}")
             continue
         print(f"{name:<28}{bits:>7.2f}{nbytes / 2**20:>12.1f}{ppl:>9.3f}{dppl:>+8.3f}{agree:>12.1%}{tps:>10.0f}")
+
+    if kv_dtypes:
+        from jquant.apps import kv_quality
+        kv_ids = eval_batches(tokenizer, args.kv_seq_len, 2)
+        results = kv_quality.evaluate(model, {"params": params}, kv_ids, kv_dtypes)
+        print()
+        print(kv_quality.to_table(results, f"float weights, KV cache per kv_cache_dtype: {kv_ids.size} tokens in "
+                                           f"2 rows of {args.kv_seq_len}; agreement with the bf16 cache's next-token "
+                                           "argmax and its greedy 32 tokens after 64"), end="")
 
     four_bit = {n: v for n, v in quantized.items() if get_scheme(n).weight_format.startswith(FOUR_BIT)}
     if four_bit:

@@ -18,9 +18,8 @@ from jquant.flax import quantize_params
 from jquant.schemes.qparam import QParam
 from jquant.qtensor import QTensor
 
-KV_DTYPES = {"bf16": (2, 0), "fp16": (2, 0), "fp32": (4, 0),
-             # FP8 / INT8 caches: one byte per element, plus an fp32 scale per (token, head) when per_token_head.
-             "fp8": (1, 0), "fp8_per_token_head": (1, 4), "int8_per_token_head": (1, 4)}
+from jquant.kv.cache import default_skip_layers
+from jquant.kv.dtypes import VALID_NAMES as KV_DTYPES, kv_cache_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,17 +59,23 @@ def weight_ledger(params) -> WeightLedger:
 
 
 def kv_cache_bytes(*, num_layers: int, num_kv_heads: int, head_dim: int, batch: int, context: int,
-                   kv_dtype: str = "bf16") -> int:
-    """Bytes of a K and V cache for ``batch`` sequences of ``context`` tokens."""
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
+                   kv_dtype: str = "bf16", page_size: int = 16) -> int:
+    """Bytes of the K and V pages and per-token side arrays that ``jquant.kv.PagedCache.allocate``
+    makes for ``batch`` sequences of ``context`` tokens (whole pages; TurboQuant's bf16 boundary
+    layers included). Its per-tensor scalars, block tables and lengths are not counted."""
+    try:
+        spec = kv_cache_spec(kv_dtype)
+    except ValueError as e:
+        raise ValueError(f"kv_dtype: {e}") from None
     for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                    ("batch", batch), ("context", context)):
+                    ("batch", batch), ("context", context), ("page_size", page_size)):
         if not isinstance(v, (int, np.integer)) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
-    elem, scale = KV_DTYPES[kv_dtype]
-    tokens_heads = 2 * num_layers * batch * context * num_kv_heads
-    return tokens_heads * (head_dim * elem + scale)
+    skip = default_skip_layers(spec.name, num_layers)
+    per_token = sum(kv_cache_spec("bf16" if i in skip else spec.name).bytes_per_token_per_head(head_dim)
+                    for i in range(num_layers))
+    tokens = -(-context // page_size) * page_size
+    return batch * tokens * num_kv_heads * per_token
 
 
 @dataclasses.dataclass(frozen=True)

@@ -145,3 +145,21 @@ def test_model_benches_check_their_options_then_say_no_gpu(capsys, tmp_path):
         rc = cli.main(["bench", bench, "--out", str(tmp_path)])
         assert rc == 1 and "no GPU present" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_demo_kv_table(tiny_model, capsys):
+    rc = cli.main(["demo", "--schemes", "none", "--kv-cache-dtypes", "int8_per_token_head,fp8",
+                   "--seq-len", "16", "--num-seqs", "2", "--max-new-tokens", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
+    assert set(rows) >= {"bf16", "int8_per_token_head", "fp8_e4m3"}
+    # One layer of one KV head of 32: bf16 128 bytes a token, int8 + a float32 scale per token-head 72.
+    assert "| bf16 | 128 | 1.00× |" in rows["bf16"] and "| +0.000 | 100.0% | 100.0% |" in rows["bf16"]
+    assert "| int8_per_token_head | 72 | 1.78× |" in rows["int8_per_token_head"]
+
+
+def test_demo_rejects_unknown_kv_dtypes_before_any_work(monkeypatch, capsys):
+    monkeypatch.setattr(jquant.models, "load_gguf", lambda path: (_ for _ in ()).throw(AssertionError("loaded")))
+    code, out = _exit_code(["demo", "--kv-cache-dtypes", "fp8,fp4"], capsys)
+    assert code == 2 and "unknown kv_cache_dtype 'fp4'" in out.err and "turboquant_3bit_nc" in out.err

@@ -92,3 +92,15 @@ def test_ratio_is_a_dash_when_no_baseline_sequence_fits():
     base = serving_ledger("f32", params, **kw)
     table = format_table([base, base], base.weights.total // 2)
     assert "nan" not in table and table.splitlines()[-1].endswith(f"{0:>10d}{'-':>9}")
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "int8_per_token_head", "turboquant_k3v4_nc",
+                                      "turboquant_3bit_nc"])
+def test_kv_bytes_are_what_the_cache_allocates(kv_dtype):
+    from jquant.kv import PagedCache
+    kw = dict(num_layers=5, kv_heads=2, head_dim=32, batch=3, max_len=40, page_size=16)
+    cache = jax.eval_shape(lambda: PagedCache.allocate(kv_dtype, **kw))
+    per_token = [a for layer in cache.layers for a in jax.tree.leaves(layer) if a.ndim >= 3]
+    allocated = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in per_token)
+    assert kv_cache_bytes(num_layers=5, num_kv_heads=2, head_dim=32, batch=3, context=40,
+                          kv_dtype=kv_dtype) == allocated
