@@ -28,14 +28,15 @@ def _progress(i: int, n: int, label: str) -> None:
     sys.stderr.flush()
 
 
-def _nll_and_top1(logits: jax.Array, ids: jax.Array):
+def nll_and_top1(logits: jax.Array, ids: jax.Array):
+    """Mean next-token negative log-likelihood of ``ids`` under ``logits``, and the argmax predictions."""
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
     return jnp.mean(nll), jnp.argmax(logits[:, :-1], axis=-1)
 
 
 def _evaluate(model, params, ids, forward):
-    fn = jax.jit(lambda p, i: _nll_and_top1(forward(model, p, i), i))
+    fn = jax.jit(lambda p, i: nll_and_top1(forward(model, p, i), i))
     nll, top1 = fn(params, ids)
     jax.block_until_ready(nll)
     t0 = time.perf_counter()  # the first call compiled; time a second one

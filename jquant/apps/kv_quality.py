@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jquant.kv.cache import PagedCache
+from jquant.apps.demo import nll_and_top1
+from jquant.kv.cache import token_bytes
 from jquant.kv.dtypes import kv_cache_spec
 from jquant.models.llama import LlamaForCausalLM, generate, new_cache
 
@@ -29,17 +30,6 @@ class KVQuality:
                                 # divergence changes every later token: a coarse figure)
 
 
-def _nll_and_top1(logits, ids):
-    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-    return jnp.mean(-jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]), jnp.argmax(logp, axis=-1)
-
-
-def bytes_per_token(cache: PagedCache, model: LlamaForCausalLM) -> int:
-    c = model.config
-    return sum(kv_cache_spec(layer.spec.name).bytes_per_token_per_head(c.head_dim) * c.num_kv_heads
-               for layer in cache.layers)
-
-
 def evaluate(model: LlamaForCausalLM, variables, ids, kv_cache_dtypes, *, prompt_len: int = 64,
              new_tokens: int = 32, log=lambda s: None) -> list[KVQuality]:
     """``ids [rows, T]``: perplexity of each row through a fresh cache of each dtype, its next-token
@@ -50,7 +40,7 @@ def evaluate(model: LlamaForCausalLM, variables, ids, kv_cache_dtypes, *, prompt
 
     @jax.jit
     def nll(variables, ids, cache):
-        return _nll_and_top1(model.apply(variables, ids, cache)[0], ids)
+        return nll_and_top1(model.apply(variables, ids, cache)[0], ids)
 
     reference = reference_top1 = None
     out = []
@@ -61,7 +51,9 @@ def evaluate(model: LlamaForCausalLM, variables, ids, kv_cache_dtypes, *, prompt
         if reference is None:
             reference, reference_top1 = tokens, np.asarray(top1)
         ppl = float(jnp.exp(loss))
-        out.append(KVQuality(kv_cache_spec(name).name, bytes_per_token(cache, model), ppl,
+        c = model.config
+        nbytes = token_bytes(name, num_layers=c.num_layers, kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+        out.append(KVQuality(kv_cache_spec(name).name, nbytes, ppl,
                              float(np.mean(np.asarray(top1) == reference_top1)),
                              float(np.mean(tokens == reference))))
         log(f"{name}: PPL {ppl:.3f}")

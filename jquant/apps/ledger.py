@@ -18,7 +18,7 @@ from jquant.flax import quantize_params
 from jquant.schemes.qparam import QParam
 from jquant.qtensor import QTensor
 
-from jquant.kv.cache import default_skip_layers
+from jquant.kv.cache import token_bytes
 from jquant.kv.dtypes import VALID_NAMES as KV_DTYPES, kv_cache_spec
 
 
@@ -71,11 +71,8 @@ def kv_cache_bytes(*, num_layers: int, num_kv_heads: int, head_dim: int, batch: 
                     ("batch", batch), ("context", context), ("page_size", page_size)):
         if not isinstance(v, (int, np.integer)) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
-    skip = default_skip_layers(spec.name, num_layers)
-    per_token = sum(kv_cache_spec("bf16" if i in skip else spec.name).bytes_per_token_per_head(head_dim)
-                    for i in range(num_layers))
     tokens = -(-context // page_size) * page_size
-    return batch * tokens * num_kv_heads * per_token
+    return batch * tokens * token_bytes(spec.name, num_layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,12 +36,16 @@ def tensor_name(module: str, key: str, layout: str | None) -> str:
 
 
 def _key_name(k) -> str:
-    # The Flax path convention (``jquant.flax.rules.path_str``), kept here so checkpoint code does
-    # not import the Flax layer.
     for attr in ("key", "name", "idx"):
         if hasattr(k, attr):
             return str(getattr(k, attr))
     return str(k)
+
+
+def path_str(path) -> str:
+    """A pytree key path as the ``/``-joined parameter path (``layers_0/q_proj/kernel``) that path rules,
+    sharding rules and checkpoint names are written against."""
+    return "/".join(_key_name(k) for k in path)
 
 
 def _default_name(path: str) -> str:
@@ -77,7 +81,7 @@ def checkpoint_tensors(params: Any, *, name_map: Callable[[str], str] | None = N
     flat, _ = jax.tree_util.tree_flatten_with_path(
         params, is_leaf=lambda l: isinstance(l, (QParam, QTensor, Prepared)))
     for keys, leaf in flat:
-        path = "/".join(_key_name(k) for k in keys)
+        path = path_str(keys)
         module, _, leaf_name = path.rpartition("/")
         module = module or path   # a top-level leaf is its own module
         if isinstance(leaf, QParam):

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from jquant.checkpoint.writer import path_str
 from jquant.schemes.qparam import QParam
 from jquant.qtensor import QTensor
 from jquant.schemes.scheme import Scheme, get_scheme
@@ -56,17 +57,6 @@ def _as_rules(rules) -> tuple[Rule, ...]:
         if r.scheme is not None:
             get_scheme(r.scheme)  # fail early on unknown names
     return tuple(out)
-
-
-def _key_name(k) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def path_str(path) -> str:
-    return "/".join(_key_name(k) for k in path)
 
 
 def _is_leaf(x) -> bool:

@@ -29,6 +29,15 @@ def default_skip_layers(kv_cache_dtype: str, num_layers: int) -> tuple[int, ...]
     return tuple(sorted(set(range(min(n, num_layers))) | set(range(max(num_layers - n, 0), num_layers))))
 
 
+def token_bytes(kv_cache_dtype: str, *, num_layers: int, kv_heads: int, head_dim: int) -> int:
+    """K + V bytes one cached token costs over every layer and KV head of a ``PagedCache`` of this
+    dtype (the bf16 boundary layers of ``default_skip_layers`` included; per-tensor scalars excluded)."""
+    name = kv_cache_spec(kv_cache_dtype).name
+    skip = default_skip_layers(name, num_layers)
+    return kv_heads * sum(kv_cache_spec("bf16" if i in skip else name).bytes_per_token_per_head(head_dim)
+                          for i in range(num_layers))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedCache:

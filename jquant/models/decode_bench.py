@@ -26,8 +26,7 @@ from jquant.bench.profile import summarize_trace
 from jquant.bench.timing import array_bytes, measure_hbm_bandwidth
 from jquant.checkpoint.hf_checkpoint import PROJECTIONS
 from jquant.kernels.decode_attention.bench import random_pages
-from jquant.kv.cache import PagedCache
-from jquant.kv.dtypes import kv_cache_spec
+from jquant.kv.cache import PagedCache, token_bytes
 from jquant.models.llama import KVCache, LlamaConfig, LlamaForCausalLM, decode_step, new_cache
 
 STEPS_PER_BATCH = 16
@@ -83,14 +82,12 @@ def _at_ctx(cache, ctx: int):
     return dataclasses.replace(cache, lengths=jnp.full_like(cache.lengths, ctx))
 
 
-def step_bytes(params: dict, cache, batch: int, ctx: int, config: LlamaConfig) -> int:
+def step_bytes(params: dict, kv_cache_dtype: str | None, batch: int, ctx: int, config: LlamaConfig) -> int:
     """Weights (every leaf once; the tied embedding is lm_head's read) plus ctx cached tokens per
-    sequence and layer. A dense cache is counted as the ctx tokens it needs, not its max_len."""
-    kv = 0
-    for i in range(config.num_layers):
-        name = "bf16" if isinstance(cache, KVCache) else cache.layers[i].spec.name
-        kv += batch * ctx * config.num_kv_heads * kv_cache_spec(name).bytes_per_token_per_head(config.head_dim)
-    return array_bytes(params) + kv
+    sequence. A dense cache (``kv_cache_dtype`` None, bf16) counts the ctx tokens it needs, not its max_len."""
+    per_token = token_bytes(kv_cache_dtype or "bf16", num_layers=config.num_layers, kv_heads=config.num_kv_heads,
+                            head_dim=config.head_dim)
+    return array_bytes(params) + batch * ctx * per_token
 
 
 def time_decode(model, variables, cache, batch: int, ctx: int, reps: int, warmup: int = 2):
@@ -146,9 +143,9 @@ def run(num_layers: int = 8, batches: Iterable[int] = (1, 16), ctxs: Iterable[in
             model = LlamaForCausalLM(config, dtype=jnp.bfloat16)
             bf16 = random_bf16_params(model, key)
             weights = {s: weights_for(s, bf16) for s in dict.fromkeys(("bf16",) + schemes)}
-            cells = {("bf16", "dense"): None}
-            cells.update({(s, kv): kv for s in ("bf16",) + schemes for kv in dict.fromkeys(("bf16",) + kv_dtypes)
-                          if s == "bf16" and kv == "bf16" or (s in schemes and kv in kv_dtypes)})
+            # The two baselines first, then every (scheme, kv dtype) asked for.
+            cells = {("bf16", "dense"): None, ("bf16", "bf16"): "bf16"}
+            cells.update({(s, kv): kv for s in schemes for kv in kv_dtypes})
             timed = {}
             for (scheme, kv), kv_name in cells.items():
                 cache = filled_cache(model, kv_name, batch, ctx, max_len, jax.random.fold_in(key, 7))
@@ -163,7 +160,7 @@ def run(num_layers: int = 8, batches: Iterable[int] = (1, 16), ctxs: Iterable[in
                     log(f"  FAILED {scheme} kv={kv} B={batch} ctx={ctx}: {type(e).__name__}: {e}")
                     continue
                 timed[(scheme, kv)] = (float(np.median(samples)), samples,
-                                       step_bytes(weights[scheme], cache, batch, ctx, config), profile)
+                                       step_bytes(weights[scheme], kv_name, batch, ctx, config), profile)
                 del cache
             base = timed.get(("bf16", "bf16"), (None,))[0]
             dense = timed.get(("bf16", "dense"), (None,))[0]

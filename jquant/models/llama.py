@@ -210,12 +210,12 @@ class DecoderLayer(nn.Module):
         if kv is not None and isinstance(kv[0], PagedKVCache):
             attended, layer = paged_attention(q, k, v, kv[0], kv[1], kv[2], positions, grouped_query_attention)
             kv = (layer,)
-        elif kv is not None:  # write this step's keys/values into the cache, then attend over all of it
-            start = (0, write_index, 0, 0)
-            k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), start)
-            v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), start)
-            kv = (k, v)
-        if kv is None or len(kv) == 2:
+        else:
+            if kv is not None:  # write this step's keys/values into the cache, then attend over all of it
+                start = (0, write_index, 0, 0)
+                k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), start)
+                v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), start)
+                kv = (k, v)
             attended = grouped_query_attention(q, k.astype(self.dtype), v.astype(self.dtype), mask)
         x = x + dense(c.hidden_size, name="o_proj")(attended.reshape(batch, t, c.num_heads * c.head_dim))
 

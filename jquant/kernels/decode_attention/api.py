@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jquant.kernels.decode_attention.config import TuningConfig
+from jquant.schemes import dispatch
 
 IMPLS = ("auto", "pallas", "xla")
 _CODE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2,
@@ -26,8 +27,6 @@ def choose_impl(q, k_pages) -> str:
     """"pallas" on a CUDA GPU of capability 8.0 or more, "xla" elsewhere (CPU: the kernel would run
     interpreted); the policy is ``jquant.schemes.dispatch.decode_attention_impl``'s."""
     del q, k_pages
-    from jquant.schemes import dispatch
-
     return dispatch.decode_attention_impl()
 
 

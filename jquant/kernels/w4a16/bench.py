@@ -21,8 +21,6 @@ from typing import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
-import numpy as np
 
 import jquant
 from jquant.bench.timing import (H200_HBM_BYTES_PER_S, array_bytes, copies_for, roofline,
@@ -39,35 +37,6 @@ QUICK_MS = (1, 16, 128, 1024)
 # Registered scheme names timed by default; int4 is GPTQ-style symmetric uint4b8, groups of 128.
 SCHEMES = ("int4_g128", "mxfp4", "nvfp4", "nf4")
 M1_ONLY_SCHEMES = ("mxfp4", "nvfp4", "nf4")
-
-
-_SCALE_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
-
-
-# Random kernel inputs for the kernel tests (tests/kernels/w4a16); the benchmark itself quantizes
-# through the schemes.
-def random_w4_weight(rng: np.random.Generator, k: int, n: int, group: int, *, zeros: str | None = None,
-                     scale_dtype="f32"):
-    """Random ``prepack_nk`` inputs: codes ``[K, N]``, per-group scales and optional zero points.
-
-    ``scale_dtype``: "f32" / "f16" / "bf16" (or a numpy dtype), "e8m0" or "e4m3" (scaled into e4m3's
-    normal range); ``zeros``: None, "int" (uint8 codes) or "float" (fractional fp32 zero points).
-    """
-    q = rng.integers(0, 16, (k, n)).astype(np.uint8)
-    groups = 1 if group == -1 else -(-k // group)
-    s = (rng.random((groups, n)) * 0.02 + 0.005).astype(np.float32)
-    if scale_dtype == "e8m0":
-        s = s.astype(ml_dtypes.float8_e8m0fnu)
-    elif scale_dtype == "e4m3":
-        s = (s * 50).astype(ml_dtypes.float8_e4m3fn)
-    else:
-        s = s.astype(_SCALE_DTYPES.get(scale_dtype, scale_dtype))
-    z = None
-    if zeros == "int":
-        z = rng.integers(0, 16, (groups, n)).astype(np.uint8)
-    elif zeros == "float":
-        z = (rng.random((groups, n)) * 15).astype(np.float32)
-    return q, s, z
 
 
 def _int4_baseline_weight(n: int, k: int, key) -> tuple[jax.Array, jax.Array]:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jquant.kernels.w4a16.bench import random_w4_weight
+from w4_inputs import random_w4_weight
 from jquant.formats.bnb import _FP4 as FP4_BNB_VALUES, _NF4 as NF4_VALUES   # goldens-checked
 from jquant.kernels.w4a16 import (IMPLS, LUTS, MgpuConfig, lut_values, prepack_nk, reference_nk,
                                    resolve_impl, w4a16_matmul)

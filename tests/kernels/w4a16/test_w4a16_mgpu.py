@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from jquant.kernels.w4a16.bench import random_w4_weight
+from w4_inputs import random_w4_weight
 from jquant.formats.bnb import _FP4 as FP4_BNB, _NF4 as NF4   # bnb's own tables (goldens-checked)
 from jquant.kernels.w4a16 import (MGPU_MAX_M, MgpuConfig, PackedW4NK, default_mgpu_config,
                                    dequantize_nk, prepack_nk, reference_nk, resolve_impl,
