@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--schemes", default="bf16,int4_g128", help="bf16 and/or registered scheme names")
     dec.add_argument("--kv-dtypes", default="bf16,fp8", help="comma list of kv_cache_dtype names")
     dec.add_argument("--reps", type=int, default=7)
+    dec.add_argument("--unfused", action="store_true",
+                     help="separate q/k/v and gate/up GEMMs (default: fused, as vLLM loads them); "
+                          "writes decode_unfused.{json,md}")
     dec.add_argument("--profile", default=None, metavar="DIR",
                      help="also write a jax.profiler trace of a few steps of every cell under DIR")
     return parser
@@ -150,7 +153,8 @@ def _model_bench(parser, args) -> int:
         for batch in args.batches:
             for ctx in args.ctxs:
                 records += bench.run(args.layers, (batch,), (ctx,), weights, kv_dtypes, reps=args.reps, meta=meta,
-                                     profile_dir=args.profile)
-                js, md = write_records(records, args.out, "decode", bench.to_markdown)
+                                     profile_dir=args.profile, fused=not args.unfused)
+                js, md = write_records(records, args.out, "decode_unfused" if args.unfused else "decode",
+                                       bench.to_markdown)
     print(f"wrote {js} and {md}")
     return 0

@@ -25,8 +25,9 @@ from jquant.schemes.scheme import Scheme
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
-# Flax paths of the seven projections of every layer: what the demo, ledger and online loading quantize.
-PROJECTIONS = r"layers_\d+/(q|k|v|o|gate|up|down)_proj/kernel"
+# Flax paths of the seven projections of every layer (or of their fused forms, jquant.models.fused): what the
+# demo, ledger, benchmarks and online loading quantize.
+PROJECTIONS = r"layers_\d+/(q|k|v|o|gate|up|down|qkv|gate_up)_proj/kernel"
 
 
 def hf_module_name(flax_module: str) -> str:
@@ -40,6 +41,9 @@ def hf_module_name(flax_module: str) -> str:
             return f"model.layers.{layer}.{group}.{name}"
         if sub:
             return f"model.layers.{layer}.{sub}"
+        if name in ("qkv_proj", "gate_up_proj"):
+            raise ValueError(f"{flax_module!r} is a fused projection, which HF Llama checkpoints do not hold; "
+                             "save the parameters from before fuse_projections")
     fixed = {"embed_tokens": "model.embed_tokens", "final_norm": "model.norm", "lm_head": "lm_head"}
     if flax_module in fixed:
         return fixed[flax_module]

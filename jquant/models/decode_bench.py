@@ -1,7 +1,8 @@
 """The decode-step benchmark: one jitted, cache-donating step of a Llama-3-8B-shaped stack.
 
 A cell is (weight scheme, kv_cache_dtype, batch, context). Weights are random (bf16, or quantized by
-``quantize_params`` with the scheme on the seven projections, as a user would); the paged cache is
+``quantize_params`` with the scheme on the projections, as a user would), q/k/v and gate/up fused into
+one GEMM each by default (``jquant.models.fused``, as vLLM loads them); the paged cache is
 filled with random codes so every sequence holds ``ctx`` tokens. The step is what ``decode_step``
 runs: embed, 8 (or more) layers with the weight GEMMs, quantize-and-insert of the new token and
 paged decode attention, the tied lm_head. In the same run: the bf16 model on a bf16 paged cache, and
@@ -126,11 +127,12 @@ def _trace(folder: str, model, variables, cache, batch: int, ctx: int, steps: in
 def run(num_layers: int = 8, batches: Iterable[int] = (1, 16), ctxs: Iterable[int] = (1024, 8192),
         schemes: Iterable[str] = ("bf16", "int4_g128"), kv_dtypes: Iterable[str] = ("bf16", "fp8"),
         reps: int = 7, meta: dict | None = None, log: Callable[[str], None] = print,
-        shape: Callable[[int, int], LlamaConfig] = llama3_8b_shape, profile_dir: str | None = None) -> list[dict]:
+        shape: Callable[[int, int], LlamaConfig] = llama3_8b_shape, profile_dir: str | None = None,
+        fused: bool = True) -> list[dict]:
     """Every (scheme, kv dtype) cell at every (batch, ctx), with the bf16/bf16 and dense-cache baselines
     of the same (batch, ctx) timed in the same rounds. ``shape(num_layers, max_len)`` gives the model.
     ``profile_dir``: also write a ``jax.profiler`` trace of a few steps of each cell there (one folder a cell),
-    to see where a step's time goes."""
+    to see where a step's time goes. ``fused``: q/k/v and gate/up as one GEMM each."""
     schemes, kv_dtypes = tuple(schemes), tuple(kv_dtypes)
     hbm = measure_hbm_bandwidth()
     log(f"  HBM copy rate {hbm / 1e12:.2f} TB/s")
@@ -140,7 +142,7 @@ def run(num_layers: int = 8, batches: Iterable[int] = (1, 16), ctxs: Iterable[in
         for ctx in ctxs:
             max_len = ctx + (reps + 2) * STEPS_PER_BATCH + 16
             config = shape(num_layers, max_len)
-            model = LlamaForCausalLM(config, dtype=jnp.bfloat16)
+            model = LlamaForCausalLM(config, dtype=jnp.bfloat16, fused_projections=fused)
             bf16 = random_bf16_params(model, key)
             weights = {s: weights_for(s, bf16) for s in dict.fromkeys(("bf16",) + schemes)}
             # The two baselines first, then every (scheme, kv dtype) asked for.
@@ -167,6 +169,7 @@ def run(num_layers: int = 8, batches: Iterable[int] = (1, 16), ctxs: Iterable[in
             for (scheme, kv), (t, samples, nbytes, profile) in timed.items():
                 floor_us = 1e6 * nbytes / hbm
                 rec = dict(op="decode_step", scheme=scheme, kv_dtype=kv, batch=batch, ctx=ctx, layers=num_layers,
+                           fused_projections=fused,
                            time_us=round(t, 1), tokens_per_s=round(batch * 1e6 / t, 1),
                            baselines={"bf16_weights_bf16_kv": base and round(base, 1),
                                       "bf16_weights_dense_cache": dense and round(dense, 1)},
@@ -186,7 +189,8 @@ def to_markdown(records: list[dict]) -> str:
     meta = records[0] if records else {}
     out = [f"# Decode step benchmark\n\n{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, "
            f"{meta.get('date', '')}, commit {meta.get('commit', '')}; Llama-3-8B-shaped, "
-           f"{meta.get('layers', '')} layers, random weights\n",
+           f"{meta.get('layers', '')} layers, random weights, "
+           f"{'fused' if meta.get('fused_projections', True) else 'separate'} q/k/v and gate/up GEMMs\n",
            "| weights | KV | B | ctx | step µs | tokens/s | byte floor µs | % floor | vs bf16+bf16 KV | "
            "bf16 dense-cache µs | spread % |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:

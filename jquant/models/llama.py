@@ -10,6 +10,11 @@ Parameter layout (the one ``gguf_loader.load_gguf`` produces; kernels are Flax `
     final_norm/scale
     lm_head/kernel                      only when the embeddings are not tied
 
+With ``fused_projections=True`` each layer holds ``qkv_proj`` (q, k, v kernels side by side along the
+output axis) and ``gate_up_proj`` (gate, then up) instead, as vLLM's ``QKVParallelLinear`` and
+``MergedColumnParallelLinear`` do: one GEMM where there were three and two, which is what makes a
+small-batch decode step fast (``jquant.models.fused.fuse_projections`` converts the parameters).
+
 The projections sit directly under ``layers_{i}`` so that a parameter-path rule such as
 ``.*layers_\\d+/(q|k|v|o)_proj/kernel`` picks them out, and they are built by ``dense_cls`` (default
 ``nn.Dense``) so a quantized Dense with the same constructor arguments can replace them.
@@ -193,6 +198,7 @@ class DecoderLayer(nn.Module):
     config: LlamaConfig
     dtype: Any = jnp.float32
     dense_cls: Callable[..., nn.Module] = nn.Dense
+    fused_projections: bool = False
 
     @nn.compact
     def __call__(self, x, positions, mask, kv, write_index):
@@ -203,9 +209,14 @@ class DecoderLayer(nn.Module):
         dense = functools.partial(self.dense_cls, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32)
 
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x)
-        q = dense(c.num_heads * c.head_dim, name="q_proj")(h).reshape(batch, t, c.num_heads, c.head_dim)
-        k = dense(c.num_kv_heads * c.head_dim, name="k_proj")(h).reshape(batch, t, c.num_kv_heads, c.head_dim)
-        v = dense(c.num_kv_heads * c.head_dim, name="v_proj")(h).reshape(batch, t, c.num_kv_heads, c.head_dim)
+        nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        if self.fused_projections:
+            q, k, v = jnp.split(dense(nq + 2 * nkv, name="qkv_proj")(h), [nq, nq + nkv], axis=-1)
+        else:
+            q, k, v = dense(nq, name="q_proj")(h), dense(nkv, name="k_proj")(h), dense(nkv, name="v_proj")(h)
+        q = q.reshape(batch, t, c.num_heads, c.head_dim)
+        k = k.reshape(batch, t, c.num_kv_heads, c.head_dim)
+        v = v.reshape(batch, t, c.num_kv_heads, c.head_dim)
         q, k = apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta)
         if kv is not None and isinstance(kv[0], PagedKVCache):
             attended, layer = paged_attention(q, k, v, kv[0], kv[1], kv[2], positions, grouped_query_attention)
@@ -220,8 +231,10 @@ class DecoderLayer(nn.Module):
         x = x + dense(c.hidden_size, name="o_proj")(attended.reshape(batch, t, c.num_heads * c.head_dim))
 
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_norm")(x)
-        gate = dense(c.intermediate_size, name="gate_proj")(h)
-        up = dense(c.intermediate_size, name="up_proj")(h)
+        if self.fused_projections:
+            gate, up = jnp.split(dense(2 * c.intermediate_size, name="gate_up_proj")(h), 2, axis=-1)
+        else:
+            gate, up = dense(c.intermediate_size, name="gate_proj")(h), dense(c.intermediate_size, name="up_proj")(h)
         x = x + dense(c.hidden_size, name="down_proj")(nn.silu(gate) * up)
         return x, kv
 
@@ -234,12 +247,14 @@ class LlamaForCausalLM(nn.Module):
     keys/values are written into it, and the returned cache has ``length + T`` filled. With a
     ``jquant.kv.PagedCache``: sequence b continues at ``cache.lengths[b]``, its new keys/values are
     quantized into its pages in the cache's ``kv_cache_dtype``, and T == 1 runs the paged
-    decode-attention kernel.
+    decode-attention kernel. ``fused_projections``: the layers hold ``qkv_proj`` / ``gate_up_proj`` (see the
+    module docstring).
     """
 
     config: LlamaConfig
     dtype: Any = jnp.float32
     dense_cls: Callable[..., nn.Module] = nn.Dense
+    fused_projections: bool = False
 
     @nn.compact
     def __call__(self, token_ids: jax.Array, cache: KVCache | PagedCache | None = None):
@@ -275,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
                 layer_kv = (cache.layers[i], cache.block_tables, cache.lengths)
             else:
                 layer_kv = None if cache is None else (cache.keys[i], cache.values[i])
-            x, layer_kv = DecoderLayer(c, self.dtype, self.dense_cls, name=f"layers_{i}")(
+            x, layer_kv = DecoderLayer(c, self.dtype, self.dense_cls, self.fused_projections, name=f"layers_{i}")(
                 x, positions, mask, layer_kv, write_index)
             new_layers.append(layer_kv)
 

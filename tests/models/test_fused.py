@@ -1,0 +1,117 @@
+"""Fused q/k/v and gate/up projections: the fused model computes what the unfused one does, fused
+quantized weights are exactly those of quantizing the fused float kernel, and weights whose scales
+span the parts are refused by name."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jquant.checkpoint.hf_checkpoint import PROJECTIONS, hf_module_name
+from jquant.flax.linen import quantized_apply
+from jquant.flax.rules import prepare_params, quantize_params
+from jquant.models.fused import fuse_projections
+from jquant.models.llama import LlamaConfig, LlamaForCausalLM, decode_step, new_cache
+
+CONFIG = LlamaConfig(vocab_size=101, hidden_size=256, intermediate_size=384, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=64, rope_theta=10000.0, rms_norm_eps=1e-5,
+                     max_position_embeddings=128)
+UNFUSED = LlamaForCausalLM(CONFIG)
+FUSED = LlamaForCausalLM(CONFIG, fused_projections=True)
+
+
+@pytest.fixture(autouse=True)
+def full_precision_matmuls():
+    with jax.default_matmul_precision("float32"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def params():
+    return UNFUSED.init(jax.random.key(1), jnp.zeros((1, 4), jnp.int32))
+
+
+def _ids(batch, length, seed):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, CONFIG.vocab_size, (batch, length)), jnp.int32)
+
+
+def test_fused_tree_matches_the_fused_model(params):
+    fused = fuse_projections(params)
+    want = jax.eval_shape(FUSED.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    chex.assert_trees_all_equal_shapes(fused, want)
+    layer = fused["params"]["layers_0"]
+    k = params["params"]["layers_0"]
+    # Order along N: q, k, v then gate, up (the model splits in that order).
+    np.testing.assert_array_equal(layer["qkv_proj"]["kernel"][:, 256:384], k["k_proj"]["kernel"])
+    np.testing.assert_array_equal(layer["gate_up_proj"]["kernel"][:, 384:], k["up_proj"]["kernel"])
+    assert fuse_projections(fused) == fused  # already fused: unchanged
+
+
+def test_fused_float_model_equals_unfused(params):
+    ids = _ids(2, 9, 0)
+    fused = fuse_projections(params)
+    want, _ = UNFUSED.apply(params, ids)
+    got, _ = FUSED.apply(fused, ids)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("scheme", ["int4_g128", "fp8_e4m3_channel", "int8_ch", "mxfp4"])
+def test_fusing_quantized_parts_equals_quantizing_the_fused_kernel(params, scheme):
+    parts, _ = quantize_params(params["params"], [(PROJECTIONS, scheme)], prepare=False)
+    fused_after, _ = quantize_params(fuse_projections(params["params"]), [(PROJECTIONS, scheme)], prepare=False)
+    chex.assert_trees_all_equal(fuse_projections(parts), fused_after)
+
+
+def test_quantized_fused_decode_step_equals_unfused(params):
+    """The decode step people run (paged int8 cache, int4 weights, donated) gives the same logits fused."""
+    ids = _ids(2, 6, 3)
+    q_unfused, _ = quantize_params(params["params"], [(PROJECTIONS, "int4_g128")], prepare=False)
+    q_fused = prepare_params(fuse_projections(q_unfused))
+    q_unfused = prepare_params(q_unfused)
+    outs = []
+    for model, p in ((UNFUSED, q_unfused), (FUSED, q_fused)):
+        cache = new_cache(model, 2, 16, "int8_per_token_head", page_size=4)
+        _, cache = quantized_apply(model, {"params": p}, ids[:, :5], cache)
+        logits, _ = decode_step(model, {"params": p}, ids[:, 5:], cache)
+        outs.append(np.asarray(logits))
+    np.testing.assert_allclose(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheme, match", [("fp8_e4m3_tensor", "span the output rows"),
+                                           ("nvfp4", "global scale"),
+                                           ("nf4_dq", "nested scales")])
+def test_parts_sharing_a_scale_are_refused(params, scheme, match):
+    parts, _ = quantize_params(params["params"], [(PROJECTIONS, scheme)], prepare=False)
+    with pytest.raises(ValueError, match=match) as err:
+        fuse_projections(parts)
+    assert "layers_0/qkv_proj" in str(err.value)
+
+
+def test_block_scales_fuse_only_when_the_parts_align(params):
+    parts, _ = quantize_params(params["params"], [(PROJECTIONS, "fp8_e4m3_block128x128")], prepare=False)
+    fused = fuse_projections(parts)  # q 256, k 128, v 128 rows: 128-row blocks line up
+    assert fused["layers_0"]["qkv_proj"]["kernel"].weight.shape == (512, 256)
+    small = jax.tree.map(lambda a: a[:, :64] if a.ndim == 2 and a.shape[1] == 128 else a, params["params"])
+    parts, _ = quantize_params(small, [(PROJECTIONS, "fp8_e4m3_block128x128")], prepare=False)
+    with pytest.raises(ValueError, match="span the output rows"):
+        fuse_projections(parts)
+
+
+def test_refusals_name_the_layer(params):
+    p = params["params"]
+    prepared, _ = quantize_params(p, [(PROJECTIONS, "int4_g128")])
+    with pytest.raises(ValueError, match="fuse before preparing"):
+        fuse_projections(prepared)
+    mixed, _ = quantize_params(p, [(r"layers_\d+/q_proj/kernel", "int4_g128")], prepare=False)
+    with pytest.raises(ValueError, match="layers_0/qkv_proj: some parts are quantized"):
+        fuse_projections(mixed)
+    two, _ = quantize_params(p, [(r"layers_\d+/q_proj/kernel", "int4_g128"), (PROJECTIONS, "int8_ch")],
+                             prepare=False)
+    with pytest.raises(ValueError, match="different schemes"):
+        fuse_projections(two)
+    partial = {**p, "layers_0": {k: v for k, v in p["layers_0"].items() if k != "v_proj"}}
+    with pytest.raises(ValueError, match="layers_0 has only some"):
+        fuse_projections(partial)
+    with pytest.raises(ValueError, match="fused projection"):
+        hf_module_name("layers_0/qkv_proj")
