@@ -1,8 +1,9 @@
-"""``jquant bench {w4a16,attention,decode} --out bench/results/<device> [options]``.
+"""``jquant bench {w4a16,attention,insert,decode} --out bench/results/<device> [options]``.
 
 ``w4a16`` times 4-bit weight-only schemes as a model runs them (``get_scheme → quantize_weight →
 process_weights_after_loading → apply``) against XLA; ``attention`` times paged decode attention per
-``kv_cache_dtype`` against JAX's own ``paged_attention``; ``decode`` times one donated decode step of a
+``kv_cache_dtype`` against JAX's own ``paged_attention``; ``insert`` times the quantize-and-insert of new tokens
+into the paged cache per ``kv_cache_dtype`` against XLA; ``decode`` times one donated decode step of a
 Llama-3-8B-shaped stack per weight scheme × KV dtype, with the bf16 model in the same run. All need a
 CUDA GPU (Hopper for the Mosaic GPU kernels); ``--interpret`` (w4a16) runs the same plumbing on CPU,
 whose timings mean nothing.
@@ -56,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("--page-size", type=int, default=16)
     att.add_argument("--reps", type=int, default=9)
     att.add_argument("--sweep", action="store_true", help="also time the launch configs of bench.SWEEP")
+
+    ins = sub.add_parser("insert", help="quantize-and-insert of new KV tokens per kv_cache_dtype against XLA")
+    ins.add_argument("--out", default="bench/results", help="folder for insert.json and insert.md")
+    ins.add_argument("--tokens", type=_ints, default=None, help="new tokens per insert (default 8,4096,32768)")
+    ins.add_argument("--kv-dtypes", default=None, help="comma list of kv_cache_dtype names")
+    ins.add_argument("--page-size", type=int, default=16)
+    ins.add_argument("--reps", type=int, default=9)
+    ins.add_argument("--sweep", action="store_true", help="also time the launch configs of bench.SWEEP")
 
     dec = sub.add_parser("decode", help="one decode step of a Llama-3-8B-shaped stack per weights x KV dtype")
     dec.add_argument("--out", default="bench/results", help="folder for decode.json and decode.md")
@@ -121,7 +130,7 @@ def _w4a16(parser, args) -> int:
 
 
 def _model_bench(parser, args) -> int:
-    """``attention`` and ``decode``: records written after every cell group, so a cut run keeps rows."""
+    """``attention``, ``insert``, ``decode``: records written after every cell group, so a cut run keeps rows."""
     from jquant.bench.records import run_meta, write_records
     from jquant.kv.dtypes import kv_cache_spec
     from jquant.schemes.scheme import schemes as registered   # filled by import jquant
@@ -148,6 +157,12 @@ def _model_bench(parser, args) -> int:
                                      reps=args.reps, meta=meta,
                                      configs=(None,) + (bench.SWEEP if args.sweep else ()))
                 js, md = write_records(records, args.out, "attention", bench.to_markdown)
+    elif args.bench == "insert":
+        from jquant.kernels.kv_insert import bench
+        for t in args.tokens or bench.TOKENS:
+            records += bench.run((t,), kv_dtypes or bench.KV_DTYPES, page_size=args.page_size, reps=args.reps,
+                                 meta=meta, configs=(None,) + (bench.SWEEP if args.sweep else ()))
+            js, md = write_records(records, args.out, "insert", bench.to_markdown)
     else:
         from jquant.models import decode_bench as bench
         for batch in args.batches:

@@ -79,6 +79,8 @@ def attention_reference(q, cache: PagedKVCache, block_tables, lengths, *, scale=
     w = jnp.where(valid[:, None, :], jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     den = jnp.sum(w, axis=-1, keepdims=True)
     v = dequantize_values(cache, block_tables)  # [B, L, Hkv, D]
+    # Slots past a length may hold anything (NaN scales of a page nobody owns): 0 * NaN is NaN.
+    v = jnp.where(valid[:, :, None, None], v, 0.0)
     g = hq // cache.kv_heads
     vg = jnp.repeat(v, g, axis=2)  # query head h reads kv head h // g
     out = jnp.einsum("bhl,blhd->bhd", w, vg)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jquant.kernels import kv_insert
 from jquant.kernels.decode_attention import cache_decode_attention
 from jquant.kv.attention_reference import dequantize_keys, dequantize_values
-from jquant.kv.insert_reference import insert_reference
 from jquant.kv.paged import PagedKVCache
 
 
@@ -39,7 +39,7 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: PagedKVCach
     batch, t, hq, d = q.shape
     hkv = k.shape[2]
     slots = new_token_slots(block_tables, positions, layer.page_size)
-    layer = insert_reference(layer, k.reshape(batch * t, hkv, d), v.reshape(batch * t, hkv, d),
+    layer = kv_insert.insert(layer, k.reshape(batch * t, hkv, d), v.reshape(batch * t, hkv, d),
                              slots.reshape(-1))
     total = lengths + t
     if t == 1:

@@ -25,9 +25,11 @@ from jquant.kv.paged import PagedKVCache, allocate
 
 KV_DTYPES = ("bf16", "fp8_e4m3", "fp8_per_token_head", "int8_per_token_head", "turboquant_3bit_nc")
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-# ``jquant bench attention --sweep``: launches timed beside the default in each cell.
-SWEEP = tuple(TuningConfig(block_tokens=b, num_warps=w, num_stages=st)
-              for b in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4))
+# ``jquant bench attention --sweep``: launches timed beside the default in each cell. The block /
+# warps / stages grid found nothing better than the default (bench/results/h200/attention_sweep.md); an
+# ncu profile of the fp8 kernel (B=8, ctx 32k: 576 programs of 4 warps, DRAM 31 %, issue slots 38 %
+# busy) says it is latency-bound, so the sweep now varies how many programs share the context.
+SWEEP = tuple(TuningConfig(block_tokens=b, num_splits=s) for b in (64, 128) for s in (16, 32, 64, 128))
 
 
 def random_pages(layer: PagedKVCache, key) -> PagedKVCache:

@@ -47,3 +47,12 @@ def splits_for(batch: int, kv_heads: int, max_tokens: int, block_tokens: int) ->
     want = -(-TARGET_PROGRAMS // max(batch * kv_heads, 1))
     most = max(1, -(-max_tokens // block_tokens))
     return int(max(1, min(want, most)))
+
+
+def split_plan(batch: int, kv_heads: int, max_tokens: int, config: TuningConfig) -> tuple[int, int]:
+    """(splits, tokens per split): ``config.num_splits`` or ``splits_for``, each split a whole number
+    of loop steps and none of them empty of table slots."""
+    block = config.block_tokens
+    splits = config.num_splits or splits_for(batch, kv_heads, max_tokens, block)
+    split_tokens = -(-(-(-max_tokens // splits)) // block) * block
+    return -(-max_tokens // split_tokens), split_tokens

@@ -1,0 +1,66 @@
+"""Quantize new K/V tokens and write them into their paged-cache slots: the Pallas kernel on a CUDA
+GPU, ``insert_reference`` (XLA quantize + scatter) elsewhere; both write the same bits."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jquant.kernels.kv_insert import triton
+from jquant.kernels.kv_insert.triton import InsertConfig
+from jquant.kv.dtypes import KVCacheSpec
+from jquant.kv.insert_reference import insert_reference
+from jquant.kv.paged import PagedKVCache
+from jquant.schemes import dispatch
+
+IMPLS = ("auto", "pallas", "xla")
+# Triton casts float32 to float8_e4m3fn from sm_89 (Ada, Hopper) on; e5m2 casts need no minimum.
+FP8_E4M3_MIN_CAPABILITY = 89
+
+
+def _int32_offsets_wrap(pages) -> bool:
+    """Whether Pallas' Triton lowering would index these pages wrongly: it uses int32 element
+    offsets for arrays of up to 4 GiB, which wrap past 2**31 elements (1-byte codes over 2 GiB)."""
+    size = math.prod(pages.shape)
+    return size > 2**31 and size * pages.dtype.itemsize <= 2**32
+
+
+def choose_impl(spec: KVCacheSpec) -> str:
+    """"pallas" where the Triton-backend kernels run (``dispatch.runs_triton_pallas``: a CUDA GPU of
+    capability 8.0 or more) and, for e4m3 formats, capability 8.9 or more; "xla" elsewhere."""
+    if not dispatch.runs_triton_pallas():
+        return "xla"
+    e4m3 = "fp8_e4m3" in (spec.key_format, spec.value_format)
+    return "xla" if e4m3 and dispatch.compute_capability() < FP8_E4M3_MIN_CAPABILITY else "pallas"
+
+
+def insert(cache: PagedKVCache, k_new: jax.Array, v_new: jax.Array, slots: jax.Array, *,
+           impl: str = "auto", config: InsertConfig | None = None, interpret: bool = False) -> PagedKVCache:
+    """Quantize ``k_new, v_new [T, kv_heads, head_dim]`` and write token i at flat slot ``slots[i]``
+    (``page * page_size + offset``); negative or out-of-range slots are dropped (nothing written).
+
+    Same contract and bits as ``jquant.kv.insert_reference``. ``impl``: "pallas" (the kernel),
+    "xla" (the reference) or "auto" (``choose_impl``). Formats the kernel does not cover
+    (TurboQuant with Lloyd-Max keys: turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc;
+    a head_dim that is not a power of two ≥ 16), T = 0 and 1-byte page pools of 2-4 GiB per layer
+    run the reference whatever ``impl``.
+    ``config``: the kernel's launch (None: ``InsertConfig()``). Donate the cache to the jitted
+    caller for the write to happen in place.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    d = cache.head_dim
+    if k_new.shape != v_new.shape or k_new.shape[1:] != (cache.kv_heads, d):
+        raise ValueError(f"k_new/v_new must be [T, {cache.kv_heads}, {d}]; got {k_new.shape}, "
+                         f"{v_new.shape}")
+    if jnp.shape(slots) != k_new.shape[:1]:
+        raise ValueError(f"slots must be [{k_new.shape[0]}], got {jnp.shape(slots)}")
+    if impl == "auto":
+        impl = choose_impl(cache.spec)
+    if (impl == "xla" or k_new.shape[0] == 0 or not triton.covers(cache.spec, d)
+            or any(map(_int32_offsets_wrap, (cache.k_pages, cache.v_pages)))):
+        return insert_reference(cache, k_new, v_new, slots)
+    return triton.insert(cache, k_new, v_new, jnp.asarray(slots, jnp.int32), config=config or InsertConfig(),
+                         interpret=interpret)
