@@ -26,7 +26,9 @@ def test_inserts_per_batch_bounds():
     assert bench.inserts_per_batch(10**7) == 16
 
 
-def test_cli_checks_options_then_says_no_gpu(capsys, tmp_path):
+def test_cli_checks_options_then_says_no_gpu(capsys, tmp_path, monkeypatch):
+    from jquant.schemes import dispatch
+    monkeypatch.setattr(dispatch, "is_gpu", lambda: False)   # the no-GPU path, on any machine
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "insert", "--kv-dtypes", "fp4"])
     assert e.value.code == 2 and "unknown kv_cache_dtype 'fp4'" in capsys.readouterr().err
