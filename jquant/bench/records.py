@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import json
 import pathlib
 from typing import Callable
@@ -14,9 +15,11 @@ from jquant.schemes.dispatch import device_name
 
 
 def run_meta() -> dict:
-    """``device`` (platform:device_kind), ``jax_version``, ``commit`` and ``date`` (UTC, the run's start)."""
+    """``device`` (platform:device_kind), ``jax_version``, ``commit``, ``date`` (UTC, the run's start) and
+    ``xla_flags`` (``$XLA_FLAGS``: command buffers and the like change a step's time)."""
     return dict(device=device_name(), jax_version=jax.__version__, commit=source_commit(),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
 def write_records(records: list[dict], out_dir, stem: str,

@@ -3,7 +3,7 @@
 Keys: n = |k|, y = (k / (n + 1e-8)) @ H / sqrt(d) (Sylvester Hadamard, no sign flips); index of the
 Lloyd-Max cell (y >= midpoint goes up); fp16 norm. Norm correction: centroid vector rescaled to unit norm
 before the inverse rotation. Values: scale = max((max - min) / (2^b - 1), 1e-8),
-q = clip(floor((v - min) * (1 / scale) + 0.5)), fp16 scale and min. Packing: 4-bit low nibble first; 3-bit
+q = clip(floor((v - min) / scale + 0.5)), fp16 scale and min. Packing: 4-bit low nibble first; 3-bit
 8 values per 3 bytes, value j at bit 3j little-endian.
 """
 
@@ -90,8 +90,7 @@ def quantize_values(v, bits: int):
     levels = 2**bits - 1
     s = jnp.maximum((hi - lo) / levels, 1e-8)
     s = jnp.where(jnp.isnan(hi - lo), hi - lo, s)
-    # Times the reciprocal, as scalar.encode does (the same codes on CPU, GPU and in the insert kernel).
-    q = jnp.clip(jnp.floor((v - lo[..., None]) * (1.0 / s[..., None]) + 0.5), 0, levels)
+    q = jnp.clip(jnp.floor((v - lo[..., None]) / s[..., None] + 0.5), 0, levels)
     return pack(jnp.nan_to_num(q).astype(jnp.int32), bits), s.astype(jnp.float16), lo.astype(jnp.float16)
 
 

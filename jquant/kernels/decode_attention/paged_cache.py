@@ -29,7 +29,10 @@ def cache_decode_attention(q: jax.Array, layer: PagedKVCache, block_tables: jax.
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         if impl == "auto":
-            fits = triton_turboquant.supports(layer.spec, layer.head_dim)
+            # 3-bit values: the kernel failed its reference test on the H200 (tests/kernels/decode_attention/
+            # test_turboquant_kernel.py under JQUANT_TEST_GPU=1, 2 of 2 cases) while passing in interpret
+            # mode, so they stay on the XLA path until that is understood.
+            fits = triton_turboquant.supports(layer.spec, layer.head_dim) and layer.spec.value_bits != 3
             impl = dispatch.decode_attention_impl() if fits else "xla"
         if impl == "xla":
             return attention_reference(q, layer, block_tables, lengths).astype(q.dtype)

@@ -27,10 +27,20 @@ def _int32_offsets_wrap(pages) -> bool:
     return size > 2**31 and size * pages.dtype.itemsize <= 2**32
 
 
+# Formats whose kernel writes measured bit-identical to XLA's quantize + scatter on the H200 (random
+# bf16 keys and values, 8 / 4096 / 32768 tokens; bench/results/h200/insert.json). The others differ
+# there at rounding ties: int8 per (token, head) in ~3 of 10^4 codes, k8v4's 4-bit values in ~9 of
+# 10^4 and fp8 per (token, head) in 1 of 4·10^6, because XLA's GPU division of x by a broadcast scale
+# is not the IEEE division the kernel performs. Until the kernel divides as XLA does, "auto" leaves
+# them to XLA, so a cache's contents never depend on which path wrote them.
+BIT_EXACT_ON_GPU = frozenset({"bf16", "fp8_e4m3"})
+
+
 def choose_impl(spec: KVCacheSpec) -> str:
     """"pallas" where the Triton-backend kernels run (``dispatch.runs_triton_pallas``: a CUDA GPU of
-    capability 8.0 or more) and, for e4m3 formats, capability 8.9 or more; "xla" elsewhere."""
-    if not dispatch.runs_triton_pallas():
+    capability 8.0 or more) for the formats in ``BIT_EXACT_ON_GPU`` (and, for e4m3, capability 8.9 or
+    more: Triton casts float32 to e4m3 from sm_89 on); "xla" elsewhere."""
+    if not dispatch.runs_triton_pallas() or spec.name not in BIT_EXACT_ON_GPU:
         return "xla"
     e4m3 = "fp8_e4m3" in (spec.key_format, spec.value_format)
     return "xla" if e4m3 and dispatch.compute_capability() < FP8_E4M3_MIN_CAPABILITY else "pallas"

@@ -9,9 +9,8 @@ whose slot is negative or past the pool are masked out of every store, so their 
 Every step mirrors ``insert_reference`` as XLA computes it, so codes and scales are bit-identical:
 
 * XLA rewrites ``x / constant`` into ``x * (1 / constant)`` (its algebraic simplifier), so divisions
-  by a constant here are multiplications by the same float32 reciprocal; codes are x times the
-  reciprocal of their scale, as the reference writes them, and that reciprocal is the IEEE
-  ``div.rn.f32`` (inline PTX: Triton's ``/`` is the approximate ``div.full.f32``).
+  by a constant here are multiplications by the same float32 reciprocal; Triton's ``/`` is the
+  approximate ``div.full.f32``, so a division by data is the IEEE ``div.rn.f32`` (inline PTX).
 * Triton's min/max drop NaN where XLA's propagate it: NaN is carried explicitly.
 * Triton has no nearest-integer op: ties-to-even is built from floor.
 
@@ -62,16 +61,15 @@ def _recip(c: float) -> np.float32:
     return np.float32(1.0) / np.float32(c)
 
 
-def _reciprocal(b, interpret: bool):
-    """1 / b IEEE-exact, as XLA divides (Triton's ``/`` is approximate); b float32 of any shape."""
-    one = jnp.ones(b.shape, jnp.float32)
+def _div(a, b, interpret: bool):
+    """a / b IEEE-exact, as XLA divides (Triton's ``/`` is approximate)."""
     if interpret:
-        return one / b
+        return a / b
     from jax.experimental.pallas import triton as plt
 
     [q] = plt.elementwise_inline_asm(
-        "div.rn.f32 $0, $1, $2;", args=[one, b], constraints="=f,f,f",
-        pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(b.shape, jnp.float32)])
+        "div.rn.f32 $0, $1, $2;", args=[a, jnp.broadcast_to(b, a.shape)], constraints="=f,f,f",
+        pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
     return q
 
 
@@ -96,10 +94,7 @@ def _nearest_even(y):
 
 def _encode(x, scale, fmt: str, interpret: bool):
     """``scalar.encode``: codes of x / scale (scale None: 1, no division) in fmt."""
-    if scale is not None:   # a per-tensor scalar becomes a column: inline PTX takes blocks, not scalars
-        y = x * _reciprocal(jnp.broadcast_to(scale, (x.shape[0], 1)), interpret)
-    else:
-        y = x
+    y = x if scale is None else _div(x, scale, interpret)
     m = scalar.fmt_max(fmt)
     y = _clip(y, -m, m)
     if fmt == "int8":
@@ -127,10 +122,8 @@ def _uniform4(even, odd, interpret: bool):
     span = hi - lo
     s = jnp.where(jnp.isnan(span), span, jnp.maximum(span * _recip(levels), np.float32(1e-8)))
 
-    r = _reciprocal(s, interpret)
-
     def codes(v):
-        q = jnp.floor((v - lo[:, None]) * r[:, None] + 0.5)
+        q = jnp.floor(_div(v - lo[:, None], s[:, None], interpret) + 0.5)
         return jnp.where(jnp.isnan(q), 0.0, _clip(q, 0.0, levels)).astype(jnp.int32)
 
     return codes(even) | (codes(odd) << 4), s, lo
