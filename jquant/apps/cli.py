@@ -61,9 +61,16 @@ def _ledger(argv) -> int:
     return 0
 
 
+def _calibrate(argv) -> int:
+    from jquant.apps import calibrate
+
+    return calibrate.run(argv)
+
+
 COMMANDS = {"demo": (_demo, "SmolLM2-135M under every registered scheme: perplexity, top-1 agreement, bytes, tokens/s"),
             "bench": (_bench, "kernel benchmarks (W4A16 against XLA); needs a GPU"),
-            "ledger": (_ledger, "memory account: codes, scales, float tensors, KV cache, sequences a budget fits")}
+            "ledger": (_ledger, "memory account: codes, scales, float tensors, KV cache, sequences a budget fits"),
+            "calibrate": (_calibrate, "SmolLM2-135M with GPTQ from real text: perplexity against RTN, a GPTQ checkpoint")}
 
 
 def _version() -> str:

@@ -163,3 +163,14 @@ def test_demo_rejects_unknown_kv_dtypes_before_any_work(monkeypatch, capsys):
     monkeypatch.setattr(jquant.models, "load_gguf", lambda path: (_ for _ in ()).throw(AssertionError("loaded")))
     code, out = _exit_code(["demo", "--kv-cache-dtypes", "fp8,fp4"], capsys)
     assert code == 2 and "unknown kv_cache_dtype 'fp4'" in out.err and "turboquant_3bit_nc" in out.err
+
+
+def test_calibrate_refuses_bad_options_before_loading_anything(capsys):
+    import pytest
+    from jquant.apps import cli
+    for argv, message in ((["calibrate", "--group-size", "0"], "--group-size"),
+                          (["calibrate", "--method", "rtn", "--act-order"], "GPTQ option"),
+                          (["calibrate", "--bits", "5"], "invalid choice")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err

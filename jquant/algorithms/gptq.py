@@ -1,0 +1,118 @@
+"""GPTQ for one linear layer: calibration activations in, a QTensor of an integer scheme out.
+
+The QTensor has the format, blocks and scale dtype the scheme's RTN ``quantize_weight``
+gives (so it exports to the ``gptq`` layout, loads back and ``apply``s through the scheme); only
+its values differ, and it dequantizes to exactly the weight the GPTQ loop produced. The math lives
+in ``gptq_core``; walking a model layer by layer is the caller's business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jquant.algorithms.gptq_core import GPTQResult, gptq_quantize, hessian_update
+from jquant.formats.integer import quantize_int_with_params
+from jquant.qtensor import QTensor
+from jquant.schemes.scheme import Scheme, get_scheme
+from jquant.schemes.spec import WeightSpec
+
+
+_DAMP_RETRIES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Hessian:
+    """A running GPTQ Hessian ``2/n · Σ xᵀx`` over ``n`` rows (a pytree: it can cross ``jit``)."""
+
+    h: jax.Array
+    n: jax.Array
+
+    @classmethod
+    def zeros(cls, k: int) -> "Hessian":
+        return cls(h=jnp.zeros((k, k), jnp.float32), n=jnp.int32(0))
+
+    def update(self, x: jax.Array) -> "Hessian":
+        """This Hessian with the rows of ``x [..., K]`` added."""
+        if np.shape(x)[-1:] != self.h.shape[:1]:
+            raise ValueError(f"activations must be [..., {self.h.shape[0]}], got shape {tuple(np.shape(x))}")
+        return Hessian(*hessian_update(self.h, self.n, x))
+
+
+jax.tree_util.register_dataclass(Hessian, data_fields=["h", "n"], meta_fields=[])
+
+
+def accumulate_hessian(inputs: Iterable[jax.Array] | jax.Array, k: int) -> Hessian:
+    """The Hessian of calibration batches ``[..., K]`` (one array is one batch)."""
+    if isinstance(inputs, (jax.Array, np.ndarray)):
+        inputs = (inputs,)
+    hessian = Hessian.zeros(k)
+    for x in inputs:
+        hessian = hessian.update(x)
+    return hessian
+
+
+def int_weight_spec(scheme: str | Scheme | WeightSpec) -> WeightSpec:
+    """The integer ``WeightSpec`` of a scheme name, a Scheme or a spec."""
+    spec = scheme if isinstance(scheme, WeightSpec) else get_scheme(scheme).weight
+    if spec.family != "int":
+        raise ValueError(f"GPTQ quantizes to integer formats (int*/uint*); {scheme!r} has format {spec.format!r}")
+    return spec
+
+
+def to_qtensor(result: GPTQResult, spec: WeightSpec, dtype=jnp.float32) -> QTensor:
+    """The QTensor of a GPTQ result in ``spec``'s format; ``dtype`` is recorded as the weight's."""
+    scale_dtype = jnp.dtype(spec.scale_dtype or jnp.float32)
+    qt = quantize_int_with_params(result.weight, spec.bits, result.scale, result.zero, result.g_idx, axis=1,
+                                  scale_dtype=scale_dtype)
+    return qt.replace(dtype=dtype)
+
+
+def gptq_quantize_weight(weight: jax.Array, inputs: Iterable[jax.Array] | jax.Array | Hessian, *,
+                         scheme: str | Scheme | WeightSpec = "int4_g128", damp_percent: float = 0.01,
+                         block_size: int = 128, act_order: bool = False, static_groups: bool = False) -> QTensor:
+    """GPTQ-quantizes a weight ``[N, K]`` (out_features, in_features) for ``scheme``.
+
+    Args:
+      weight: ``[N, K]`` float weight.
+      inputs: the layer's calibration activations, batches ``[..., K]`` (an iterable, or one
+        array), or a ``Hessian`` already accumulated from them.
+      scheme: an integer scheme (``"int4_g128"``, ``"int4_g32"``, ``"int4_g128_asym"``, ``"int8_ch"``,
+        ...) or a ``WeightSpec`` (``WeightSpec.integer(4, 64, symmetric=False, scale_dtype="float16")``):
+        bits, group size, symmetry and scale dtype come from it. Symmetric formats use GPTQ's scale
+        ``2·amax / (2**b-1)``.
+      damp_percent, block_size, act_order, static_groups: as ``gptq_core.gptq_quantize``.
+    """
+    spec = int_weight_spec(scheme)
+    weight = jnp.asarray(weight)
+    if weight.ndim != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    hessian = inputs if isinstance(inputs, Hessian) else accumulate_hessian(inputs, weight.shape[1])
+    if not np.isfinite(np.asarray(weight)).all() or not np.isfinite(np.asarray(hessian.h)).all():
+        raise ValueError("GPTQ needs finite weights and calibration activations (found NaN or Inf)")
+    # A Hessian too ill-conditioned for its Cholesky factor gives NaN: retry with 10x the dampening
+    # (as gptqmodel's automatic damping does) rather than return a silently broken weight.
+    damps = [damp_percent] + [max(damp_percent, 0.01) * 10**i for i in range(1, _DAMP_RETRIES + 1)]
+    for damp in damps:
+        result = gptq_quantize(weight, hessian.h, bits=spec.bits, group_size=spec.group_size,
+                               symmetric=spec.symmetric, damp_percent=damp,
+                               block_size=block_size, act_order=act_order, static_groups=static_groups,
+                               scale_dtype=spec.scale_dtype or jnp.float32)
+        if np.isfinite(np.asarray(result.weight)).all():
+            return to_qtensor(result, spec, weight.dtype)
+    raise ValueError(f"GPTQ's Cholesky factorisation failed even at damp_percent={damps[-1]}; "
+                     "the calibration activations are degenerate")
+
+
+def gptq_quantize_kernel(kernel: jax.Array, inputs: Iterable[jax.Array] | jax.Array | Hessian,
+                         **options) -> QTensor:
+    """``gptq_quantize_weight`` for a Flax kernel ``[K, N]``; the QTensor is ``[N, K]`` as
+    ``Scheme.quantize_kernel`` returns it."""
+    kernel = jnp.asarray(kernel)
+    if kernel.ndim != 2:
+        raise ValueError(f"kernel must be 2-D [K, N], got shape {tuple(kernel.shape)}")
+    return gptq_quantize_weight(kernel.T, inputs, **options)
