@@ -24,6 +24,15 @@ from jquant.kernels.decode_attention.config import TuningConfig, splits_for
 _MASK = -1e30
 
 
+def pool_rows(bt_ref, b, h, tok, *, page_size, kv_heads, max_pages, num_pages):
+    """Rows of the flattened ``[slots * kv_heads, D]`` pool holding tokens ``tok`` of sequence ``b``,
+    KV head ``h``; page indices are clamped into the pool, so a bad table never reads outside memory."""
+    pidx = jnp.minimum(lax.div(tok, page_size), max_pages - 1)
+    page = bt_ref[b * max_pages + pidx]
+    page = jnp.minimum(jnp.maximum(page, 0), num_pages - 1)
+    return (page * page_size + lax.rem(tok, page_size)) * kv_heads + h
+
+
 def _kernel(lengths_ref, bt_ref, q_ref, k_ref, v_ref, *rest, page_size, kv_heads, max_pages,
             num_pages, block_tokens, split_tokens, sm_scale, per_token):
     from jax.experimental import pallas as pl
@@ -47,10 +56,8 @@ def _kernel(lengths_ref, bt_ref, q_ref, k_ref, v_ref, *rest, page_size, kv_heads
         acc, m, l = carry
         tok = start + i * block_tokens + iota
         valid = tok < length
-        pidx = jnp.minimum(lax.div(tok, page_size), max_pages - 1)
-        page = bt_ref[b * max_pages + pidx]
-        page = jnp.minimum(jnp.maximum(page, 0), num_pages - 1)   # never read outside the pool
-        row = (page * page_size + lax.rem(tok, page_size)) * kv_heads + h
+        row = pool_rows(bt_ref, b, h, tok, page_size=page_size, kv_heads=kv_heads, max_pages=max_pages,
+                        num_pages=num_pages)
         k = k_ref[row, :].astype(jnp.bfloat16)                # [T, D]
         logits = plt.dot(q, k, trans_b=True)                  # [G16, T] f32
         if per_token:

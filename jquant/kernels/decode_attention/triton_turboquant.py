@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from jquant.kernels.decode_attention.config import TuningConfig, split_plan
-from jquant.kernels.decode_attention.triton import _MASK, combine
+from jquant.kernels.decode_attention.triton import _MASK, combine, pool_rows
 from jquant.kv import lloyd_max, turboquant
 from jquant.kv.dtypes import KVCacheSpec
 from jquant.kv.paged import PagedKVCache
@@ -166,10 +166,8 @@ def _kernel(lengths_ref, bt_ref, q_ref, qs_ref, k_ref, *refs, page_size, kv_head
         accs, off, m, l = carry
         tok = start + i * block_tokens + iota
         valid = tok < length
-        pidx = jnp.minimum(lax.div(tok, page_size), max_pages - 1)
-        page = bt_ref[b * max_pages + pidx]
-        page = jnp.minimum(jnp.maximum(page, 0), num_pages - 1)   # never read outside the pool
-        row = (page * page_size + lax.rem(tok, page_size)) * kv_heads + h
+        row = pool_rows(bt_ref, b, h, tok, page_size=page_size, kv_heads=kv_heads, max_pages=max_pages,
+                        num_pages=num_pages)
         logits = _key_logits(q, k_ref, ks_ref, row, head_dim=head_dim, bits=key_bits, poly=poly,
                              norm_correction=norm_correction)
         logits = jnp.where(valid[None, :], logits * q_scale[:, None], _MASK)
