@@ -29,6 +29,14 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
+def _kv_kernel_options(parser: argparse.ArgumentParser) -> None:
+    """The options the paged-cache kernel benchmarks (attention, insert) share."""
+    parser.add_argument("--kv-dtypes", default=None, help="comma list of kv_cache_dtype names")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--sweep", action="store_true", help="also time the launch configs of bench.SWEEP")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jquant bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,18 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("--out", default="bench/results", help="folder for attention.json and attention.md")
     att.add_argument("--batches", type=_ints, default=(8,))
     att.add_argument("--ctxs", type=_ints, default=(32768,))
-    att.add_argument("--kv-dtypes", default=None, help="comma list of kv_cache_dtype names")
-    att.add_argument("--page-size", type=int, default=16)
-    att.add_argument("--reps", type=int, default=9)
-    att.add_argument("--sweep", action="store_true", help="also time the launch configs of bench.SWEEP")
+    _kv_kernel_options(att)
 
     ins = sub.add_parser("insert", help="quantize-and-insert of new KV tokens per kv_cache_dtype against XLA")
     ins.add_argument("--out", default="bench/results", help="folder for insert.json and insert.md")
     ins.add_argument("--tokens", type=_ints, default=None, help="new tokens per insert (default 8,4096,32768)")
-    ins.add_argument("--kv-dtypes", default=None, help="comma list of kv_cache_dtype names")
-    ins.add_argument("--page-size", type=int, default=16)
-    ins.add_argument("--reps", type=int, default=9)
-    ins.add_argument("--sweep", action="store_true", help="also time the launch configs of bench.SWEEP")
+    _kv_kernel_options(ins)
 
     dec = sub.add_parser("decode", help="one decode step of a Llama-3-8B-shaped stack per weights x KV dtype")
     dec.add_argument("--out", default="bench/results", help="folder for decode.json and decode.md")

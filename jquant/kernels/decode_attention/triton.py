@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jquant.kernels.decode_attention.config import TuningConfig, splits_for
+from jquant.kernels.decode_attention.config import TuningConfig, split_plan
 
 # A finite "minus infinity": exp(mask - max) is 0 and mask - mask stays finite, so a split with
 # no tokens leaves m = _MASK, l = 0 and never produces a NaN.
@@ -97,10 +97,7 @@ def partials(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, sm
     group = hq // hkv
     g16 = -(-group // 16) * 16
     block = config.block_tokens
-    max_tokens = max_pages * page_size
-    splits = config.num_splits or splits_for(batch, hkv, max_tokens, block)
-    split_tokens = -(-(-(-max_tokens // splits)) // block) * block
-    splits = -(-max_tokens // split_tokens)
+    splits, split_tokens = split_plan(batch, hkv, max_pages * page_size, config)
 
     qg = q.reshape(batch, hkv, group, d)
     if g16 != group:
