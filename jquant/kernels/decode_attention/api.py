@@ -48,10 +48,6 @@ def _check(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale):
     if k_pages.dtype not in _CODE_DTYPES:
         raise ValueError(f"unsupported page dtype {k_pages.dtype} (packed TurboQuant pages "
                          "take their own kernel)")
-    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables must be [{batch}, max_pages], got {block_tables.shape}")
-    if lengths.shape != (batch,):
-        raise ValueError(f"lengths must be [{batch}], got {lengths.shape}")
     if (k_scale is None) != (v_scale is None):
         raise ValueError("give both k_scale and v_scale or neither")
     if k_scale is not None:
@@ -63,6 +59,16 @@ def _check(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale):
             raise ValueError("k_scale and v_scale must both be per-tensor or both per-(token, head)")
     elif k_pages.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8):
         raise ValueError(f"{k_pages.dtype} pages need k_scale and v_scale")
+    check_tables(block_tables, lengths, batch, num_pages, page_size)
+
+
+def check_tables(block_tables, lengths, batch: int, num_pages: int, page_size: int) -> None:
+    """Block tables ``[batch, max_pages]`` and lengths ``[batch]`` of a paged cache of ``num_pages``
+    pages: shapes always, values where they are concrete."""
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [{batch}, max_pages], got {block_tables.shape}")
+    if lengths.shape != (batch,):
+        raise ValueError(f"lengths must be [{batch}], got {lengths.shape}")
     # Values are checked only where they are concrete (outside jit): inside jit the kernel
     # clamps page indices into the pool, so a bad table reads a wrong page, never outside memory.
     if not isinstance(block_tables, jax.core.Tracer) and not isinstance(lengths, jax.core.Tracer):

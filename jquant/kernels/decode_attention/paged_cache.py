@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 
 from jquant.kernels.decode_attention import triton_turboquant
-from jquant.kernels.decode_attention.api import IMPLS, decode_attention
+from jquant.kernels.decode_attention.api import IMPLS, check_tables, decode_attention
 from jquant.kernels.decode_attention.config import TuningConfig
 from jquant.kv.attention_reference import attention_reference
 from jquant.kv.paged import PagedKVCache
@@ -28,6 +28,7 @@ def cache_decode_attention(q: jax.Array, layer: PagedKVCache, block_tables: jax.
     if kind == "turboquant":
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        check_tables(block_tables, lengths, q.shape[0], layer.num_pages, layer.page_size)
         if impl == "auto":
             # 3-bit values: the kernel failed its reference test on the H200 (tests/kernels/decode_attention/
             # test_turboquant_kernel.py under JQUANT_TEST_GPU=1, 2 of 2 cases) while passing in interpret

@@ -145,3 +145,13 @@ def test_auto_on_a_gpu_keeps_3bit_values_on_xla(monkeypatch, name, kernel_expect
     monkeypatch.setattr(dispatch, "decode_attention_impl", lambda device=None: "pallas")
     q, layer, bt, ln = _realistic(name)
     assert _has_kernel(lambda *a: cache_decode_attention(*a), q, layer, bt, ln) == kernel_expected
+
+
+def test_bad_tables_and_lengths_are_refused_before_the_kernel():
+    q, layer, bt, ln = _realistic("turboquant_4bit_nc")
+    with pytest.raises(ValueError, match="outside the pool"):
+        cache_decode_attention(q, layer, bt.at[0, 0].set(layer.num_pages), ln)
+    with pytest.raises(ValueError, match="lengths must lie"):
+        cache_decode_attention(q, layer, bt, ln.at[0].set(-1))
+    with pytest.raises(ValueError, match=r"lengths must be \["):
+        cache_decode_attention(q, layer, bt, ln[:1])
