@@ -22,6 +22,16 @@ def run_meta() -> dict:
                 xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
+def markdown_title(title: str, records: list[dict], detail: str = "") -> str:
+    """``# title`` and the run line every results table opens with: device, JAX version, date, commit
+    (from the first record) and ``detail``, then a blank line."""
+    meta = records[0] if records else {}
+    commit = f", commit {meta['commit']}" if "commit" in meta else ""
+    detail = f"; {detail}" if detail else ""
+    return (f"# {title}\n\n{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, "
+            f"{meta.get('date', '')}{commit}{detail}\n\n")
+
+
 def write_records(records: list[dict], out_dir, stem: str,
                   to_markdown: Callable[[list[dict]], str]) -> tuple[pathlib.Path, pathlib.Path]:
     """``<out_dir>/<stem>.json`` (the records) and ``<stem>.md`` (``to_markdown`` of them)."""

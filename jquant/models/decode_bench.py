@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jquant.bench.profile import summarize_trace
+from jquant.bench.records import markdown_title
 from jquant.bench.timing import array_bytes, measure_hbm_bandwidth
 from jquant.checkpoint.hf_checkpoint import PROJECTIONS
 from jquant.kernels.decode_attention.bench import random_pages
@@ -187,10 +188,9 @@ def run(num_layers: int = 8, batches: Iterable[int] = (1, 16), ctxs: Iterable[in
 
 def to_markdown(records: list[dict]) -> str:
     meta = records[0] if records else {}
-    out = [f"# Decode step benchmark\n\n{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, "
-           f"{meta.get('date', '')}, commit {meta.get('commit', '')}; Llama-3-8B-shaped, "
-           f"{meta.get('layers', '')} layers, random weights, "
-           f"{'fused' if meta.get('fused_projections', True) else 'separate'} q/k/v and gate/up GEMMs\n",
+    detail = (f"Llama-3-8B-shaped, {meta.get('layers', '')} layers, random weights, "
+              f"{'fused' if meta.get('fused_projections', True) else 'separate'} q/k/v and gate/up GEMMs")
+    out = [markdown_title("Decode step benchmark", records, detail) +
            "| weights | KV | B | ctx | step µs | tokens/s | byte floor µs | % floor | vs bf16+bf16 KV | "
            "bf16 dense-cache µs | spread % |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:

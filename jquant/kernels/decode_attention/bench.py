@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jquant.bench.records import markdown_title
 from jquant.bench.timing import (H200_HBM_BYTES_PER_S, copies_for, roofline, spread_pct, time_interleaved,
                                  time_steadiest)
 from jquant.kernels.decode_attention.config import TuningConfig
@@ -145,9 +146,7 @@ def _record(name, batch, ctx, page_size, cfg, t, times, baselines, attempts, nby
 
 
 def to_markdown(records: list[dict]) -> str:
-    meta = records[0] if records else {}
-    out = [f"# Decode attention benchmark\n\n{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, "
-           f"{meta.get('date', '')}, commit {meta.get('commit', '')}\n",
+    out = [markdown_title("Decode attention benchmark", records) +
            "| kv dtype | B | ctx | µs | byte floor µs | % floor | JAX paged bf16 µs | JAX paged fp8 µs | "
            "XLA µs | vs JAX bf16 | spread % |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jquant.bench.records import markdown_title
 from jquant.bench.timing import H200_HBM_BYTES_PER_S, Timing, roofline, spread_pct, time_steadiest
 from jquant.kernels.kv_insert import triton
 from jquant.kernels.kv_insert.api import insert
@@ -124,10 +125,8 @@ def run(tokens: Iterable[int] = TOKENS, kv_dtypes: Iterable[str] = KV_DTYPES, pa
 
 
 def to_markdown(records: list[dict]) -> str:
-    meta = records[0] if records else {}
-    out = [f"# KV insert benchmark\n\n{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, "
-           f"{meta.get('date', '')}, commit {meta.get('commit', '')}; {KV_HEADS} KV heads, head_dim {HEAD_DIM}, "
-           "new K/V in bf16, cache donated\n",
+    out = [markdown_title("KV insert benchmark", records, f"{KV_HEADS} KV heads, head_dim {HEAD_DIM}, new K/V in "
+                          "bf16, cache donated") +
            "| kv dtype | T | launch | kernel µs | useful TB/s | % byte floor | XLA µs | XLA TB/s | vs XLA | "
            "bit-exact | spread % |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:

@@ -28,7 +28,7 @@ from jquant.bench.timing import (H200_HBM_BYTES_PER_S, array_bytes, copies_for, 
 from jquant.kernels.w4a16 import (IMPLS, PackedW4NK, default_mgpu_config, resolve_impl,
                                    w4a16_matmul)
 from jquant.kernels.w4a16.from_qtensor import prepack_for_kernels, unified_w4
-from jquant.bench.records import run_meta, write_records
+from jquant.bench.records import markdown_title, run_meta, write_records
 
 SHAPES = ((28672, 8192), (8192, 28672), (8192, 8192), (4096, 4096), (1536, 576))
 MS = (1, 4, 16, 32, 64, 128, 256, 1024, 4096)
@@ -263,11 +263,7 @@ def to_markdown(records: list[dict]) -> str:
                     f"{b.get('xla_bf16', '')} | {b.get('xla_dequant_dot', '')} | "
                     f"{r.get('speedup_vs_bf16', '')} | {r['tb_per_s']} | {r['pct_of_byte_floor']} | "
                     f"{_cell_spread(r)} |")
-    meta = records[0] if records else {}
-    commit = f", commit {meta['commit']}" if "commit" in meta else ""
-    title = (f"# W4A16 benchmark\n\n{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, "
-             f"{meta.get('date', '')}{commit}\n\n")
-    return title + head + "\n".join(rows) + "\n"
+    return markdown_title("W4A16 benchmark", records) + head + "\n".join(rows) + "\n"
 
 
 def _cell_spread(record: dict) -> str:
