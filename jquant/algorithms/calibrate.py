@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from jquant.formats.hadamard import hadamard_blocks
 from jquant.models.llama import DecoderLayer, LlamaForCausalLM, causal_mask
 from jquant.schemes.qparam import QParam
 from jquant.schemes.scheme import Scheme, get_scheme
@@ -44,7 +45,7 @@ def _recording_interceptor(record: dict):
     return intercept
 
 
-def _layer_pass(layer: DecoderLayer, positions, mask):
+def layer_pass(layer: DecoderLayer, positions, mask):
     """Jitted ``(params, x) -> (output, {projection: input})``; every layer has the same shapes, so one
     compile serves all of them at each stage of quantization."""
     def run(params, x):
@@ -68,7 +69,7 @@ def calibrate_llama(model: LlamaForCausalLM, params: dict, calibration_ids: jax.
         raise ValueError(f"calibration_ids must be [rows, seq_len], got shape {ids.shape}")
     x = jnp.take(params["embed_tokens"]["embedding"], ids, axis=0).astype(model.dtype)
     positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
-    run = _layer_pass(DecoderLayer(c, model.dtype, nn.Dense, model.fused_projections), positions,
+    run = layer_pass(DecoderLayer(c, model.dtype, nn.Dense, model.fused_projections), positions,
                       causal_mask(positions[0], positions[0]))
     groups = FUSED_GROUPS if model.fused_projections else GROUPS
     out = dict(params)
@@ -85,21 +86,37 @@ def calibrate_llama(model: LlamaForCausalLM, params: dict, calibration_ids: jax.
     return out
 
 
-def rtn_group(scheme: str | Scheme) -> QuantizeGroup:
-    """Round-to-nearest with ``scheme`` (the inputs are not used): the baseline calibration beats."""
+def _rotated(kernels, inputs, rotation):
+    """The kernels ``[K, N]`` and inputs ``[tokens, K]`` in the rotated basis (unchanged for None)."""
+    if rotation is None:
+        return kernels, inputs
+    return ({n: hadamard_blocks(k, rotation, axis=0) for n, k in kernels.items()},
+            hadamard_blocks(inputs, rotation))
+
+
+def rtn_group(scheme: str | Scheme, *, rotation: int | None = None) -> QuantizeGroup:
+    """Round-to-nearest with ``scheme`` (the inputs are not used): the baseline calibration beats.
+    ``rotation``: quantize ``W H`` for a block-``rotation`` Hadamard ``H`` (the QParams rotate their
+    inputs to match)."""
     scheme = get_scheme(scheme)
-    return lambda kernels, inputs: {n: QParam(scheme.quantize_kernel(k), scheme) for n, k in kernels.items()}
+
+    def quantize_group(kernels, inputs):
+        kernels, _ = _rotated(kernels, inputs[:0], rotation)
+        return {n: QParam(scheme.quantize_kernel(k), scheme, input_rotation=rotation) for n, k in kernels.items()}
+    return quantize_group
 
 
-def gptq_group(scheme: str | Scheme, **options) -> QuantizeGroup:
-    """GPTQ with ``scheme``'s integer format; the projections of a group share one Hessian.
-    ``options``: ``damp_percent``, ``block_size``, ``act_order``, ``static_groups``."""
+def gptq_group(scheme: str | Scheme, *, rotation: int | None = None, **options) -> QuantizeGroup:
+    """GPTQ with ``scheme`` (an integer format, MXFP4 or NVFP4); the projections of a group share one
+    Hessian. ``rotation``: as ``rtn_group``, GPTQ then runs in the rotated basis. ``options``:
+    ``damp_percent``, ``block_size``, ``act_order``, ``static_groups``."""
     from jquant.algorithms.gptq import accumulate_hessian, gptq_quantize_kernel
 
     scheme = get_scheme(scheme)
 
     def quantize_group(kernels, inputs):
+        kernels, inputs = _rotated(kernels, inputs, rotation)
         hessian = accumulate_hessian(inputs, inputs.shape[-1])
-        return {n: QParam(gptq_quantize_kernel(k, hessian, scheme=scheme, **options), scheme)
-                for n, k in kernels.items()}
+        return {n: QParam(gptq_quantize_kernel(k, hessian, scheme=scheme, **options), scheme,
+                          input_rotation=rotation) for n, k in kernels.items()}
     return quantize_group

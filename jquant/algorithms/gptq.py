@@ -15,14 +15,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jquant.algorithms.gptq_core import GPTQResult, gptq_quantize, hessian_update
+from jquant.algorithms.gptq_core import GPTQResult, gptq_quantize, gptq_quantize_e2m1, hessian_update
+from jquant.formats import mx, nvfp4
+from jquant.formats.exact import exact_divide
 from jquant.formats.integer import quantize_int_with_params
+from jquant.formats.packing import pack_bits
 from jquant.qtensor import QTensor
 from jquant.schemes.scheme import Scheme, get_scheme
 from jquant.schemes.spec import WeightSpec
 
 
 _DAMP_RETRIES = 3
+FP4_FORMATS = ("mxfp4", "nvfp4")  # E2M1 codes with a multiplier per block along K
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +76,23 @@ def to_qtensor(result: GPTQResult, spec: WeightSpec, dtype=jnp.float32) -> QTens
     return qt.replace(dtype=dtype)
 
 
+def fp4_block_multipliers(qt: QTensor) -> jax.Array:
+    """``[N, K / block]`` float32 multiplier of each block of an MXFP4 / NVFP4 weight QTensor (what
+    its codes' E2M1 values are multiplied by when it dequantizes)."""
+    if qt.fmt == "nvfp4":
+        return nvfp4.block_scales(qt)
+    return mx.block_multipliers(qt)
+
+
+def fp4_with_codes(qt: QTensor, weight: jax.Array) -> QTensor:
+    """``qt`` (a round-to-nearest MXFP4 / NVFP4 QTensor) with its codes replaced by those of ``weight``,
+    whose every value is an E2M1 value times its block's multiplier (GPTQ's output)."""
+    scales = qt.expand(fp4_block_multipliers(qt))
+    safe = jnp.where(scales == 0, 1.0, scales)
+    codes = mx.e2m1_codes(exact_divide(jnp.asarray(weight, jnp.float32), safe), "even", "negative")
+    return qt.replace(data=pack_bits(codes, 4, qt.pack_axis))
+
+
 def gptq_quantize_weight(weight: jax.Array, inputs: Iterable[jax.Array] | jax.Array | Hessian, *,
                          scheme: str | Scheme | WeightSpec = "int4_g128", damp_percent: float = 0.01,
                          block_size: int = 128, act_order: bool = False, static_groups: bool = False) -> QTensor:
@@ -87,23 +108,29 @@ def gptq_quantize_weight(weight: jax.Array, inputs: Iterable[jax.Array] | jax.Ar
         ``2·amax / (2**b-1)``.
       damp_percent, block_size, act_order, static_groups: as ``gptq_core.gptq_quantize``.
     """
-    spec = int_weight_spec(scheme)
+    fp4 = not isinstance(scheme, WeightSpec) and get_scheme(scheme).weight.format in FP4_FORMATS
+    spec = get_scheme(scheme).weight if fp4 else int_weight_spec(scheme)
     weight = jnp.asarray(weight)
     if weight.ndim != 2:
         raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
     hessian = inputs if isinstance(inputs, Hessian) else accumulate_hessian(inputs, weight.shape[1])
     if not np.isfinite(np.asarray(weight)).all() or not np.isfinite(np.asarray(hessian.h)).all():
         raise ValueError("GPTQ needs finite weights and calibration activations (found NaN or Inf)")
+    rtn = get_scheme(scheme).quantize_weight(weight) if fp4 else None
     # A Hessian too ill-conditioned for its Cholesky factor gives NaN: retry with 10x the dampening
     # (as gptqmodel's automatic damping does) rather than return a silently broken weight.
     damps = [damp_percent] + [max(damp_percent, 0.01) * 10**i for i in range(1, _DAMP_RETRIES + 1)]
     for damp in damps:
-        result = gptq_quantize(weight, hessian.h, bits=spec.bits, group_size=spec.group_size,
-                               symmetric=spec.symmetric, damp_percent=damp,
-                               block_size=block_size, act_order=act_order, static_groups=static_groups,
-                               scale_dtype=spec.scale_dtype or jnp.float32)
+        if fp4:
+            result = gptq_quantize_e2m1(weight, hessian.h, fp4_block_multipliers(rtn), damp_percent=damp,
+                                        block_size=block_size, act_order=act_order)
+        else:
+            result = gptq_quantize(weight, hessian.h, bits=spec.bits, group_size=spec.group_size,
+                                   symmetric=spec.symmetric, damp_percent=damp,
+                                   block_size=block_size, act_order=act_order, static_groups=static_groups,
+                                   scale_dtype=spec.scale_dtype or jnp.float32)
         if np.isfinite(np.asarray(result.weight)).all():
-            return to_qtensor(result, spec, weight.dtype)
+            return fp4_with_codes(rtn, result.weight) if fp4 else to_qtensor(result, spec, weight.dtype)
     raise ValueError(f"GPTQ's Cholesky factorisation failed even at damp_percent={damps[-1]}; "
                      "the calibration activations are degenerate")
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jquant.formats.exact import exact_divide
+from jquant.formats.mx import e2m1_codes, e2m1_values
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -163,13 +164,46 @@ def gptq_quantize(w: jax.Array, h: jax.Array, *, bits: int, group_size: int | No
     return result if not symmetric else dataclasses.replace(result, zero=None)
 
 
+def e2m1_fake_quantize(w: jax.Array, scale: jax.Array) -> jax.Array:
+    """``scale · E2M1(w / scale)`` (round half to even, saturating at ±6); 0 where the scale is 0."""
+    safe = jnp.where(scale == 0, 1.0, scale)
+    q = e2m1_values(e2m1_codes(exact_divide(w, safe)) & 7) * jnp.sign(w)
+    return jnp.where(scale == 0, 0.0, q * scale)
+
+
+def gptq_quantize_e2m1(w: jax.Array, h: jax.Array, scales: jax.Array, *, damp_percent: float = 0.01,
+                       block_size: int = 128, act_order: bool = False) -> GPTQResult:
+    """GPTQ onto the E2M1 (FP4) grid with fixed per-block multipliers (MXFP4, NVFP4).
+
+    Args:
+      w: ``[N, K]`` weight.
+      h: ``[K, K]`` Hessian.
+      scales: ``[N, K / block]`` float32 multiplier of each block of ``block`` values along K, as the
+        format's round-to-nearest chose them from ``w`` (its E8M0 or FP8 × global scales): the
+        blocks are GPTQ's static groups, so the codes GPTQ picks re-encode under the format's scales.
+      damp_percent, block_size, act_order: as ``gptq_quantize``.
+    """
+    if w.ndim != 2 or h.shape != (w.shape[1], w.shape[1]) or scales.ndim != 2 or scales.shape[0] != w.shape[0] \
+            or scales.shape[1] == 0 or w.shape[1] % scales.shape[1]:
+        raise ValueError(f"w must be [N, K], h [K, K] and scales [N, K / block]; got w {tuple(w.shape)}, "
+                         f"h {tuple(h.shape)}, scales {tuple(scales.shape)}")
+    k = w.shape[1]
+    flags = (jnp.int32(4), jnp.bool_(True), jnp.float32(damp_percent), jnp.bool_(act_order), jnp.bool_(True))
+    result = _gptq(jnp.asarray(w, jnp.float32), jnp.asarray(h, jnp.float32), *flags,
+                   jnp.asarray(scales, jnp.float32), group_size=k // scales.shape[1],
+                   block_size=min(block_size, k), scale_dtype=jnp.dtype(jnp.float32))
+    return dataclasses.replace(result, zero=None)
+
+
 @functools.partial(jax.jit, static_argnames=("group_size", "block_size", "scale_dtype"))
-def _gptq(w, h, bits, symmetric, damp_percent, act_order, static_groups, *, group_size, block_size, scale_dtype):
+def _gptq(w, h, bits, symmetric, damp_percent, act_order, static_groups, fixed_scales=None, *, group_size,
+          block_size, scale_dtype):
     n, k = w.shape
     gs = k if group_size is None else group_size
     groups = k // gs
     params = functools.partial(group_params, bits=bits, symmetric=symmetric, scale_dtype=scale_dtype)
     static_groups = static_groups & (group_size is not None)
+    e2m1 = fixed_scales is not None
 
     dead = jnp.diagonal(h) == 0
     h = h + jnp.diag(dead.astype(h.dtype))
@@ -178,6 +212,8 @@ def _gptq(w, h, bits, symmetric, damp_percent, act_order, static_groups, *, grou
     w = jnp.where(dead[None, :], 0.0, w)
     if group_size is not None:  # static groups keep these; dynamic ones replace each as it starts
         scale_tab, zero_tab = params(w.reshape(n, groups, gs))
+    if e2m1:
+        scale_tab, zero_tab = fixed_scales, jnp.zeros_like(fixed_scales)
 
     perm = jnp.where(act_order, jnp.argsort(-jnp.diagonal(h), stable=True), jnp.arange(k))
     w = w[:, perm]
@@ -210,8 +246,9 @@ def _gptq(w, h, bits, symmetric, damp_percent, act_order, static_groups, *, grou
             w1, q1, e1, l1 = c
             wi = lax.dynamic_index_in_dim(w1, i, 1, keepdims=False)
             d = u1[i, i]
-            qi = fake_quantize(wi, lax.dynamic_index_in_dim(s_blk, i, 1, keepdims=False),
-                               lax.dynamic_index_in_dim(z_blk, i, 1, keepdims=False), bits)
+            si = lax.dynamic_index_in_dim(s_blk, i, 1, keepdims=False)
+            qi = e2m1_fake_quantize(wi, si) if e2m1 else fake_quantize(
+                wi, si, lax.dynamic_index_in_dim(z_blk, i, 1, keepdims=False), bits)
             err = exact_divide(wi - qi, d)
             # u1 is upper triangular: columns before i get exact zeros.
             w1 = w1 - err[:, None] * u1[i][None, :]

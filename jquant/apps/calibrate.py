@@ -1,11 +1,15 @@
-"""``jquant calibrate``: SmolLM2-135M quantized with GPTQ (or round-to-nearest) from real text, its
-perplexity against the float and round-to-nearest models, and the result as a GPTQ checkpoint.
+"""``jquant calibrate``: SmolLM2-135M quantized with GPTQ, AWQ, SmoothQuant or round-to-nearest (with an
+optional Hadamard rotation) from real text, its perplexity against the float and round-to-nearest
+models, and the result as a checkpoint.
 
 Calibration rows come from the Britannica text starting at token ``--calib-offset`` (16384 by
 default), disjoint from the evaluation slice, which is the first ``--eval-tokens`` tokens (as
-``jquant demo`` uses). The checkpoint (``--out``) is an HF-style directory whose ``config.json``
-carries the GPTQ ``quantization_config``; ``jquant.checkpoint.hf_checkpoint.load_hf_checkpoint`` (and
-so vLLM's GPTQ loader, for the tensors) reads it back.
+``jquant demo`` uses). The weights are an integer GPTQ format from ``--bits/--group-size/--asym``, or
+any registered scheme with ``--scheme`` (``mxfp4``, ``nvfp4``, ``fp8_e4m3_channel``, ...). ``--out``
+writes an HF-style directory whose ``config.json`` carries the ``quantization_config`` (``gptq``, or
+``awq`` for AWQ's uint4 format) for the integer formats; ``load_hf_checkpoint`` reads it back.
+``--record FILE.json`` adds the run's rows (float, round-to-nearest, the method) to a quality table
+and rewrites its markdown twin (``FILE.md``).
 """
 
 from __future__ import annotations
@@ -13,8 +17,11 @@ from __future__ import annotations
 import argparse
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+METHODS = ("gptq", "awq", "smoothquant", "rtn")
 
 
 def gptq_config(bits: int, group_size: int | None, symmetric: bool, act_order: bool) -> dict:
@@ -24,45 +31,110 @@ def gptq_config(bits: int, group_size: int | None, symmetric: bool, act_order: b
             "sym": symmetric, "desc_act": act_order}
 
 
+def awq_config(bits: int, group_size: int) -> dict:
+    """The HF ``quantization_config`` of an AWQ (GEMM) checkpoint: uint codes with zero points."""
+    return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True, "version": "gemm"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jquant calibrate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--method", choices=("gptq", "rtn"), default="gptq")
+    parser.add_argument("--method", choices=METHODS, default="gptq")
+    parser.add_argument("--scheme", default=None, help="a registered scheme (overrides --bits/--group-size/--asym)")
     parser.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=4)
     parser.add_argument("--group-size", type=int, default=64, help="-1: one scale per output channel")
     parser.add_argument("--asym", action="store_true", help="zero points (uint codes); default symmetric")
     parser.add_argument("--act-order", action="store_true", help="GPTQ desc_act (writes g_idx)")
     parser.add_argument("--damp-percent", type=float, default=0.01)
+    parser.add_argument("--rotate", type=int, default=None, choices=(16, 32, 64, 128),
+                        help="Hadamard block: quantize W·H, rotate the inputs online (rtn, gptq)")
+    parser.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
     parser.add_argument("--calib-rows", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per calibration and evaluation row")
     parser.add_argument("--calib-offset", type=int, default=16384,
                         help="first calibration token of the text (the evaluation slice is its start)")
     parser.add_argument("--eval-tokens", type=int, default=2048)
     parser.add_argument("--out", default=None, help="directory for the quantized checkpoint")
+    parser.add_argument("--record", default=None, help="quality table (.json) to add this run's rows to")
     return parser
 
 
-def run(argv=None) -> int:
-    from jquant.algorithms.calibrate import calibrate_llama, gptq_group
-    from jquant.checkpoint.hf_checkpoint import PROJECTIONS
-    from jquant.flax.rules import quantize_params
-    from jquant.apps.data import britannica_text
-    from jquant.apps.demo import nll_and_top1
-    from jquant.checkpoint.hf_checkpoint import save_hf_checkpoint
+def _check(parser, args) -> tuple[dict | None, "object"]:
+    """The checkpoint's ``quantization_config`` (None when no checkpoint layout applies) and the scheme."""
     from jquant.checkpoint.hf_config import scheme_from_config
-    from jquant.flax import quantized_apply
-    from jquant.models import build_tokenizer, load_gguf, smollm2_path
-    from jquant.models.llama import LlamaForCausalLM
+    from jquant.schemes.scheme import get_scheme
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
     group = None if args.group_size == -1 else args.group_size
     if group is not None and group <= 0:
         parser.error(f"--group-size must be positive or -1, got {args.group_size}")
     if args.act_order and args.method != "gptq":
         parser.error("--act-order is a GPTQ option")
-    config = gptq_config(args.bits, group, not args.asym, args.act_order)
-    scheme = scheme_from_config(config)
+    if args.rotate and args.method not in ("gptq", "rtn"):
+        parser.error("--rotate goes with --method gptq or rtn")
+    if args.scheme is not None:
+        try:
+            scheme = get_scheme(args.scheme)
+        except (KeyError, ValueError) as e:
+            parser.error(str(e))
+        config = None
+    elif args.method == "awq" and args.asym:
+        if group is None:
+            parser.error("AWQ checkpoints need a group size (not -1)")
+        config = awq_config(args.bits, group)
+        scheme = scheme_from_config(config)
+    else:
+        config = gptq_config(args.bits, group, not args.asym, args.act_order)
+        scheme = scheme_from_config(config)
+    if args.out and (config is None or args.rotate):
+        parser.error("--out writes integer GPTQ/AWQ checkpoints (no --scheme, no --rotate); save other "
+                     "results with jquant.flax.orbax_io.save_quantized")
+    return config, scheme
+
+
+def weights_label(args, scheme) -> str:
+    """The quality table's weights column: ``int4 g64 sym``, ``mxfp4``, ``nvfp4 + Hadamard 16``."""
+    if args.scheme is not None:
+        label = scheme.name
+    else:
+        group = "per-channel" if args.group_size == -1 else f"g{args.group_size}"
+        label = f"int{args.bits} {group} {'asym' if args.asym else 'sym'}"
+    return label + (f" + Hadamard {args.rotate}" if args.rotate else "")
+
+
+def method_label(args) -> str:
+    return {"gptq": "GPTQ" + (", act-order" if args.act_order else ""), "awq": "AWQ",
+            "smoothquant": f"SmoothQuant α={args.alpha:g}", "rtn": "round-to-nearest"}[args.method]
+
+
+def bits_per_weight(params) -> float:
+    """Stored bits per quantized weight over every QParam (codes, scales, zeros), as jquant holds them."""
+    from jquant.schemes.qparam import QParam
+
+    bits = count = 0
+    for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QParam)):
+        if isinstance(leaf, QParam):
+            qt = leaf.qtensor
+            bits += 8 * sum(a.nbytes for a in jax.tree.leaves(qt))
+            count += int(np.prod(qt.shape))
+    return bits / count
+
+
+def run(argv=None) -> int:
+    from jquant.algorithms.awq import awq_llama
+    from jquant.algorithms.calibrate import calibrate_llama, gptq_group, rtn_group
+    from jquant.algorithms.smoothquant import smoothquant_llama
+    from jquant.apps.data import britannica_text
+    from jquant.apps.demo import nll_and_top1
+    from jquant.apps.quality_table import Row, record_rows
+    from jquant.checkpoint.hf_checkpoint import PROJECTIONS, save_hf_checkpoint
+    from jquant.flax import quantized_apply
+    from jquant.flax.rules import quantize_params
+    from jquant.models import build_tokenizer, load_gguf, smollm2_path
+    from jquant.models.llama import LlamaForCausalLM
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config, scheme = _check(parser, args)
 
     model_config, variables, tok_meta = load_gguf(smollm2_path())
     tokenizer = build_tokenizer(tok_meta)
@@ -84,15 +156,35 @@ def run(argv=None) -> int:
     # rtn_group would (tested), without running the layers.
     rtn, _ = quantize_params(params, [(PROJECTIONS, scheme)], prepare=False)
     t0 = time.perf_counter()
-    quantized = rtn if args.method == "rtn" else calibrate_llama(
-        model, params, calib, gptq_group(scheme, damp_percent=args.damp_percent, act_order=args.act_order))
+    if args.method == "gptq":
+        quantized = calibrate_llama(model, params, calib, gptq_group(
+            scheme, rotation=args.rotate, damp_percent=args.damp_percent, act_order=args.act_order))
+    elif args.method == "awq":
+        quantized = awq_llama(model, params, calib, scheme)
+    elif args.method == "smoothquant":
+        quantized = smoothquant_llama(model, params, calib, scheme, alpha=args.alpha)
+    elif args.rotate:
+        quantized = calibrate_llama(model, params, calib, rtn_group(scheme, rotation=args.rotate), progress=False)
+    else:
+        quantized = rtn
     seconds = time.perf_counter() - t0
     base, rtn_ppl, got = ppl(params), ppl(rtn), ppl(quantized)
     recovered = (rtn_ppl - got) / (rtn_ppl - base) if rtn_ppl != base else float("nan")
-    print(f"SmolLM2-135M, {scheme.name} ({config}), {args.method} on {n_calib} calibration tokens "
-          f"in {seconds:.0f} s; perplexity on {evaluation.size} held-out tokens:")
-    print(f"  float {base:.3f}   round-to-nearest {rtn_ppl:.3f} ({rtn_ppl - base:+.3f})   {args.method} {got:.3f} "
+    method = method_label(args)
+    print(f"SmolLM2-135M, {weights_label(args, scheme)} ({scheme.name}), {method} on {n_calib} calibration "
+          f"tokens in {seconds:.0f} s; perplexity on {evaluation.size} held-out tokens:")
+    print(f"  float {base:.3f}   round-to-nearest {rtn_ppl:.3f} ({rtn_ppl - base:+.3f})   {method} {got:.3f} "
           f"({got - base:+.3f}; {recovered:.0%} of the round-to-nearest loss recovered)")
+    if args.record:
+        label = weights_label(args, scheme)
+        plain = weights_label(argparse.Namespace(**{**vars(args), "rotate": None}), scheme)
+        rows = [Row("float (from Q4_1)", "", 16.0, base),
+                Row(plain, "round-to-nearest", bits_per_weight(rtn), rtn_ppl)]
+        if args.method != "rtn" or args.rotate:
+            rows.append(Row(label, method, bits_per_weight(quantized), got, recovered=recovered,
+                            seconds=round(seconds), baseline=plain))
+        path = record_rows(args.record, rows)
+        print(f"recorded in {path} and {path.with_suffix('.md')}")
     if args.out:
         path = save_hf_checkpoint(quantized, args.out, quantization_config=config)
         print(f"wrote {path}")

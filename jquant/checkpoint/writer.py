@@ -67,8 +67,8 @@ def checkpoint_tensors(params: Any, *, name_map: Callable[[str], str] | None = N
     float tensor per module), a Flax ``kernel`` ``[K, N]`` transposed to PyTorch's ``[N, K]``; without
     it a leaf keeps its orientation and is named ``name_map(path)`` of its whole path.
 
-    Raises ValueError for a QParam without a layout, a bare QTensor, a kernel layout (Prepared) and
-    two leaves that would share one tensor name.
+    Raises ValueError for a QParam without a layout or with an input rotation, a bare QTensor, a kernel
+    layout (Prepared) and two leaves that would share one tensor name.
     """
     name_map = name_map or _default_name
     tensors: dict[str, np.ndarray] = {}
@@ -85,6 +85,11 @@ def checkpoint_tensors(params: Any, *, name_map: Callable[[str], str] | None = N
         module, _, leaf_name = path.rpartition("/")
         module = module or path   # a top-level leaf is its own module
         if isinstance(leaf, QParam):
+            if leaf.input_rotation is not None:
+                raise ValueError(f"parameter {path!r} is quantized in a Hadamard-rotated basis (input_rotation="
+                                 f"{leaf.input_rotation}); no checkpoint layout records the rotation its "
+                                 "inputs need, so it would load as a wrong weight (save it with orbax: "
+                                 "jquant.flax.orbax_io.save_quantized)")
             lay = layout or leaf.scheme.checkpoint_layout
             if lay is None:
                 raise ValueError(f"parameter {path!r}: scheme {leaf.scheme.name!r} names no checkpoint layout; "

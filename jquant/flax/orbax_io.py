@@ -87,6 +87,8 @@ def save_quantized(directory: str | os.PathLike, params: Any) -> None:
             if leaf.input_scale is not None:
                 arrays[f"{key}.input_scale"] = np.asarray(leaf.input_scale)
                 nodes[key]["input_scale"] = f"{key}.input_scale"
+            if leaf.input_rotation is not None:
+                nodes[key]["input_rotation"] = leaf.input_rotation
         elif isinstance(leaf, QTensor):
             nodes[key] = {"qtensor": _encode_qtensor(leaf, key, arrays)}
         else:
@@ -125,7 +127,8 @@ def restore_quantized(directory: str | os.PathLike, *, prepare: bool = True) -> 
         scheme = Scheme.from_dict({k: _from_json(v) for k, v in node["scheme"].items()})  # (older saves: flat)
         qt = _decode_qtensor(node["qparam"], arrays)
         input_scale = jnp.asarray(arrays[node["input_scale"]]) if "input_scale" in node else None
-        return QParam(scheme.process_weights_after_loading(qt) if prepare else qt, scheme, input_scale)
+        return QParam(scheme.process_weights_after_loading(qt) if prepare else qt, scheme, input_scale,
+                      node.get("input_rotation"))
 
     return _map_skeleton(structure["skeleton"], build)
 

@@ -133,7 +133,7 @@ def prepare_params(params: Any) -> Any:
     this itself; use it after inspecting or exporting ``prepare=False`` params)."""
     def prepare(leaf):
         if isinstance(leaf, QParam) and isinstance(leaf.weight, QTensor):
-            return QParam(leaf.scheme.process_weights_after_loading(leaf.weight), leaf.scheme, leaf.input_scale)
+            return dataclasses.replace(leaf, weight=leaf.scheme.process_weights_after_loading(leaf.weight))
         return leaf
 
     return jax.tree.map(prepare, params, is_leaf=_is_leaf)

@@ -318,6 +318,14 @@ def _encode(x, fmt, block, axis, scale_mode, element_rounding):
     return data, jax.lax.bitcast_convert_type(biased.astype(jnp.uint8), jnp.float8_e8m0fnu)
 
 
+def block_multipliers(qt: QTensor) -> jax.Array:
+    """float32 ``2^(b-127)`` of each block's E8M0 scale byte ``b`` (2^-127 is a float32 subnormal, kept
+    exactly); NaN for 0xFF."""
+    biased = jax.lax.bitcast_convert_type(qt.scale, jnp.uint8).astype(jnp.int32)
+    pow2 = jax.lax.bitcast_convert_type(_pow2_bits(jnp.clip(biased - _E8M0_BIAS, -127, 127)), jnp.float32)
+    return jnp.where(biased == 255, jnp.nan, pow2)
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def dequantize_mx(qt: QTensor, dtype) -> jax.Array:
     """``element · 2^(b-127)`` in float32 (exact; byte 0 is 2^-127, as in torchao), then cast to

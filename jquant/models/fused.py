@@ -64,7 +64,12 @@ def _fuse_kernels(kernels: list, where: str):
                 all(s is not None for s in scales) and len({float(s) for s in scales}) == 1):
             raise ValueError(f"{where}: the parts' static activation scales differ ({scales}); one GEMM "
                              "takes one (vLLM keeps their max: load the checkpoint, whose loader shares it)")
-        return QParam(_concat_qtensors([k.weight for k in kernels], where), kernels[0].scheme, scales[0])
+        rotations = {k.input_rotation for k in kernels}
+        if len(rotations) != 1:
+            raise ValueError(f"{where}: the parts' input rotations differ ({sorted(map(str, rotations))}); "
+                             "one GEMM reads one input")
+        return QParam(_concat_qtensors([k.weight for k in kernels], where), kernels[0].scheme, scales[0],
+                      rotations.pop())
     if any(isinstance(k, QParam) for k in kernels):
         raise ValueError(f"{where}: some parts are quantized and some are not")
     if len({k.shape[0] for k in kernels}) != 1:

@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 
+from jquant.formats import hadamard
 from jquant.qtensor import QTensor
 from jquant.schemes.scheme import Prepared, Scheme
 
@@ -17,12 +18,19 @@ class QParam:
     ``weight`` is the scheme's prepared weight (``[N, K]``, laid out for its kernel) or the plain QTensor;
     ``scheme`` is static, so a jitted forward specialises on it. ``input_scale`` is the calibrated
     per-tensor activation scale of a static scheme (a checkpoint's ``input_scale``, a 0-d fp32 array
-    leaf, so it jits and saves with the weight); None for every other scheme.
+    leaf, so it jits and saves with the weight); None for every other scheme. ``input_rotation`` (static)
+    is the block of a Walsh–Hadamard rotation of the input axis: the weight holds ``W H`` quantized and
+    ``apply`` rotates ``x`` the same way first (``jquant.algorithms.rotation``); None: no rotation.
     """
 
     weight: Prepared | QTensor
     scheme: Scheme
     input_scale: jax.Array | None = None
+    input_rotation: int | None = None
+
+    def __post_init__(self):
+        if self.input_rotation is not None:
+            hadamard.check_block(self.input_rotation)
 
     @property
     def qtensor(self) -> QTensor:
@@ -37,7 +45,10 @@ class QParam:
 
     def apply(self, x: jax.Array, bias: jax.Array | None = None) -> jax.Array:
         """``x @ kernel + bias`` where kernel is the Flax ``[K, N]`` matrix this QParam replaced."""
+        if self.input_rotation is not None:
+            x = hadamard.hadamard_blocks(x, self.input_rotation).astype(x.dtype)
         return self.scheme.apply(x, self.weight, bias, input_scale=self.input_scale)
 
 
-jax.tree_util.register_dataclass(QParam, data_fields=["weight", "input_scale"], meta_fields=["scheme"])
+jax.tree_util.register_dataclass(QParam, data_fields=["weight", "input_scale"],
+                                 meta_fields=["scheme", "input_rotation"])

@@ -170,7 +170,12 @@ def test_calibrate_refuses_bad_options_before_loading_anything(capsys):
     from jquant.apps import cli
     for argv, message in ((["calibrate", "--group-size", "0"], "--group-size"),
                           (["calibrate", "--method", "rtn", "--act-order"], "GPTQ option"),
-                          (["calibrate", "--bits", "5"], "invalid choice")):
+                          (["calibrate", "--bits", "5"], "invalid choice"),
+                          (["calibrate", "--method", "awq", "--rotate", "32"], "--rotate goes with"),
+                          (["calibrate", "--rotate", "48"], "invalid choice"),
+                          (["calibrate", "--scheme", "int5_nope"], "int5_nope"),
+                          (["calibrate", "--scheme", "mxfp4", "--out", "x"], "--out writes integer"),
+                          (["calibrate", "--method", "awq", "--asym", "--group-size", "-1"], "need a group size")):
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
