@@ -67,10 +67,19 @@ def _calibrate(argv) -> int:
     return calibrate.run(argv)
 
 
+def _embed_quality(argv) -> int:
+    from jquant.apps import embedding_quality
+
+    return embedding_quality.run(argv)
+
+
 COMMANDS = {"demo": (_demo, "SmolLM2-135M under every registered scheme: perplexity, top-1 agreement, bytes, tokens/s"),
             "bench": (_bench, "kernel benchmarks (W4A16 against XLA); needs a GPU"),
             "ledger": (_ledger, "memory account: codes, scales, float tensors, KV cache, sequences a budget fits"),
-            "calibrate": (_calibrate, "SmolLM2-135M with GPTQ from real text: perplexity against RTN, a GPTQ checkpoint")}
+            "calibrate": (_calibrate, "SmolLM2-135M with GPTQ, AWQ, SmoothQuant or RTN (optionally Hadamard-rotated) "
+                                      "from real text: perplexity, the quality table, a checkpoint"),
+            "embed-quality": (_embed_quality, "all-MiniLM-L6-v2 sentence embeddings under each weight scheme: "
+                                              "cosine to float, bits")}
 
 
 def _version() -> str:
