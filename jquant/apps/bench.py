@@ -1,10 +1,11 @@
-"""``jquant bench {w4a16,attention,insert,decode} --out bench/results/<device> [options]``.
+"""``jquant bench {w4a16,attention,insert,decode,gptq} --out bench/results/<device> [options]``.
 
 ``w4a16`` times 4-bit weight-only schemes as a model runs them (``get_scheme → quantize_weight →
 process_weights_after_loading → apply``) against XLA; ``attention`` times paged decode attention per
 ``kv_cache_dtype`` against JAX's own ``paged_attention``; ``insert`` times the quantize-and-insert of new tokens
 into the paged cache per ``kv_cache_dtype`` against XLA; ``decode`` times one donated decode step of a
-Llama-3-8B-shaped stack per weight scheme × KV dtype, with the bf16 model in the same run. All need a
+Llama-3-8B-shaped stack per weight scheme × KV dtype, with the bf16 model in the same run; ``gptq`` times
+GPTQ of one Llama-3-8B-shaped layer (Hessians and the column loop). All need a
 CUDA GPU (Hopper for the Mosaic GPU kernels); ``--interpret`` (w4a16) runs the same plumbing on CPU,
 whose timings mean nothing.
 """
@@ -81,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "writes decode_unfused.{json,md}")
     dec.add_argument("--profile", default=None, metavar="DIR",
                      help="also write a jax.profiler trace of a few steps of every cell under DIR")
+    gq = sub.add_parser("gptq", help="GPTQ of one Llama-3-8B-shaped layer (7 projections)")
+    gq.add_argument("--out", default="bench/results", help="folder for gptq.json and gptq.md")
+    gq.add_argument("--rows", type=int, default=128, help="calibration sequences")
+    gq.add_argument("--seq-len", type=int, default=2048)
+    gq.add_argument("--batch-rows", type=int, default=8, help="sequences per Hessian update")
+    gq.add_argument("--schemes", default="int4_g128", help="comma list of integer schemes")
+    gq.add_argument("--shrink", type=int, default=1,
+                    help="divide every projection dimension by this (a quick plumbing check)")
+    gq.add_argument("--allow-cpu", action="store_true", help="run without a GPU (timings are the CPU's)")
     return parser
 
 
@@ -89,7 +99,26 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.bench == "w4a16":
         return _w4a16(parser, args)
+    if args.bench == "gptq":
+        return _gptq(parser, args)
     return _model_bench(parser, args)
+
+
+def _gptq(parser, args) -> int:
+    from jquant.algorithms import bench
+    from jquant.bench.records import run_meta, write_records
+
+    if args.shrink < 1 or 128 % args.shrink:
+        parser.error(f"--shrink must divide 128, got {args.shrink}")
+    if not args.allow_cpu and _no_gpu(args):
+        return 1
+    meta, records = run_meta(), []
+    for scheme in args.schemes.split(","):
+        records.append(bench.run(bench.LLAMA3_8B.scaled(args.shrink), rows=args.rows, seq_len=args.seq_len,
+                                 batch_rows=args.batch_rows, scheme=scheme, meta=meta))
+        js, md = write_records(records, args.out, "gptq", bench.to_markdown)
+    print(f"wrote {js} and {md}")
+    return 0
 
 
 def _no_gpu(args) -> bool:

@@ -156,3 +156,18 @@ def test_cli_main(tmp_path):
     for bad in (["--schemes", "int4_g128,nope"], ["--impls", "scheme,fast"]):
         with pytest.raises(SystemExit):
             main(["w4a16", "--interpret", *bad])
+
+
+def test_gptq_layer_bench_runs_the_plumbing_on_cpu(tmp_path, capsys):
+    import json
+    from jquant.apps import bench as bench_cli
+    assert bench_cli.main(["gptq", "--shrink", "16", "--rows", "4", "--seq-len", "32", "--batch-rows", "2",
+                           "--allow-cpu", "--out", str(tmp_path)]) == 0
+    (record,) = json.loads((tmp_path / "gptq.json").read_text())
+    assert record["shapes"]["down_proj"] == [896, 256] and set(record["per_projection_s"]) == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert record["total_s"] > 0 and "device" in record and "commit" in record
+    assert "| int4_g128 | True | 4 × 32 |" in (tmp_path / "gptq.md").read_text()
+    import pytest
+    with pytest.raises(SystemExit):
+        bench_cli.main(["gptq", "--shrink", "3"])
