@@ -25,7 +25,10 @@ from jquant.schemes.scheme import Scheme, get_scheme
 # AutoAWQ does not clip q/k: their errors act through the attention scores, not an output sum.
 NO_CLIP = ("q_proj", "k_proj", "qkv_proj")
 
-_scale_search = jax.jit(awq_core.scale_search, static_argnames=("qdq", "n_grid"))
+_scale_search = jax.jit(awq_core.scale_search, static_argnames=("qdq", "n_grid", "n_loss_tokens"))
+# The scale search's loss over 2048 sampled tokens: on SmolLM2 with 8192 calibration tokens the full
+# loss is 20 GEMMs of 8192 tokens per group, ~1 TFLOP a layer, most of a CPU calibration's time.
+N_LOSS_TOKENS = 2048
 _clip_search = jax.jit(awq_core.clip_search, static_argnames=("qdq", "group_size", "n_grid"))
 
 
@@ -43,7 +46,7 @@ def block_along_k(scheme: Scheme, weight) -> int:
 
 def awq_llama(model: LlamaForCausalLM, params: dict, calibration_ids, scheme: str | Scheme, *,
               n_grid: int = awq_core.N_GRID, duo_scaling: bool = True, clip: bool = True,
-              progress: bool = True) -> dict:
+              n_loss_tokens: int | None = N_LOSS_TOKENS, progress: bool = True) -> dict:
     """``params`` with every projection AWQ-quantized to ``scheme`` and the scales folded into the norms
     (and up_proj; v_proj when the model has no grouped-query attention).
 
@@ -52,6 +55,7 @@ def awq_llama(model: LlamaForCausalLM, params: dict, calibration_ids, scheme: st
       calibration_ids: ``[rows, seq_len]`` token ids.
       scheme: any weight-only scheme (the searches run its own round-to-nearest).
       n_grid, duo_scaling, clip: as ``awq_core.awq`` (duo scaling is AutoAWQ's default).
+      n_loss_tokens: tokens the scale search's loss samples (``awq_core.scale_search``; None: all).
 
     Returns:
       The params with QParams (plain QTensors) and folded norm scales.
@@ -69,7 +73,7 @@ def awq_llama(model: LlamaForCausalLM, params: dict, calibration_ids, scheme: st
                 continue
             w = group_weight(layer_params, group)
             w_mean = awq_core.weight_mean(w, block_along_k(scheme, w)) if duo_scaling else None
-            found.append(_scale_search(w, x, qdq, n_grid, w_mean)[0])
+            found.append(_scale_search(w, x, qdq, n_grid, w_mean, n_loss_tokens)[0])
         for group, s in zip(groups, found):
             if s is not None:
                 layer_params = fold_scales(layer_params, group, s, model.config)

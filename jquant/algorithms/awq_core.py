@@ -97,15 +97,19 @@ def grid_scales(x_mean, n_grid: int = N_GRID, w_mean=None) -> jax.Array:
     return s / jnp.sqrt(jnp.max(s, axis=1, keepdims=True) * jnp.min(s, axis=1, keepdims=True))
 
 
-def scale_search(w, x, qdq: QDQ, n_grid: int = N_GRID, w_mean=None):
+def scale_search(w, x, qdq: QDQ, n_grid: int = N_GRID, w_mean=None, n_loss_tokens: int | None = None):
     """The AWQ grid search: ``(scales [K], alpha, losses [n_grid])``.
 
-    ``loss(α) = mean((X Wᵀ − X (Q(W·s)/s)ᵀ)²)`` over all tokens and outputs; the first minimum wins
-    (AutoAWQ keeps a candidate only when strictly better).
+    ``loss(α) = mean((X Wᵀ − X (Q(W·s)/s)ᵀ)²)`` over all tokens and outputs (or every
+    ``max(1, T // n_loss_tokens)``-th token: the loss costs ``n_grid`` GEMMs over them, the
+    activation statistic ``x_mean`` always reads every token); the first minimum wins (AutoAWQ keeps
+    a candidate only when strictly better).
     """
     w, x = _check(w, x)
-    reference = x @ w.T
     candidates = grid_scales(activation_mean(x), n_grid, w_mean)
+    if n_loss_tokens is not None:
+        x = x[:: max(1, x.shape[0] // n_loss_tokens)]
+    reference = x @ w.T
 
     def loss(s):
         return jnp.mean((reference - x @ (qdq(w * s) / s).T) ** 2)

@@ -163,3 +163,15 @@ def test_bad_shapes_are_refused():
         awq(jnp.ones((4, 64)), jnp.ones((8, 32)), qdq, group_size=32)
     with pytest.raises(ValueError, match=r"\[K, K_in\] with K = 8"):
         fold_into_previous_linear(jnp.ones((4, 8)), jnp.ones(8))
+
+
+def test_scale_search_loss_on_sampled_tokens_keeps_the_full_statistic():
+    from jquant.algorithms.awq_core import scale_search
+    x, w = salient_problem(fresh_seed(), t=1024)
+    qdq = int_qdq()
+    scales, _, losses = scale_search(w, x, qdq, n_loss_tokens=256)
+    candidates = grid_scales(activation_mean(x), 20)            # x_mean from all 1024 tokens
+    xs = x[::4]
+    want = [np.mean((xs @ w.T - xs @ (np.asarray(qdq(w * s)) / np.asarray(s)).T) ** 2) for s in candidates]
+    np.testing.assert_allclose(np.asarray(losses), want, rtol=2e-4)
+    chex.assert_trees_all_equal(scales, candidates[int(np.argmin(want))])
