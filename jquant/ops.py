@@ -18,6 +18,23 @@ def qdot(x: jax.Array, w: QTensor, *, preferred_element_type=None) -> jax.Array:
 
     Dequantizes ``w`` to ``x``'s dtype and accumulates in fp32; the result has ``x``'s dtype unless
     ``preferred_element_type`` says otherwise. ``Scheme.apply`` runs ``[N, K]`` weights on a kernel path.
+
+    Examples:
+      A Flax kernel ``[K, N]`` quantized along K (axis 0) records ``k_axis=0``:
+
+      >>> import jax.numpy as jnp, numpy as np, jquant
+      >>> kernel = np.random.default_rng(0).standard_normal((8, 3)).astype(np.float32)
+      >>> qk = jquant.quantize(kernel, "int8", axis=0)
+      >>> qk.k_axis
+      0
+      >>> x = np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)
+      >>> y = jquant.qdot(x, qk)
+      >>> y.shape, str(y.dtype)
+      ((2, 3), 'float32')
+      >>> bool(jnp.abs(y - x @ kernel).max() < 0.05)  # int8 per channel: close to the float product
+      True
+      >>> print(jquant.qdot(x.astype(jnp.bfloat16), qk).dtype)  # x's dtype
+      bfloat16
     """
     if not isinstance(w, QTensor):
         raise TypeError(f"qdot expects a QTensor weight, got {type(w).__name__}")

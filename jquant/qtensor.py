@@ -67,6 +67,24 @@ class QTensor:
       options: format-specific static settings as sorted ``(key, value)`` pairs.
       k_axis: the logical axis that is the contraction (K) axis of a matmul weight, or None when
         unknown (see the module docstring).
+
+    Examples:
+      >>> import jax, numpy as np, jquant
+      >>> w = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+      >>> qt = jquant.quantize(w, "int4", group_size=4)
+      >>> qt.fmt, qt.shape, qt.block, qt.k_axis
+      ('int4', (4, 8), (1, 4), 1)
+      >>> qt.data.shape, str(qt.data.dtype), qt.scale.shape  # two codes a byte, a scale a group
+      ((4, 4), 'uint8', (4, 2))
+      >>> qt.nbytes, qt.bits_per_weight  # 16 bytes of codes + 8 float32 scales
+      (48, 12.0)
+
+      A QTensor is a pytree: its arrays cross ``jit``, its metadata is static.
+
+      >>> len(jax.tree_util.tree_leaves(qt))
+      2
+      >>> jax.jit(lambda q: q.dequantize())(qt).shape
+      (4, 8)
     """
 
     data: jax.Array
@@ -220,7 +238,18 @@ def _float_dtype(dtype: Any, fmt: str) -> np.dtype:
 
 
 def dequantize(qt: QTensor, dtype: Any = None) -> jax.Array:
-    """Returns the float tensor ``qt`` stands for (see ``QTensor.dequantize``)."""
+    """Returns the float tensor ``qt`` stands for (see ``QTensor.dequantize``).
+
+    Examples:
+      Integers up to 7 are exact in int4 with a scale of 1:
+
+      >>> import jax.numpy as jnp, numpy as np, jquant
+      >>> qt = jquant.quantize(np.array([[7., -3., 2., 0.]], np.float32), "int4")
+      >>> jquant.dequantize(qt).tolist()
+      [[7.0, -3.0, 2.0, 0.0]]
+      >>> print(jquant.dequantize(qt, jnp.bfloat16).dtype)
+      bfloat16
+    """
     if not isinstance(qt, QTensor):
         raise TypeError(f"dequantize expects a QTensor, got {type(qt).__name__}")
     return qt.dequantize(dtype)

@@ -62,7 +62,29 @@ def calibrate_llama(model: LlamaForCausalLM, params: dict, calibration_ids: jax.
     ``quantize_group`` from calibration activations of ``calibration_ids [rows, seq_len]``.
 
     Returns the params with QParams (plain QTensors: ``jquant.flax.prepare_params`` lays them out for
-    this device's kernels, ``save_hf_checkpoint`` writes them)."""
+    this device's kernels, ``save_hf_checkpoint`` writes them).
+
+    Examples:
+      A tiny random Llama quantized to int4, groups of 32, with ``rtn_group`` (no calibration needed):
+
+      >>> import jax, jax.numpy as jnp
+      >>> from jquant.algorithms import calibrate_llama, rtn_group
+      >>> from jquant.models import LlamaConfig, LlamaForCausalLM
+      >>> config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+      ...                      num_kv_heads=1, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-5,
+      ...                      max_position_embeddings=64)
+      >>> model = LlamaForCausalLM(config)
+      >>> ids = jnp.array([[1, 5, 7, 2]], jnp.int32)  # calibration token ids [rows, seq_len]
+      >>> params = model.init(jax.random.key(0), ids)["params"]
+      >>> qparams = calibrate_llama(model, params, ids, rtn_group("int4_g32"), progress=False)
+      >>> kernel = qparams["layers_0"]["k_proj"]["kernel"]
+      >>> type(kernel).__name__, kernel.scheme.name, kernel.qtensor.shape  # [N, K]
+      ('QParam', 'int4_g32', (32, 64))
+      >>> type(qparams["layers_0"]["input_norm"]["scale"]).__name__  # norms and embeddings stay float
+      'ArrayImpl'
+
+      ``jquant.flax.quantized_apply(model, {"params": qparams}, ids)`` then runs the quantized model.
+    """
     c = model.config
     ids = jnp.asarray(calibration_ids, jnp.int32)
     if ids.ndim != 2:
@@ -97,7 +119,26 @@ def _rotated(kernels, inputs, rotation):
 def rtn_group(scheme: str | Scheme, *, rotation: int | None = None) -> QuantizeGroup:
     """Round-to-nearest with ``scheme`` (the inputs are not used): the baseline calibration beats.
     ``rotation``: quantize ``W H`` for a block-``rotation`` Hadamard ``H`` (the QParams rotate their
-    inputs to match)."""
+    inputs to match).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.algorithms import rtn_group
+      >>> rng = np.random.default_rng(0)
+      >>> kernels = {"q_proj": rng.standard_normal((64, 16)).astype(np.float32)}  # Flax [K, N]
+      >>> x = rng.standard_normal((4, 64)).astype(np.float32)
+      >>> qparams = rtn_group("int4_g32", rotation=32)(kernels, x)
+      >>> q = qparams["q_proj"]
+      >>> q.scheme.name, q.input_rotation, q.qtensor.shape
+      ('int4_g32', 32, (16, 64))
+      >>> ref = x @ kernels["q_proj"]
+      >>> def relative_error(y):
+      ...     return float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+      >>> relative_error(q.apply(x)) < 0.15  # apply rotates x to match
+      True
+      >>> relative_error(x @ q.qtensor.dequantize().T) > 1  # the stored weight is W H, not W
+      True
+    """
     scheme = get_scheme(scheme)
 
     def quantize_group(kernels, inputs):
@@ -109,7 +150,18 @@ def rtn_group(scheme: str | Scheme, *, rotation: int | None = None) -> QuantizeG
 def gptq_group(scheme: str | Scheme, *, rotation: int | None = None, **options) -> QuantizeGroup:
     """GPTQ with ``scheme`` (an integer format, MXFP4 or NVFP4); the projections of a group share one
     Hessian. ``rotation``: as ``rtn_group``, GPTQ then runs in the rotated basis. ``options``:
-    ``damp_percent``, ``block_size``, ``act_order``, ``static_groups``."""
+    ``damp_percent``, ``block_size``, ``act_order``, ``static_groups``.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jquant.algorithms import gptq_group
+      >>> rng = np.random.default_rng(0)
+      >>> kernels = {name: rng.standard_normal((64, 16)).astype(np.float32) for name in ("gate_proj", "up_proj")}
+      >>> inputs = rng.standard_normal((256, 64)).astype(np.float32)  # [tokens, K], shared by the group
+      >>> qparams = gptq_group("int4_g32")(kernels, inputs)
+      >>> sorted(qparams), qparams["up_proj"].qtensor.shape
+      (['gate_proj', 'up_proj'], (16, 64))
+    """
     from jquant.algorithms.gptq import accumulate_hessian, gptq_quantize_kernel
 
     scheme = get_scheme(scheme)

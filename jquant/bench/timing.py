@@ -29,7 +29,14 @@ _CHECKOUT = pathlib.Path(__file__).resolve().parents[2]   # the checkout holding
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """Per-call times in µs: the median and minimum over batches, and every batch's mean."""
+    """Per-call times in µs: the median and minimum over batches, and every batch's mean.
+
+    Examples:
+      >>> from jquant.bench import Timing, spread_pct
+      >>> t = Timing(median_us=10.0, min_us=9.0, batches_us=(9.0, 10.0, 12.0), calls_per_batch=4)
+      >>> t.median_us, spread_pct(t)  # (12 - 9) / 10
+      (10.0, 30.0)
+    """
 
     median_us: float
     min_us: float
@@ -51,6 +58,16 @@ def time_fn(fn: Callable, args_list: Sequence[tuple], warmup: int = 3, reps: int
     cost, tens of µs, is paid once per rotation, not per call, and the device runs the calls back to
     back); a batch repeats that program until it lasts ``min_batch_s`` (or ``calls_per_batch``
     calls, rounded up to whole rotations; at most ``max_calls``).
+
+    Examples:
+      Two input copies, 4 calls a batch (2 rotations), 3 batches:
+
+      >>> import jax.numpy as jnp
+      >>> from jquant.bench import time_fn
+      >>> args = [(jnp.ones(256),), (jnp.zeros(256),)]
+      >>> t = time_fn(lambda a: a * 2 + 1, args, warmup=1, reps=3, calls_per_batch=4)
+      >>> t.calls_per_batch, len(t.batches_us), 0 < t.min_us <= t.median_us
+      (4, 3, True)
     """
     return time_interleaved({"fn": (fn, args_list)}, warmup=warmup, reps=reps,
                             calls_per_batch=calls_per_batch, min_batch_s=min_batch_s,
@@ -63,7 +80,17 @@ def time_interleaved(candidates: dict[str, tuple[Callable, Sequence[tuple]]], wa
     """Times several ``(fn, args_list)`` candidates as ``time_fn`` does, but interleaved: each of
     the ``reps`` repetitions runs one batch of every candidate in turn, so a drift of the device's
     clocks or temperature during the run falls on all of them alike instead of on whichever was
-    timed last. Returns µs per call by name."""
+    timed last. Returns µs per call by name.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jquant.bench import time_interleaved
+      >>> x = jnp.ones((64, 64))
+      >>> times = time_interleaved({"add": (lambda a: a + 1, [(x,)]), "matmul": (lambda a: a @ a, [(x,)])},
+      ...                          warmup=1, reps=2, calls_per_batch=2)
+      >>> sorted(times), [len(t.batches_us) for t in times.values()]
+      (['add', 'matmul'], [2, 2])
+    """
     if warmup < 1 or reps < 1:
         raise ValueError(f"warmup and reps must be ≥ 1, got warmup={warmup}, reps={reps}")
     for name, (_, args_list) in candidates.items():
@@ -103,7 +130,13 @@ def time_interleaved(candidates: dict[str, tuple[Callable, Sequence[tuple]]], wa
 
 
 def spread_pct(t: Timing) -> float:
-    """(slowest − fastest batch) / median, in %: how far a figure can be trusted."""
+    """(slowest − fastest batch) / median, in %: how far a figure can be trusted.
+
+    Examples:
+      >>> from jquant.bench import Timing, spread_pct
+      >>> spread_pct(Timing(median_us=20.0, min_us=19.0, batches_us=(19.0, 20.0, 21.0), calls_per_batch=8))
+      10.0
+    """
     return round(100.0 * (max(t.batches_us) - min(t.batches_us)) / t.median_us, 1)
 
 
@@ -114,7 +147,18 @@ def time_steadiest(time_once: Callable[[], dict[str, Timing]], max_spread_pct: f
     and returns the steadiest attempt with every attempt's widest spread. Why: on a shared
     device a burst of noise can move one cell's medians by 20–50 % (H200: 42.9–69.4 µs for one
     cell in four runs of a day, docs/design/w4a16.md); the spread shows it, and a second attempt
-    usually misses it."""
+    usually misses it.
+
+    Examples:
+      A noisy first attempt (spread 50 %), a steady second one (5 %):
+
+      >>> from jquant.bench import Timing, time_steadiest
+      >>> attempts = iter([{"f": Timing(10.0, 8.0, (8.0, 10.0, 13.0), 4)},
+      ...                  {"f": Timing(10.0, 9.8, (9.8, 10.0, 10.3), 4)}])
+      >>> times, spreads = time_steadiest(lambda: next(attempts), max_spread_pct=10.0, retries=3)
+      >>> times["f"].min_us, spreads
+      (9.8, [50.0, 5.0])
+    """
     if retries < 0 or max_spread_pct < 0:
         raise ValueError(f"retries and max_spread_pct must be ≥ 0, got retries={retries}, "
                          f"max_spread_pct={max_spread_pct}")
@@ -135,13 +179,25 @@ def copies_for(bytes_per_set: int, l2_bytes: int = H200_L2_BYTES, max_copies: in
     L2 and at least ``min_bytes`` (2 ≤ copies ≤ ``max_copies``). The second bound keeps the
     device busier than the host: a program costs ~80 µs to dispatch whatever it runs (H200
     launch-overhead probe, docs/design/w4a16.md), so one of a few short calls is timed at the
-    host's pace."""
+    host's pace.
+
+    Examples:
+      >>> from jquant.bench import copies_for
+      >>> copies_for(2**30), copies_for(200 * 2**20), copies_for(2**20)  # 1 GiB, 200 MiB, 1 MiB a set
+      (2, 6, 64)
+    """
     need = max(2 * l2_bytes, min_bytes) / max(bytes_per_set, 1)
     return int(min(max_copies, max(2, math.ceil(need))))
 
 
 def measure_hbm_bandwidth(nbytes: int = 2**30) -> float:
-    """Bytes/s of an f32 ``x + 1`` over ``nbytes`` (read + write counted)."""
+    """Bytes/s of an f32 ``x + 1`` over ``nbytes`` (read + write counted).
+
+    Examples:
+      >>> from jquant.bench import measure_hbm_bandwidth
+      >>> measure_hbm_bandwidth(nbytes=2**20) > 0  # a 1 MiB probe; the default reads and writes 1 GiB
+      True
+    """
     x = jnp.zeros((nbytes // 4,), jnp.float32) + 1.0
     t = time_fn(lambda a: a + 1.0, [(x,)], warmup=2, reps=3, calls_per_batch=5)
     return 2 * nbytes / (t.median_us * 1e-6)
@@ -149,7 +205,14 @@ def measure_hbm_bandwidth(nbytes: int = 2**30) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Roofline:
-    """Figures for one timed op: achieved bandwidth and rate, and the share of the byte floor."""
+    """Figures for one timed op: achieved bandwidth and rate, and the share of the byte floor.
+
+    Examples:
+      >>> from jquant.bench import roofline
+      >>> r = roofline(time_us=200.0, nbytes=418_000_000, flops=2 * 10**10)  # half the H200's 4.18 TB/s
+      >>> [f"{value:.2f}" for value in (r.tb_per_s, r.tflop_per_s, r.byte_floor_us, r.pct_of_byte_floor)]
+      ['2.09', '100.00', '100.00', '50.00']
+    """
 
     tb_per_s: float
     tflop_per_s: float
@@ -159,7 +222,16 @@ class Roofline:
 
 def roofline(time_us: float, nbytes: int, flops: int,
              hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S) -> Roofline:
-    """``pct_of_byte_floor`` = byte-floor time / measured time (100 % = at the memory roof)."""
+    """``pct_of_byte_floor`` = byte-floor time / measured time (100 % = at the memory roof).
+
+    Examples:
+      A weight read of 4 MB in 2 µs on a device of 4 TB/s (the byte floor is 1 µs):
+
+      >>> from jquant.bench import roofline
+      >>> r = roofline(time_us=2.0, nbytes=4_000_000, flops=0, hbm_bytes_per_s=4e12)
+      >>> [f"{value:.2f}" for value in (r.byte_floor_us, r.pct_of_byte_floor, r.tb_per_s)]
+      ['1.00', '50.00', '2.00']
+    """
     if time_us <= 0:
         raise ValueError(f"time_us must be positive, got {time_us}")
     floor_us = 1e6 * nbytes / hbm_bytes_per_s
@@ -169,7 +241,14 @@ def roofline(time_us: float, nbytes: int, flops: int,
 
 
 def array_bytes(*trees: Any) -> int:
-    """Bytes of every array leaf in ``trees`` (4-bit dtypes count half a byte per element)."""
+    """Bytes of every array leaf in ``trees`` (4-bit dtypes count half a byte per element).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jquant.bench import array_bytes
+      >>> array_bytes(jnp.zeros((4, 4), jnp.float32), {"codes": jnp.zeros(8, jnp.int4), "n": 3})
+      68
+    """
     return sum(-(-int(np.prod(a.shape)) * jnp.iinfo(a.dtype).bits // 8)
                if jnp.issubdtype(a.dtype, jnp.integer) and jnp.iinfo(a.dtype).bits < 8
                else int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize

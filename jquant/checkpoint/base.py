@@ -37,10 +37,51 @@ _LAYOUTS: dict[str, Layout] = {}
 
 
 def register_layout(name: str, to_fn, from_fn, fmts=(), detect=None, rounds: bool = False) -> None:
+    """Adds checkpoint layout ``name`` (``"<layout>/<variant>"`` for a variant): ``to_fn(qt, **options)``
+    gives its tensors, ``from_fn(tensors, **meta)`` the QTensor back; ``fmts`` are the QTensor formats it
+    stores and ``detect(tensors)`` recognises its tensors among a layout's variants. The module docstring
+    says which layouts register a ``to_fn`` that takes ``lossy=``.
+
+    Examples:
+      A layout that stores an int8 QTensor's codes and scales as they are:
+
+      >>> import jax.numpy as jnp, numpy as np, jquant
+      >>> from jquant.checkpoint import from_checkpoint, register_layout, to_checkpoint
+      >>> def store(qt):
+      ...     return {"weight": np.asarray(qt.data), "weight_scale": np.asarray(qt.scale)}
+      >>> def load(tensors):
+      ...     codes = jnp.asarray(tensors["weight"])
+      ...     return jquant.QTensor(codes, jnp.asarray(tensors["weight_scale"]), fmt="int8",
+      ...                           shape=codes.shape, block=(1, codes.shape[1]))
+      >>> register_layout("raw-int8", store, load, fmts=("int8",))
+      >>> w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+      >>> qt = jquant.quantize(w, "int8")
+      >>> tensors = to_checkpoint(qt, "raw-int8")
+      >>> sorted(tensors)
+      ['weight', 'weight_scale']
+      >>> back = from_checkpoint(tensors, "raw-int8")
+      >>> back.k_axis, bool((back.dequantize() == qt.dequantize()).all())
+      (1, True)
+      >>> to_checkpoint(jquant.quantize(w, "int4"), "raw-int8")
+      Traceback (most recent call last):
+          ...
+      ValueError: layout 'raw-int8' cannot store QTensor.fmt='int4'; it stores ['int8']
+    """
     _LAYOUTS[name] = Layout(name, to_fn, from_fn, tuple(fmts), detect, rounds)
 
 
 def layouts() -> tuple[str, ...]:
+    """Registered layout names, variants as ``"<layout>/<variant>"`` (``to_checkpoint`` also takes the
+    bare ``"<layout>"``).
+
+    Examples:
+      >>> import jquant
+      >>> {"awq", "gptq", "fp8", "fp8-block", "bnb", "gpt-oss"} <= set(jquant.layouts())
+      True
+      >>> [name for name in jquant.layouts() if name.startswith("compressed-tensors/")]
+      ['compressed-tensors/float-quantized', 'compressed-tensors/nvfp4-pack-quantized',
+       'compressed-tensors/pack-quantized']
+    """
     return tuple(sorted(_LAYOUTS))
 
 
@@ -61,6 +102,25 @@ def to_checkpoint(qt: QTensor, layout: str, *, lossy: bool = False, **options) -
     ``qt`` is a weight in PyTorch orientation ``[N, K]`` (out_features, in_features) quantized along K.
     A ValueError says when ``layout`` cannot store ``qt`` exactly; ``lossy=True`` rounds it instead
     (with a warning).
+
+    Examples:
+      GPTQ packs eight 4-bit codes per int32 and stores float16 scales, as the ``gptq`` schemes
+      quantize them:
+
+      >>> import numpy as np, jquant
+      >>> w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+      >>> qt = jquant.get_scheme("int4_g32").quantize_weight(w)
+      >>> tensors = jquant.to_checkpoint(qt, "gptq")
+      >>> {name: (a.shape, str(a.dtype)) for name, a in sorted(tensors.items())}
+      {'g_idx': ((64,), 'int32'), 'qweight': ((8, 8), 'int32'), 'qzeros': ((2, 1), 'int32'),
+       'scales': ((2, 8), 'float16')}
+
+      float32 scales do not fit float16 exactly, so that export is refused unless ``lossy=True``:
+
+      >>> jquant.to_checkpoint(jquant.quantize(w, "int4", group_size=32), "gptq")
+      Traceback (most recent call last):
+          ...
+      ValueError: gptq: tensor 'scales' (float32 QTensor scales stored as float16) changes 16 of 16 values, ...
     """
     if not isinstance(qt, QTensor):
         raise TypeError(f"to_checkpoint expects a QTensor, got {type(qt).__name__}")
@@ -78,7 +138,18 @@ def to_checkpoint(qt: QTensor, layout: str, *, lossy: bool = False, **options) -
 def from_checkpoint(tensors: dict[str, np.ndarray], layout: str, variant: str | None = None,
                     **meta) -> QTensor:
     """Rebuilds the QTensor (PyTorch orientation ``[N, K]``, so ``k_axis`` is the last axis) from a
-    checkpoint's tensors."""
+    checkpoint's tensors.
+
+    Examples:
+      >>> import numpy as np, jquant
+      >>> w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+      >>> qt = jquant.get_scheme("int4_g32").quantize_weight(w)
+      >>> back = jquant.from_checkpoint(jquant.to_checkpoint(qt, "gptq"), "gptq")
+      >>> back.fmt, back.shape, back.block, back.k_axis
+      ('int4', (8, 64), (1, 32), 1)
+      >>> bool((back.dequantize() == qt.dequantize()).all())  # the export is exact
+      True
+    """
     if not isinstance(tensors, dict):
         raise TypeError(f"tensors must be a dict of name → array, got {type(tensors).__name__}")
     variants = _variants(layout if variant is None else f"{layout}/{variant}")

@@ -223,6 +223,20 @@ def scheme_from_config(quantization_config: dict) -> Scheme:
     """The Scheme for a HF ``quantization_config`` dict (the ``config.json`` entry vLLM reads).
 
     A whole ``config.json`` is refused with a hint to pass its ``quantization_config``.
+
+    Examples:
+      >>> import jquant
+      >>> scheme = jquant.scheme_from_config({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True})
+      >>> scheme.name, scheme.checkpoint_layout, scheme.layout_kwargs()
+      ('int4_g128', 'gptq', {'checkpoint_format': 'gptq', 'desc_act': False})
+      >>> jquant.scheme_from_config({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}).name
+      'int4_g128_asym'
+      >>> jquant.scheme_from_config({"quant_method": "fp8", "weight_block_size": [128, 128]}).name
+      'fp8_e4m3_block128x128'
+      >>> jquant.scheme_from_config({"quant_method": "hqq"})
+      Traceback (most recent call last):
+          ...
+      ValueError: quant_method 'hqq' is not supported; supported: [...]
     """
     return _METHODS[_method(quantization_config)](quantization_config)
 

@@ -12,7 +12,19 @@ from jquant.flax.rules import DEFAULT_SKIP, quantize_params
 
 
 class QLinear(nnx.Module):
-    """``nnx.Linear`` with its kernel quantized: ``y = x @ kernel + bias`` via the kernel's scheme."""
+    """``nnx.Linear`` with its kernel quantized: ``y = x @ kernel + bias`` via the kernel's scheme.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jquant
+      >>> from jquant.flax import QLinear, QParam
+      >>> scheme = jquant.get_scheme("int8_ch")
+      >>> kernel = np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32)  # [K, N]
+      >>> layer = QLinear(QParam(scheme.quantize_kernel(kernel), scheme), bias=jnp.ones(16))
+      >>> x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+      >>> y = layer(x)
+      >>> y.shape, bool(jnp.allclose(y, x @ layer.qkernel.get_value().qtensor.dequantize().T + 1, atol=1e-4))
+      ((2, 16), True)
+    """
 
     def __init__(self, qparam: QParam, bias: jax.Array | None = None):
         if not isinstance(qparam, QParam):
@@ -30,6 +42,23 @@ def quantize_nnx(model: nnx.Module, rules, *, skip: Sequence[str | Callable[[str
     """Replaces, in place, every ``nnx.Linear`` whose ``<path>/kernel`` a rule quantizes by a ``QLinear``.
 
     Returns the report of ``quantize_params`` (paths like ``layers/0/q_proj/kernel``).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from flax import nnx
+      >>> from jquant.flax import quantize_nnx
+      >>> class Model(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         self.proj = nnx.Linear(64, 16, rngs=rngs)
+      ...     def __call__(self, x):
+      ...         return self.proj(x)
+      >>> model = Model(nnx.Rngs(0))
+      >>> x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+      >>> y = model(x)
+      >>> quantize_nnx(model, "int8_ch").quantized
+      {'proj/kernel': 'int8_ch'}
+      >>> type(model.proj).__name__, bool(jnp.abs(model(x) - y).max() < 0.05)
+      ('QLinear', True)
     """
     linears = {"/".join(map(str, path)): (path, m) for path, m in nnx.iter_modules(model)
                if isinstance(m, nnx.Linear)}

@@ -27,12 +27,41 @@ DEFAULT_SKIP = (r".*embed.*",)
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
+    """Quantize the kernels whose path ``pattern`` (a regex) fully matches with ``scheme`` (a name or a
+    Scheme); None keeps them in float. ``quantize_params`` also takes ``(pattern, scheme)`` pairs.
+
+    Examples:
+      The first matching rule wins:
+
+      >>> import numpy as np
+      >>> from jquant.flax import Rule, quantize_params
+      >>> params = {"q_proj": {"kernel": np.ones((64, 16), np.float32)},
+      ...           "lm_head": {"kernel": np.ones((64, 16), np.float32)}}
+      >>> _, report = quantize_params(params, [Rule(r"lm_head/kernel", None), Rule(r".*kernel", "int8_ch")])
+      >>> report.quantized, report.kept
+      ({'q_proj/kernel': 'int8_ch'}, ('lm_head/kernel',))
+    """
+
     pattern: str
     scheme: str | Scheme | None
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantizeReport:
+    """What ``quantize_params`` did: the quantized paths with their scheme, the candidate kernels left in
+    float, and the rules that matched nothing.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jquant.flax import quantize_params
+      >>> params = {"q_proj": {"kernel": np.ones((64, 16), np.float32)},
+      ...           "lm_head": {"kernel": np.ones((64, 16), np.float32)}}
+      >>> _, report = quantize_params(params, [(r"q_proj/kernel", "int8_ch"), (r"v_proj/kernel", "int8_ch")],
+      ...                             strict=False)
+      >>> report.quantized, report.kept, report.unused_rules
+      ({'q_proj/kernel': 'int8_ch'}, ('lm_head/kernel',), ('v_proj/kernel',))
+    """
+
     quantized: dict[str, str]  # path → scheme name
     kept: tuple[str, ...]  # candidate kernels left in float
     unused_rules: tuple[str, ...]  # patterns that matched no path
@@ -90,6 +119,24 @@ def quantize_params(params: Any, rules: str | Scheme | Sequence, *,
       prepare: lay weights out for this device's kernels (``process_weights_after_loading``); False keeps
         plain QTensors (for export and inspection).
       strict: raise when a rule matches no path (else it is only reported).
+
+    Examples:
+      >>> import numpy as np
+      >>> from jquant.flax import quantize_params
+      >>> rng = np.random.default_rng(0)
+      >>> params = {"embed": {"embedding": rng.standard_normal((32, 64)).astype(np.float32)},
+      ...           "q_proj": {"kernel": rng.standard_normal((64, 16)).astype(np.float32)},
+      ...           "up_proj": {"kernel": rng.standard_normal((64, 16)).astype(np.float32),
+      ...                       "bias": np.zeros(16, np.float32)}}
+      >>> qparams, report = quantize_params(params, "int8_ch")  # every kernel
+      >>> report.quantized
+      {'q_proj/kernel': 'int8_ch', 'up_proj/kernel': 'int8_ch'}
+      >>> [type(leaf).__name__ for leaf in (qparams["q_proj"]["kernel"], qparams["up_proj"]["bias"])]
+      ['QParam', 'ndarray']
+      >>> quantize_params(params, [(r".*v_proj/kernel", "int8_ch")])
+      Traceback (most recent call last):
+          ...
+      ValueError: quantization rule(s) ['.*v_proj/kernel'] matched no parameter path; candidate kernels were ...
     """
     rules = _as_rules(rules)
     skip = _check_skip(skip)
@@ -130,7 +177,18 @@ def quantize_params(params: Any, rules: str | Scheme | Sequence, *,
 
 def prepare_params(params: Any) -> Any:
     """Lays every QParam's QTensor out for this device's kernels (``quantize_params(prepare=True)`` does
-    this itself; use it after inspecting or exporting ``prepare=False`` params)."""
+    this itself; use it after inspecting or exporting ``prepare=False`` params).
+
+    Examples:
+      >>> import numpy as np
+      >>> from jquant.flax import prepare_params, quantize_params
+      >>> params = {"q_proj": {"kernel": np.ones((64, 16), np.float32)}}
+      >>> qparams, _ = quantize_params(params, "int8_ch", prepare=False)
+      >>> type(qparams["q_proj"]["kernel"].weight).__name__  # ready for to_checkpoint
+      'QTensor'
+      >>> type(prepare_params(qparams)["q_proj"]["kernel"].weight).__name__
+      'Prepared'
+    """
     def prepare(leaf):
         if isinstance(leaf, QParam) and isinstance(leaf.weight, QTensor):
             return dataclasses.replace(leaf, weight=leaf.scheme.process_weights_after_loading(leaf.weight))

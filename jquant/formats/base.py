@@ -21,21 +21,65 @@ _PRESETS: dict[tuple[str, str], dict[str, Any]] = {}
 
 
 def register_quantizer(name: str, fn: Callable[..., QTensor]) -> None:
+    """Makes ``quantize(x, name, **options)`` call ``fn(x, **options)`` (replacing any earlier ``name``).
+
+    ``fn`` returns a QTensor whose ``fmt`` has a dequantizer: a new name for a family's quantizer with
+    some options fixed needs nothing else.
+
+    Examples:
+      >>> import functools, numpy as np
+      >>> from jquant.formats import formats, quantize, register_quantizer
+      >>> from jquant.formats.integer import quantize_int
+      >>> register_quantizer("int4_group32", functools.partial(quantize_int, bits=4, symmetric=True, group_size=32))
+      >>> "int4_group32" in formats()
+      True
+      >>> qt = quantize(np.ones((2, 64), np.float32), "int4_group32")
+      >>> qt.fmt, qt.block  # an ordinary int4 QTensor
+      ('int4', (1, 32))
+    """
     _QUANTIZERS[name] = fn
 
 
 def register_preset(like: str, fmt: str, options: dict[str, Any]) -> None:
-    """Declares the options with which format ``fmt`` reproduces library ``like`` bit for bit."""
+    """Declares the options with which format ``fmt`` reproduces library ``like`` bit for bit.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jquant.formats import quantize, register_preset
+      >>> register_preset("my-lib", "int4", {"group_size": 32, "scale_dtype": "float16"})
+      >>> w = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+      >>> qt = quantize(w, "int4", like="my-lib")
+      >>> qt.block, str(qt.scale.dtype)
+      ((1, 32), 'float16')
+      >>> quantize(w, "int4", like="my-lib", group_size=64)
+      Traceback (most recent call last):
+          ...
+      ValueError: like='my-lib' sets group_size=32 for 'int4'; got group_size=64
+    """
     _PRESETS[(like, fmt)] = dict(options)
 
 
 def formats() -> tuple[str, ...]:
-    """Names accepted by ``quantize``."""
+    """Names accepted by ``quantize``.
+
+    Examples:
+      >>> from jquant.formats import formats
+      >>> {"int4", "uint4", "fp8_e4m3", "mxfp4", "nvfp4", "nf4"} <= set(formats())
+      True
+    """
     return tuple(sorted(_QUANTIZERS))
 
 
 def presets() -> dict[str, tuple[str, ...]]:
-    """Reference library → the formats it has a preset for (the values ``like=`` takes)."""
+    """Reference library → the formats it has a preset for (the values ``like=`` takes).
+
+    Examples:
+      >>> from jquant.formats import presets
+      >>> presets()["modelopt"]
+      ('nvfp4',)
+      >>> {"mxfp4", "nvfp4"} <= set(presets()["torchao"])
+      True
+    """
     out: dict[str, list[str]] = {}
     for like, fmt in sorted(_PRESETS):
         out.setdefault(like, []).append(fmt)
@@ -44,7 +88,17 @@ def presets() -> dict[str, tuple[str, ...]]:
 
 def preset_options(like: str, fmt: str) -> dict[str, Any]:
     """The options ``quantize(x, fmt, like=like)`` passes to the format; a ValueError names the
-    libraries that do have a preset for ``fmt`` when ``like`` has none."""
+    libraries that do have a preset for ``fmt`` when ``like`` has none.
+
+    Examples:
+      >>> from jquant.formats import preset_options
+      >>> preset_options("modelopt", "nvfp4")
+      {'convention': 'modelopt'}
+      >>> preset_options("modelopt", "int4")
+      Traceback (most recent call last):
+          ...
+      ValueError: no 'modelopt' preset for format 'int4'; presets for 'int4': ['compressed-tensors'] ...
+    """
     if not isinstance(like, str):
         raise TypeError(f"like must be a reference library name (str), got {type(like).__name__}")
     if (like, fmt) not in _PRESETS:
@@ -60,6 +114,20 @@ def quantize(x: Any, fmt: str, *, like: str | None = None, **options) -> QTensor
     ``like`` names a reference library (``presets()`` lists them): its preset sets the options that make
     the codes and scales bit-identical to that library's; an explicit option that contradicts the preset
     raises, one the preset does not set (axis, group_size, ...) is passed on.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jquant
+      >>> w = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+      >>> qt = jquant.quantize(w, "int4", group_size=32)  # groups along the last axis
+      >>> qt.fmt, qt.block, qt.k_axis
+      ('int4', (1, 32), 1)
+      >>> bool(jnp.abs(qt.dequantize() - w).max() <= qt.scale.max() / 2)  # at most half a step off
+      True
+      >>> jquant.quantize(w, "nvfp4", like="modelopt").block  # modelopt's NVFP4: 16 E2M1 values a scale
+      (1, 16)
+      >>> qb = jquant.quantize(w.astype(jnp.bfloat16), "int4", group_size=32, like="compressed-tensors")
+      >>> print(qb.scale.dtype)  # compressed-tensors keeps scales in the weight's dtype
+      bfloat16
     """
     if not isinstance(fmt, str):
         raise TypeError(f"fmt must be a format name (str), got {type(fmt).__name__}")

@@ -14,7 +14,14 @@ def blockwise_symmetric_fake_quant(x, block_size: int, qmax: int):
     Each block's scale is ``amax / qmax``; an all-zero block gets scale 1 (so zeros stay zeros instead
     of dividing by zero). Returns ``(fake_quantized, scales)``.
 
-    >>> blockwise_symmetric_fake_quant(jnp.array([0., 1., -2., 8.]), 2, 7)[1]  # [1/7, 8/7]
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jquant.formats.fake_quant import blockwise_symmetric_fake_quant
+      >>> values, scales = blockwise_symmetric_fake_quant(jnp.array([0., 1., -2., 8.]), 2, 7)
+      >>> (scales * 7).tolist()  # scales [1/7, 8/7]
+      [1.0, 8.0]
+      >>> [f"{v:.4f}" for v in values.tolist()]  # -2 / (8/7) = -1.75, nearest code -2: -16/7
+      ['0.0000', '1.0000', '-2.2857', '8.0000']
     """
     x = check_float_input(x, "x")
     if x.ndim != 1:

@@ -16,7 +16,17 @@ BLOCKS = (16, 32, 64, 128)
 
 
 def hadamard_matrix(block: int) -> jax.Array:
-    """The dense orthonormal ``H / sqrt(block)`` (the reference the fast transform is checked against)."""
+    """The dense orthonormal ``H / sqrt(block)`` (the reference the fast transform is checked against).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jquant.algorithms.rotation import hadamard_matrix
+      >>> h = hadamard_matrix(16)
+      >>> h.shape, float(h[0, 0]), float(h[1, 1])  # entries ±1/4
+      ((16, 16), 0.25, -0.25)
+      >>> bool(jnp.allclose(h @ h, jnp.eye(16), atol=1e-6))  # symmetric and orthonormal: its own inverse
+      True
+    """
     check_block(block)
     return jnp.asarray(rotation(block))
 
@@ -30,6 +40,21 @@ def hadamard_blocks(x, block: int, axis: int = -1) -> jax.Array:
 
     Raises:
       ValueError: ``block`` is not one of ``BLOCKS``, or ``x.shape[axis]`` is not a multiple of it.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.algorithms.rotation import hadamard_blocks, hadamard_matrix
+      >>> x = np.random.default_rng(0).standard_normal((2, 32)).astype(np.float32)
+      >>> y = hadamard_blocks(x, 16)  # two blocks of 16 along the last axis
+      >>> dense = (x.reshape(2, 2, 16) @ hadamard_matrix(16)).reshape(2, 32)
+      >>> bool(jnp.allclose(y, dense, atol=1e-5))
+      True
+      >>> bool(jnp.allclose(hadamard_blocks(y, 16), x, atol=1e-5))  # applying it twice gives x back
+      True
+      >>> hadamard_blocks(x, 24)
+      Traceback (most recent call last):
+          ...
+      ValueError: Hadamard block must be one of (16, 32, 64, 128), got 24
     """
     check_block(block)
     x = jnp.asarray(x)

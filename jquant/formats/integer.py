@@ -87,12 +87,24 @@ COMPRESSED_TENSORS_OPTIONS = dict(arithmetic="compressed-tensors", scale_dtype=N
 
 
 def int_format(bits: int, symmetric: bool) -> str:
-    """Format name: ``"int4"`` (symmetric) or ``"uint4"`` (zero points)."""
+    """Format name: ``"int4"`` (symmetric) or ``"uint4"`` (zero points).
+
+    Examples:
+      >>> from jquant.formats.integer import int_format
+      >>> int_format(4, True), int_format(8, False)
+      ('int4', 'uint8')
+    """
     return f"{'int' if symmetric else 'uint'}{bits}"
 
 
 def parse_int_format(fmt: str) -> tuple[int, bool]:
-    """``"int4"`` → ``(4, True)``; ``"uint4"`` → ``(4, False)``."""
+    """``"int4"`` → ``(4, True)``; ``"uint4"`` → ``(4, False)``.
+
+    Examples:
+      >>> from jquant.formats.integer import parse_int_format
+      >>> parse_int_format("int4"), parse_int_format("uint8")
+      ((4, True), (8, False))
+    """
     symmetric = not fmt.startswith("uint")
     bits = int(fmt[3:] if symmetric else fmt[4:])
     return bits, symmetric
@@ -203,6 +215,24 @@ def quantize_int(x, *, bits: int, symmetric: bool, axis: int = -1, granularity: 
         rounded to x's dtype as PyTorch does for bfloat16 / float16 weights (``s`` in x's dtype, a
         zero scale replaced by that dtype's eps, ``zp = round(-2**(b-1) - min/s)`` in the signed
         domain, codes ``round(x/s + zp)``); half-even rounding and division only.
+
+    Examples:
+      ``jquant.quantize(x, "int4" or "uint4", **options)`` calls it with ``bits`` and ``symmetric``
+      set by the name, as one compiled program (called directly, its dozens of small ops run one by
+      one). Asymmetric: a scale ``(max - min) / 15`` and a zero point per block:
+
+      >>> import numpy as np, jquant
+      >>> from jquant.formats.integer import int_codes
+      >>> qt = jquant.quantize(np.array([[0., 1., 2., 3.]], np.float32), "uint4")
+      >>> qt.fmt, qt.zero.tolist(), int_codes(qt).tolist()
+      ('uint4', [[0]], [[0, 5, 10, 15]])
+      >>> qt.dequantize().tolist()
+      [[0.0, 1.0, 2.0, 3.0]]
+      >>> w = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+      >>> jquant.quantize(w, "int8", granularity="tensor").scale.shape  # one scale
+      (1, 1)
+      >>> jquant.quantize(w, "int4", group_size=16, symmetric_range="full").scale.shape
+      (4, 4)
     """
     bits = _check_bits(bits)
     x = check_float_input(x)
@@ -303,6 +333,22 @@ def quantize_int_with_params(x, bits: int, scale, zero=None, group_index=None, *
         (GPTQ act-order ``g_idx``); then only ``axis`` may be grouped. A concrete ``group_index``
         equal to ``i // group_size`` is dropped (it is the default).
       axis: the grouped / packed axis.
+
+    Examples:
+      One scale of 0.5 for the whole row; 0.25 / 0.5 = 0.5 is a tie, which goes to the even code 0:
+
+      >>> import numpy as np
+      >>> from jquant.formats.integer import int_codes, quantize_int_with_params
+      >>> x = np.array([[1., -1.5, 0.25, 3.]], np.float32)
+      >>> qt = quantize_int_with_params(x, 4, np.array([[0.5]], np.float32))
+      >>> qt.fmt, int_codes(qt).tolist(), qt.dequantize().tolist()
+      ('int4', [[2, -3, 0, 6]], [[1.0, -1.5, 0.0, 3.0]])
+
+      With a zero point the codes are unsigned:
+
+      >>> qt = quantize_int_with_params(x, 4, np.array([[0.5]], np.float32), zero=np.array([[8]]))
+      >>> qt.fmt, int_codes(qt).tolist()
+      ('uint4', [[10, 5, 8, 14]])
     """
     bits = _check_bits(bits)
     x = check_float_input(x)
@@ -358,7 +404,15 @@ def _check_group_index(group_index, shape, scale_shape, block, axis):
 
 
 def int_codes(qt: QTensor) -> jax.Array:
-    """The integer codes of an int/uint QTensor as int32: signed ``q`` for ``int*``, unsigned for ``uint*``."""
+    """The integer codes of an int/uint QTensor as int32: signed ``q`` for ``int*``, unsigned for ``uint*``.
+
+    Examples:
+      >>> import numpy as np, jquant
+      >>> from jquant.formats.integer import int_codes
+      >>> qt = jquant.quantize(np.array([[7., -3., 2., 0.]], np.float32), "int4")  # scale 1
+      >>> int_codes(qt).tolist()
+      [[7, -3, 2, 0]]
+    """
     bits, symmetric = parse_int_format(qt.fmt)
     codes = qt.data if qt.pack_axis is None else unpack_bits(qt.data, bits, qt.pack_axis)
     codes = codes.astype(jnp.int32)

@@ -25,6 +25,16 @@ def _side(x, block_tables, num_pages):
 
 
 def dequantize_values(cache: PagedKVCache, block_tables):
+    """Each sequence's values ``[B, max_pages * page_size, kv_heads, D]`` float32.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jquant.kv import allocate, dequantize_values
+      >>> cache = allocate("fp8", num_pages=4, page_size=4, kv_heads=2, head_dim=16)
+      >>> values = dequantize_values(cache, jnp.array([[0, 1], [2, 3]], jnp.int32))
+      >>> values.shape, str(values.dtype)
+      ((2, 8, 2, 16), 'float32')
+    """
     spec, p = cache.spec, cache.num_pages
     vc = _gather(cache.v_pages, block_tables, p)
     if spec.value_format == "uniform":
@@ -36,7 +46,16 @@ def dequantize_values(cache: PagedKVCache, block_tables):
 
 def dequantize_keys(cache: PagedKVCache, block_tables):
     """Each sequence's keys ``[B, max_pages * page_size, kv_heads, D]`` float32 (TurboQuant keys
-    rotated back; the decode path never forms these, the prefill path attends over them)."""
+    rotated back; the decode path never forms these, the prefill path attends over them).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jquant.kv import allocate, dequantize_keys
+      >>> cache = allocate("fp8", num_pages=4, page_size=4, kv_heads=2, head_dim=16, k_scale=0.5)
+      >>> keys = dequantize_keys(cache, jnp.array([[0, 1], [2, 3]], jnp.int32))  # pages 0, 1 | 2, 3
+      >>> keys.shape, str(keys.dtype)
+      ((2, 8, 2, 16), 'float32')
+    """
     spec, p, d = cache.spec, cache.num_pages, cache.head_dim
     kc = _gather(cache.k_pages, block_tables, p)
     if spec.key_format == "lloyd_max":
@@ -66,7 +85,26 @@ def key_scores(q, cache: PagedKVCache, block_tables):
 
 
 def attention_reference(q, cache: PagedKVCache, block_tables, lengths, *, scale=None):
-    """softmax(q.k * scale) @ v over each sequence's first lengths[b] tokens; float32 [B, Hq, D]."""
+    """softmax(q.k * scale) @ v over each sequence's first lengths[b] tokens; float32 [B, Hq, D].
+
+    Examples:
+      With one cached token, every query head reads that token's value; a sequence of length 0 gives
+      zeros:
+
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.kv import allocate, append_reference, attention_reference
+      >>> cache = allocate("bf16", num_pages=2, page_size=4, kv_heads=1, head_dim=16)
+      >>> block_tables = jnp.array([[0], [1]], jnp.int32)
+      >>> rng = np.random.default_rng(0)
+      >>> k, v = (jnp.asarray(rng.standard_normal((2, 1, 16)), jnp.bfloat16) for _ in range(2))
+      >>> cache, lengths = append_reference(cache, k, v, block_tables, jnp.array([0, 0], jnp.int32))
+      >>> q = jnp.asarray(rng.standard_normal((2, 2, 16)), jnp.float32)  # [B, query heads, D] (GQA 2:1)
+      >>> out = attention_reference(q, cache, block_tables, lengths)
+      >>> out.shape, bool(jnp.allclose(out[0], v[0].astype(jnp.float32)))
+      ((2, 2, 16), True)
+      >>> float(jnp.abs(attention_reference(q, cache, block_tables, jnp.array([1, 0]))[1]).max())
+      0.0
+    """
     b, hq, d = q.shape
     if d != cache.head_dim or hq % cache.kv_heads:
         raise ValueError(f"q [B, Hq, D] needs D={cache.head_dim} and Hq a multiple of "

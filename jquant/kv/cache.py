@@ -22,7 +22,13 @@ TURBOQUANT_BOUNDARY_LAYERS = 2
 
 
 def default_skip_layers(kv_cache_dtype: str, num_layers: int) -> tuple[int, ...]:
-    """Layers kept in bf16: for TurboQuant the first and last two (vLLM's default), else none."""
+    """Layers kept in bf16: for TurboQuant the first and last two (vLLM's default), else none.
+
+    Examples:
+      >>> from jquant.kv import default_skip_layers
+      >>> default_skip_layers("turboquant_4bit_nc", 6), default_skip_layers("fp8", 6)
+      ((0, 1, 4, 5), ())
+    """
     if kv_cache_spec(kv_cache_dtype).kind != "turboquant":
         return ()
     n = TURBOQUANT_BOUNDARY_LAYERS
@@ -42,7 +48,20 @@ def token_bytes(kv_cache_dtype: str, *, num_layers: int, kv_heads: int, head_dim
 @dataclasses.dataclass(frozen=True)
 class PagedCache:
     """``layers[i]``: layer i's pages; ``block_tables [batch, max_pages]`` int32 (page ids in the pool);
-    ``lengths [batch]`` int32: tokens cached per sequence (the next token's position)."""
+    ``lengths [batch]`` int32: tokens cached per sequence (the next token's position).
+
+    Examples:
+      Two sequences of up to 20 tokens in pages of 16: two pages each. TurboQuant keeps the first and
+      last two layers in bf16:
+
+      >>> from jquant.kv import PagedCache
+      >>> cache = PagedCache.allocate("turboquant_4bit_nc", num_layers=5, batch=2, max_len=20, kv_heads=1,
+      ...                             head_dim=64, page_size=16)
+      >>> cache.kv_cache_dtypes
+      ('bf16', 'bf16', 'turboquant_4bit_nc', 'bf16', 'bf16')
+      >>> cache.block_tables.tolist(), cache.lengths.tolist(), cache.capacity
+      ([[0, 1], [2, 3]], [0, 0], 32)
+    """
 
     layers: tuple[PagedKVCache, ...]
     block_tables: jax.Array

@@ -19,6 +19,23 @@ Kind = Literal["dense", "per_tensor", "per_token_head", "turboquant"]
 
 @dataclasses.dataclass(frozen=True)
 class KVCacheSpec:
+    """One kv_cache_dtype: how keys and values are stored (``kind``, element formats, bits) and what a
+    token costs.
+
+    Examples:
+      TurboQuant 4-bit keys hold packed indices and an fp16 norm; values packed codes, an fp16 scale
+      and an fp16 minimum:
+
+      >>> from jquant.kv import kv_cache_spec
+      >>> spec = kv_cache_spec("turboquant_4bit_nc")
+      >>> spec.kind, spec.key_format, spec.value_format, spec.norm_correction
+      ('turboquant', 'lloyd_max', 'uniform', True)
+      >>> spec.key_bytes(128), spec.value_bytes(128), spec.bytes_per_token_per_head(128)
+      (66, 68, 134)
+      >>> kv_cache_spec("bf16").bytes_per_token_per_head(128)
+      512
+    """
+
     name: str
     kind: Kind
     key_format: str  # bf16 | fp8_e4m3 | fp8_e5m2 | int8 | lloyd_max
@@ -70,7 +87,18 @@ VALID_NAMES = tuple(sorted(set(_SPECS) | set(_ALIASES)))
 
 
 def kv_cache_spec(name: str) -> KVCacheSpec:
-    """The spec of a kv_cache_dtype name; unknown names raise ValueError listing the valid ones."""
+    """The spec of a kv_cache_dtype name; unknown names raise ValueError listing the valid ones.
+
+    Examples:
+      >>> from jquant.kv import kv_cache_spec
+      >>> spec = kv_cache_spec("fp8")  # vLLM's alias of fp8_e4m3
+      >>> spec.name, spec.kind, spec.bytes_per_token_per_head(64)
+      ('fp8_e4m3', 'per_tensor', 128)
+      >>> kv_cache_spec("int4")
+      Traceback (most recent call last):
+          ...
+      ValueError: unknown kv_cache_dtype 'int4'; valid: auto, bf16, bfloat16, fp8, ...
+    """
     key = _ALIASES.get(name, name)
     if key not in _SPECS:
         raise ValueError(f"unknown kv_cache_dtype {name!r}; valid: {', '.join(VALID_NAMES)}")

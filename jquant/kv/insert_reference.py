@@ -21,6 +21,19 @@ def insert_reference(cache: PagedKVCache, k_new, v_new, slots) -> PagedKVCache:
     """Quantize k_new, v_new [T, kv_heads, head_dim] and write token i at flat slot slots[i].
 
     Negative slots are padding (skipped). Per-tensor formats use the cache's static scales.
+
+    Examples:
+      Three tokens into slots 0, 1 and 5 of an FP8 cache with a static scale of 0.5; slot -1 is padding:
+
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.kv import allocate, dequantize_keys, insert_reference
+      >>> cache = allocate("fp8", num_pages=2, page_size=4, kv_heads=1, head_dim=16, k_scale=0.5, v_scale=0.5)
+      >>> rng = np.random.default_rng(0)
+      >>> k, v = (jnp.asarray(rng.standard_normal((4, 1, 16)), jnp.float32) for _ in range(2))
+      >>> cache = insert_reference(cache, k, v, jnp.array([0, 1, 5, -1]))
+      >>> keys = dequantize_keys(cache, jnp.array([[0, 1]]))[0]  # the 8 slots of pages 0 and 1
+      >>> bool(jnp.abs(keys[jnp.array([0, 1, 5])] - k[:3]).max() < 0.1), float(jnp.abs(keys[2]).max())
+      (True, 0.0)
     """
     spec, d = cache.spec, cache.head_dim
     if k_new.shape != v_new.shape or k_new.shape[1:] != (cache.kv_heads, d):
@@ -56,6 +69,20 @@ def append_reference(cache: PagedKVCache, k_new, v_new, block_tables, lengths, *
 
     Returns (cache, lengths + 1). With concrete inputs the block tables are checked first
     (validate_append), so a bad table raises before anything is written.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.kv import allocate, append_reference
+      >>> cache = allocate("bf16", num_pages=2, page_size=4, kv_heads=1, head_dim=16)
+      >>> block_tables, lengths = jnp.array([[0], [1]], jnp.int32), jnp.array([0, 3], jnp.int32)
+      >>> k = v = jnp.ones((2, 1, 16), jnp.float32)  # one new token per sequence
+      >>> cache, lengths = append_reference(cache, k, v, block_tables, lengths)
+      >>> lengths.tolist()
+      [1, 4]
+      >>> append_reference(cache, k, v, block_tables, lengths)  # sequence 1 has filled its page
+      Traceback (most recent call last):
+          ...
+      ValueError: sequence 1 would hold 5 tokens, past its 4 slots (1 pages x 4)
     """
     if validate and not any(isinstance(x, jax.core.Tracer) for x in (block_tables, lengths)):
         validate_append(block_tables, lengths, 1, cache.num_pages, cache.page_size)

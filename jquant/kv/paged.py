@@ -21,6 +21,19 @@ from jquant.kv.dtypes import KVCacheSpec, kv_cache_spec, storage_dtype
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
+    """One layer's pages and side arrays (see the module docstring); a pytree whose ``spec`` and
+    ``head_dim`` are static. ``allocate`` makes one.
+
+    Examples:
+      >>> import jax
+      >>> from jquant.kv import allocate
+      >>> cache = allocate("fp8_per_token_head", num_pages=4, page_size=16, kv_heads=2, head_dim=64)
+      >>> cache.num_pages, cache.page_size, cache.kv_heads, cache.spec.name
+      (4, 16, 2, 'fp8_per_token_head')
+      >>> [leaf.shape for leaf in jax.tree_util.tree_leaves(cache)]  # K, V pages; K, V scales; v_min
+      [(4, 16, 2, 64), (4, 16, 2, 64), (4, 16, 2), (4, 16, 2), ()]
+    """
+
     k_pages: jax.Array
     v_pages: jax.Array
     k_scale: jax.Array
@@ -50,7 +63,17 @@ def _last_dim(fmt: str, bits: int, head_dim: int) -> tuple[int, object]:
 
 def allocate(kv_cache_dtype: str | KVCacheSpec, num_pages: int, page_size: int, kv_heads: int,
              head_dim: int, *, k_scale: float = 1.0, v_scale: float = 1.0) -> PagedKVCache:
-    """Zeroed cache; k_scale / v_scale are the static per-tensor scales (checkpoint or calibrated)."""
+    """Zeroed cache; k_scale / v_scale are the static per-tensor scales (checkpoint or calibrated).
+
+    Examples:
+      >>> from jquant.kv import allocate
+      >>> cache = allocate("int8_per_token_head", num_pages=4, page_size=16, kv_heads=2, head_dim=64)
+      >>> cache.k_pages.shape, str(cache.k_pages.dtype), cache.k_scale.shape  # a scale per (token, head)
+      ((4, 16, 2, 64), 'int8', (4, 16, 2))
+      >>> cache = allocate("fp8", num_pages=4, page_size=16, kv_heads=2, head_dim=64, k_scale=0.5)
+      >>> str(cache.k_pages.dtype), float(cache.k_scale)  # one static scale per tensor
+      ('float8_e4m3fn', 0.5)
+    """
     spec = kv_cache_dtype if isinstance(kv_cache_dtype, KVCacheSpec) else kv_cache_spec(kv_cache_dtype)
     if spec.kind == "turboquant":
         turboquant.check_head_dim(head_dim)
@@ -74,7 +97,17 @@ def allocate(kv_cache_dtype: str | KVCacheSpec, num_pages: int, page_size: int, 
 
 
 def slots_for(block_tables, seq_ids, positions, page_size: int):
-    """Flat slot index of token `positions[i]` of sequence `seq_ids[i]`."""
+    """Flat slot index of token `positions[i]` of sequence `seq_ids[i]`.
+
+    Examples:
+      Pages of 4 tokens; sequence 0 owns pages 2 then 0, sequence 1 pages 1 then 3:
+
+      >>> import jax.numpy as jnp
+      >>> from jquant.kv import slots_for
+      >>> block_tables = jnp.array([[2, 0], [1, 3]], jnp.int32)
+      >>> slots_for(block_tables, jnp.array([0, 1]), jnp.array([5, 2]), 4).tolist()  # page 0 slot 1, page 1 slot 2
+      [1, 6]
+    """
     page = block_tables[seq_ids, positions // page_size]
     return page * page_size + positions % page_size
 
@@ -84,6 +117,19 @@ def validate_append(block_tables, lengths, num_new, num_pages: int, page_size: i
 
     Raises ValueError if a sequence would write past its pages, a used block-table entry points
     outside the pool, or two sequences own the same page.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jquant.kv import validate_append
+      >>> validate_append(np.array([[0, 1]]), np.array([7]), 1, num_pages=2, page_size=4)  # fits: no error
+      >>> validate_append(np.array([[0, 1]]), np.array([8]), 1, num_pages=2, page_size=4)
+      Traceback (most recent call last):
+          ...
+      ValueError: sequence 0 would hold 9 tokens, past its 8 slots (2 pages x 4)
+      >>> validate_append(np.array([[0, 1], [1, 2]]), np.array([5, 0]), 1, num_pages=4, page_size=4)
+      Traceback (most recent call last):
+          ...
+      ValueError: page 1 is owned by sequences 0 and 1
     """
     bt = np.asarray(block_tables)
     ln = np.asarray(lengths).astype(np.int64)

@@ -27,7 +27,19 @@ def calibrate_scale(x, divisor: float):
 
 
 def calibrate_kv_scales(k, v):
-    """(k_scale, v_scale) from amax as vLLM's calc_kv_scales does."""
+    """(k_scale, v_scale) from amax as vLLM's calc_kv_scales does.
+
+    Examples:
+      ``amax(|k|) / 200`` and ``amax(|v|) / 100``:
+
+      >>> import jax.numpy as jnp
+      >>> from jquant.kv import calibrate_kv_scales
+      >>> k_scale, v_scale = calibrate_kv_scales(jnp.array([[-400.0, 3.0]]), jnp.array([50.0, -2.0]))
+      >>> float(k_scale), float(v_scale)
+      (2.0, 0.5)
+      >>> float(calibrate_kv_scales(jnp.zeros(4), jnp.zeros(4))[0])  # nothing seen yet: 1.0
+      1.0
+    """
     return calibrate_scale(k, K_SCALE_CONSTANT), calibrate_scale(v, V_SCALE_CONSTANT)
 
 

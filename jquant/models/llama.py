@@ -47,6 +47,27 @@ from jquant.models.paged_attention import paged_attention
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
+    """The shape of a Llama: sizes, heads (``num_kv_heads`` < ``num_heads`` is grouped-query attention),
+    RoPE base, RMSNorm epsilon, context length, and whether the lm_head is the embedding.
+
+    Examples:
+      >>> from jquant.models import LlamaConfig
+      >>> config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+      ...                      num_kv_heads=1, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-5,
+      ...                      max_position_embeddings=64)
+      >>> config.num_heads // config.num_kv_heads  # query heads per KV head
+      2
+
+      The same config from a GGUF file's ``llama.*`` metadata:
+
+      >>> metadata = {"general.architecture": "llama", "llama.vocab_size": 32, "llama.embedding_length": 64,
+      ...             "llama.feed_forward_length": 128, "llama.block_count": 1, "llama.attention.head_count": 2,
+      ...             "llama.attention.head_count_kv": 1, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+      ...             "llama.context_length": 64}
+      >>> LlamaConfig.from_gguf_metadata(metadata) == config
+      True
+    """
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -110,7 +131,32 @@ class KVCache:
     """Keys and values of every layer for ``max_len`` positions, of which the first ``length`` are filled.
 
     Writing past ``max_len`` is not checked inside jit (``dynamic_update_slice`` clamps the start), so
-    size it for prompt + new tokens, as ``generate`` does."""
+    size it for prompt + new tokens, as ``generate`` does.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jquant.models import KVCache, LlamaConfig, LlamaForCausalLM
+      >>> config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+      ...                      num_kv_heads=1, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-5,
+      ...                      max_position_embeddings=64)
+      >>> cache = KVCache.zeros(config, batch=1, max_len=8)
+      >>> len(cache.keys), cache.keys[0].shape, int(cache.length), cache.max_len
+      (1, (1, 8, 1, 32), 0, 8)
+
+      A prefill and one decode step give the logits a full forward gives:
+
+      >>> model = LlamaForCausalLM(config)
+      >>> ids = jnp.array([[1, 5, 7, 2]], jnp.int32)
+      >>> params = model.init(jax.random.key(0), ids)
+      >>> step = jax.jit(model.apply)
+      >>> _, cache = step(params, ids[:, :3], cache)
+      >>> last, cache = step(params, ids[:, 3:], cache)
+      >>> int(cache.length)
+      4
+      >>> full, _ = model.apply(params, ids)
+      >>> bool(jnp.allclose(last[:, 0], full[:, 3], atol=1e-4))
+      True
+    """
 
     keys: tuple[jax.Array, ...]    # per layer [batch, max_len, num_kv_heads, head_dim], RoPE applied
     values: tuple[jax.Array, ...]  # per layer [batch, max_len, num_kv_heads, head_dim]
@@ -249,6 +295,23 @@ class LlamaForCausalLM(nn.Module):
     quantized into its pages in the cache's ``kv_cache_dtype``, and T == 1 runs the paged
     decode-attention kernel. ``fused_projections``: the layers hold ``qkv_proj`` / ``gate_up_proj`` (see the
     module docstring).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jquant.models import LlamaConfig, LlamaForCausalLM
+      >>> config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+      ...                      num_kv_heads=1, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-5,
+      ...                      max_position_embeddings=64)
+      >>> model = LlamaForCausalLM(config)
+      >>> ids = jnp.array([[1, 5, 7, 2]], jnp.int32)
+      >>> params = model.init(jax.random.key(0), ids)
+      >>> sorted(params["params"]["layers_0"])
+      ['down_proj', 'gate_proj', 'input_norm', 'k_proj', 'o_proj', 'post_attention_norm', 'q_proj', 'up_proj', 'v_proj']
+      >>> params["params"]["layers_0"]["k_proj"]["kernel"].shape  # Flax [in, out]
+      (64, 32)
+      >>> logits, cache = model.apply(params, ids)
+      >>> logits.shape, str(logits.dtype), cache
+      ((1, 4, 32), 'float32', None)
     """
 
     config: LlamaConfig
@@ -364,7 +427,24 @@ def generate(model: LlamaForCausalLM, params, prompt_ids, max_new_tokens: int, g
     Greedy takes the argmax; otherwise tokens are sampled at ``temperature`` from ``rng``.
     ``kv_cache_dtype`` (a vLLM name: ``bf16``, ``fp8``, ``int8_per_token_head``, ``turboquant_3bit_nc``,
     ...) stores the cache paged in that format, ``page_size`` tokens a page; None keeps a dense cache in
-    the model's dtype. Returns int32 [batch, max_new_tokens]; after ``eos_id`` a row repeats ``eos_id``."""
+    the model's dtype. Returns int32 [batch, max_new_tokens]; after ``eos_id`` a row repeats ``eos_id``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jquant.models import LlamaConfig, LlamaForCausalLM, generate
+      >>> config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+      ...                      num_kv_heads=1, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-5,
+      ...                      max_position_embeddings=64)
+      >>> model = LlamaForCausalLM(config)
+      >>> ids = jnp.array([[1, 5, 7, 2]], jnp.int32)
+      >>> params = model.init(jax.random.key(0), ids)
+      >>> tokens = generate(model, params, ids, max_new_tokens=3)
+      >>> tokens.shape, str(tokens.dtype)
+      ((1, 3), 'int32')
+      >>> full, _ = model.apply(params, ids)
+      >>> int(tokens[0, 0]) == int(full[0, -1].argmax())  # greedy: the most likely next token
+      True
+    """
     prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
     if prompt_ids.ndim != 2:
         raise ValueError(f"prompt_ids must be [batch, length], got shape {prompt_ids.shape}")

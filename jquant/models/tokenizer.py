@@ -21,7 +21,23 @@ _PLAIN_GPT2_PRES = frozenset({"gpt2", "mpt", "olmo", "jais", "trillion"})  # GPT
 
 @dataclasses.dataclass(frozen=True)
 class GGUFTokenizer:
-    """``encode(text) -> ids`` / ``decode(ids) -> text`` over a ``tokenizers.Tokenizer``."""
+    """``encode(text) -> ids`` / ``decode(ids) -> text`` over a ``tokenizers.Tokenizer``.
+
+    Examples:
+      >>> from jquant.models import build_tokenizer
+      >>> metadata = {"tokenizer.ggml.model": "gpt2",
+      ...             "tokenizer.ggml.tokens": ["h", "i", "hi", "Ġ", "Ġhi", "<|end|>"],
+      ...             "tokenizer.ggml.merges": ["h i", "Ġ hi"],
+      ...             "tokenizer.ggml.token_type": [1, 1, 1, 1, 1, 3],  # 3: a control token
+      ...             "tokenizer.ggml.bos_token_id": 5, "tokenizer.ggml.eos_token_id": 5}
+      >>> tokenizer = build_tokenizer(metadata)
+      >>> tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id, tokenizer.add_bos
+      (6, 5, 5, False)
+      >>> tokenizer.encode("hi hi"), tokenizer.encode("hi hi", add_bos=True)
+      ([2, 4], [5, 2, 4])
+      >>> tokenizer.decode([2, 4, 5]), tokenizer.decode([2, 4, 5], skip_special_tokens=True)
+      ('hi hi<|end|>', 'hi hi')
+    """
 
     backend: Any  # tokenizers.Tokenizer
     bos_id: int | None
@@ -56,7 +72,23 @@ def _pre_tokenizer(pre: str | None):
 
 
 def build_tokenizer(metadata: Mapping[str, Any]) -> GGUFTokenizer:
-    """The tokenizer described by ``tokenizer.*`` GGUF metadata (as ``gguf_loader.load_gguf`` returns it)."""
+    """The tokenizer described by ``tokenizer.*`` GGUF metadata (as ``gguf_loader.load_gguf`` returns it).
+
+    Examples:
+      Byte-level BPE: ``Ġ`` is a space, merges apply in rank order, control tokens match whole:
+
+      >>> from jquant.models import build_tokenizer
+      >>> metadata = {"tokenizer.ggml.model": "gpt2",
+      ...             "tokenizer.ggml.tokens": ["h", "i", "hi", "Ġ", "Ġhi", "<|end|>"],
+      ...             "tokenizer.ggml.merges": ["h i", "Ġ hi"],
+      ...             "tokenizer.ggml.token_type": [1, 1, 1, 1, 1, 3],  # 3: a control token
+      ...             "tokenizer.ggml.bos_token_id": 5, "tokenizer.ggml.eos_token_id": 5}
+      >>> tokenizer = build_tokenizer(metadata)
+      >>> tokenizer.encode("hi hi<|end|>")
+      [2, 4, 5]
+      >>> tokenizer.decode([4, 2])
+      ' hihi'
+    """
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
     model = metadata.get("tokenizer.ggml.model")

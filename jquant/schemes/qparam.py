@@ -21,6 +21,19 @@ class QParam:
     leaf, so it jits and saves with the weight); None for every other scheme. ``input_rotation`` (static)
     is the block of a Walsh–Hadamard rotation of the input axis: the weight holds ``W H`` quantized and
     ``apply`` rotates ``x`` the same way first (``jquant.algorithms.rotation``); None: no rotation.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jquant
+      >>> from jquant.flax import QParam
+      >>> scheme = jquant.get_scheme("int8_ch")
+      >>> kernel = np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32)  # Flax [K, N]
+      >>> qparam = QParam(scheme.quantize_kernel(kernel), scheme)
+      >>> qparam.qtensor.shape  # stored [N, K]
+      (16, 64)
+      >>> x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+      >>> y = qparam.apply(x)  # x @ kernel
+      >>> y.shape, bool(jnp.allclose(y, x @ qparam.qtensor.dequantize().T, atol=1e-4))
+      ((2, 16), True)
     """
 
     weight: Prepared | QTensor

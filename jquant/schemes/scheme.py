@@ -42,6 +42,31 @@ class Scheme:
         reference runs.
       checkpoint_layout: the ``to_checkpoint`` layout vLLM checkpoints of this scheme use.
       layout: options for that layout (``checkpoint_format="gptq_v2"``, ...).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np, jquant
+      >>> scheme = jquant.get_scheme("int4_g32")
+      >>> scheme.weight.format, scheme.weight.group_size, scheme.weight_only, scheme.checkpoint_layout
+      ('int4', 32, True, 'gptq')
+
+      Quantize a weight ``[N, K]``, lay it out once for a device, then apply it:
+
+      >>> w = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
+      >>> qw = scheme.quantize_weight(w)
+      >>> qw.shape, qw.k_axis
+      ((16, 64), 1)
+      >>> prepared = scheme.process_weights_after_loading(qw, jax.devices("cpu")[0])
+      >>> x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+      >>> y = scheme.apply(x, prepared)  # x @ W.T with the quantized W
+      >>> y.shape
+      (2, 16)
+      >>> bool(jnp.allclose(y, x @ qw.dequantize().T, atol=1e-4))
+      True
+
+      A scheme is hashable (a static argument under ``jit``) and saves as a dict:
+
+      >>> jquant.Scheme.from_dict(scheme.to_dict()) == scheme
+      True
     """
 
     name: str
@@ -155,7 +180,19 @@ class Scheme:
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """A weight laid out for one implementation (a pytree; ``impl`` and ``shape`` are static)."""
+    """A weight laid out for one implementation (a pytree; ``impl`` and ``shape`` are static).
+
+    Examples:
+      >>> import jax, numpy as np, jquant
+      >>> scheme = jquant.get_scheme("int8_ch")
+      >>> w = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
+      >>> prepared = scheme.process_weights_after_loading(scheme.quantize_weight(w), jax.devices("cpu")[0])
+      >>> prepared.impl, prepared.shape, type(prepared.data).__name__  # the XLA reference keeps the QTensor
+      ('xla', (16, 64), 'QTensor')
+      >>> x = np.ones((3, 64), np.float32)
+      >>> jax.jit(lambda x, weight: scheme.apply(x, weight))(x, prepared).shape
+      (3, 16)
+    """
 
     data: Any
     impl: str = "xla"
@@ -202,6 +239,20 @@ def candidate_impls(scheme: Scheme, device: jax.Device | None = None) -> list[Im
 
 
 def register_scheme(scheme: Scheme, *, overwrite: bool = False) -> Scheme:
+    """Makes ``scheme`` available by name (``get_scheme``, rules of ``quantize_params``); returns it.
+
+    Examples:
+      >>> from jquant import Scheme, WeightSpec, get_scheme, register_scheme
+      >>> scheme = register_scheme(Scheme("int3_g32", WeightSpec.integer(3, 32)))
+      >>> get_scheme("int3_g32").weight.format
+      'int3'
+      >>> register_scheme(scheme)
+      Traceback (most recent call last):
+          ...
+      ValueError: scheme 'int3_g32' is already registered (pass overwrite=True to replace it)
+      >>> register_scheme(scheme, overwrite=True) is scheme
+      True
+    """
     if not isinstance(scheme, Scheme):
         raise TypeError(f"register_scheme expects a Scheme, got {type(scheme).__name__}")
     if scheme.name in _SCHEMES and not overwrite:
@@ -211,6 +262,20 @@ def register_scheme(scheme: Scheme, *, overwrite: bool = False) -> Scheme:
 
 
 def get_scheme(name: str | Scheme) -> Scheme:
+    """The registered scheme called ``name`` (a Scheme is returned as it is).
+
+    Examples:
+      >>> import jquant
+      >>> scheme = jquant.get_scheme("nvfp4")
+      >>> scheme.weight.format, scheme.checkpoint_layout
+      ('nvfp4', 'compressed-tensors')
+      >>> jquant.get_scheme(scheme) is scheme
+      True
+      >>> jquant.get_scheme("int4_g7")
+      Traceback (most recent call last):
+          ...
+      ValueError: unknown scheme 'int4_g7'; registered schemes: (...)
+    """
     if isinstance(name, Scheme):
         return name
     if not isinstance(name, str):
@@ -221,6 +286,13 @@ def get_scheme(name: str | Scheme) -> Scheme:
 
 
 def schemes() -> tuple[str, ...]:
+    """Names of the registered schemes, sorted.
+
+    Examples:
+      >>> import jquant
+      >>> {"int4_g128", "int4_g128_asym", "int8_ch", "fp8_e4m3_tensor", "nvfp4", "nf4"} <= set(jquant.schemes())
+      True
+    """
     return tuple(sorted(_SCHEMES))
 
 

@@ -64,6 +64,20 @@ class WeightSpec:
       convention: NVFP4: ``"compressed-tensors"`` or ``"modelopt"`` global-scale convention.
       blocksize: bitsandbytes: values per absmax.
       double_quant: bitsandbytes: absmax values themselves quantized to 8 bits.
+
+    Examples:
+      >>> from jquant import WeightSpec
+      >>> spec = WeightSpec.integer(4, 128, symmetric=False, scale_dtype="float16")
+      >>> spec.format, spec.family
+      ('uint4', 'int')
+      >>> spec.quantize_kwargs()  # the options jquant.quantize(w, spec.format, axis=1, ...) takes
+      {'group_size': 128, 'scale_dtype': 'float16'}
+      >>> WeightSpec("fp8_e4m3", 8, granularity="block", block_size=(128, 128)).quantize_kwargs()
+      {'granularity': 'block', 'block_size': (128, 128), 'ue8m0': False}
+      >>> WeightSpec("nvfp4", 8)
+      Traceback (most recent call last):
+          ...
+      ValueError: WeightSpec: format 'nvfp4' has 4-bit codes, got bits=8
     """
 
     format: str
@@ -149,6 +163,19 @@ class ActivationSpec:
       group_size: ``"dynamic_per_token_group"``: values per scale along K.
       ue8m0: ``"dynamic_per_token_group"``: power-of-two scales.
       input_scale: ``"static"``: a calibrated per-tensor scale used where no per-weight one is passed.
+
+    Examples:
+      >>> from jquant import ActivationSpec
+      >>> ActivationSpec().mode  # weight-only
+      'none'
+      >>> ActivationSpec("dynamic_per_token").format  # FP8 E4M3 unless told otherwise
+      'fp8_e4m3'
+      >>> ActivationSpec("static", input_scale=1).input_scale
+      1.0
+      >>> ActivationSpec("dynamic_per_token", group_size=128)
+      Traceback (most recent call last):
+          ...
+      ValueError: ActivationSpec: group_size goes with mode 'dynamic_per_token_group' (and only with it), ...
     """
 
     mode: str = "none"
@@ -196,6 +223,13 @@ class LayoutSpec:
     Attributes:
       checkpoint_format: GPTQ: ``"gptq"`` (zero points stored minus one) or ``"gptq_v2"``.
       desc_act: GPTQ: act-order checkpoints (a ``g_idx`` per input row).
+
+    Examples:
+      >>> from jquant import LayoutSpec
+      >>> LayoutSpec(checkpoint_format="gptq_v2").kwargs()
+      {'checkpoint_format': 'gptq_v2'}
+      >>> LayoutSpec().kwargs()
+      {}
     """
 
     checkpoint_format: str | None = None
@@ -214,6 +248,14 @@ def weight_spec_from_options(fmt: str, options: dict[str, Any]) -> WeightSpec:
     """A WeightSpec from a format and ``quantize`` options (what schemes saved before the typed specs hold).
 
     Bits and symmetry come from the format tables above, never from parsing the name.
+
+    Examples:
+      >>> from jquant.schemes.spec import weight_spec_from_options
+      >>> spec = weight_spec_from_options("uint4", {"group_size": 128})
+      >>> spec.bits, spec.symmetric, spec.group_size
+      (4, False, 128)
+      >>> weight_spec_from_options("nf4", {"blocksize": 64, "compress_statistics": True}).double_quant
+      True
     """
     if fmt not in _FAMILIES:
         raise ValueError(f"cannot tell the bits of format {fmt!r}; build a WeightSpec with bits= instead")
