@@ -125,7 +125,7 @@ def run(argv=None) -> int:
     from jquant.algorithms.smoothquant import smoothquant_llama
     from jquant.apps.data import britannica_text
     from jquant.apps.demo import nll_and_top1
-    from jquant.apps.quality_table import Row, record_rows
+    from jquant.apps.quality_table import Row, current_commit, record_rows
     from jquant.checkpoint.hf_checkpoint import PROJECTIONS, save_hf_checkpoint
     from jquant.flax import quantized_apply
     from jquant.flax.rules import quantize_params
@@ -135,6 +135,7 @@ def run(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     config, scheme = _check(parser, args)
+    commit = current_commit()
 
     model_config, variables, tok_meta = load_gguf(smollm2_path())
     tokenizer = build_tokenizer(tok_meta)
@@ -183,7 +184,7 @@ def run(argv=None) -> int:
         if args.method != "rtn" or args.rotate:
             rows.append(Row(label, method, bits_per_weight(quantized), got, recovered=recovered,
                             seconds=round(seconds), baseline=plain))
-        path = record_rows(args.record, rows)
+        path = record_rows(args.record, rows, commit)
         print(f"recorded in {path} and {path.with_suffix('.md')}")
     if args.out:
         path = save_hf_checkpoint(quantized, args.out, quantization_config=config)

@@ -41,7 +41,9 @@ class Row:
     baseline: str | None = None
 
 
-def _commit() -> str:
+def current_commit() -> str:
+    """The checkout's short commit (``unknown`` outside git): take it when a run starts, as the tree
+    may move on while the run lasts."""
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -49,10 +51,11 @@ def _commit() -> str:
         return "unknown"
 
 
-def record_rows(path, rows: list[Row]) -> pathlib.Path:
+def record_rows(path, rows: list[Row], commit: str | None = None) -> pathlib.Path:
     """Adds ``rows`` to the JSON table at ``path`` (a row with the same weights and method is replaced)
     and rewrites ``path`` with suffix ``.md``. The first row must be the float model's; its perplexity
-    must equal the table's (to 1e-3), else the evaluation changed and the rows would not compare."""
+    must equal the table's (to 1e-3), else the evaluation changed and the rows would not compare.
+    ``commit``: the code the rows were measured with (default: the checkout's now)."""
     import jax
 
     path = pathlib.Path(path)
@@ -63,7 +66,7 @@ def record_rows(path, rows: list[Row]) -> pathlib.Path:
     if float_rows and abs(float_rows[0]["ppl"] - base) > 1e-3:
         raise ValueError(f"{path}: its float perplexity is {float_rows[0]['ppl']:.3f}, this run's {base:.3f}; "
                          "the evaluation differs, so the rows would not compare (record into a new file)")
-    commit = _commit()
+    commit = commit or current_commit()
     for row in rows:
         entry = {"weights": row.weights, "method": row.method, "bits_per_weight": round(row.bits_per_weight, 4),
                  "ppl": round(row.ppl, 3), "delta_ppl": round(row.ppl - base, 3),
