@@ -1,10 +1,12 @@
 """jquant: LLM quantization for JAX, bit-exact with the PyTorch world's checkpoint formats."""
 
 from jquant.qtensor import QTensor, dequantize
-from jquant.formats import formats, quantize
+import jquant.formats as formats  # the package, callable: formats() lists the format names
+from jquant.formats import quantize
 from jquant.checkpoint import from_checkpoint, layouts, to_checkpoint
 from jquant.ops import qdot
-from jquant.schemes.scheme import Prepared, Scheme, get_scheme, register_scheme, schemes
+from jquant.schemes.scheme import Prepared, Scheme, get_scheme, register_scheme
+import jquant.schemes as schemes  # the package, callable: schemes() lists the scheme names
 from jquant.schemes.spec import ActivationSpec, LayoutSpec, WeightSpec
 from jquant.schemes import xla as _xla_reference  # noqa: F401  (registers the XLA implementation)
 from jquant.schemes import builtin as _builtin_schemes  # noqa: F401  (registers the named schemes)

@@ -59,6 +59,22 @@ def awq_llama(model: LlamaForCausalLM, params: dict, calibration_ids, scheme: st
 
     Returns:
       The params with QParams (plain QTensors) and folded norm scales.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jquant.algorithms import awq_llama
+      >>> from jquant.models import LlamaConfig, LlamaForCausalLM
+      >>> config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+      ...                      num_kv_heads=1, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-5,
+      ...                      max_position_embeddings=64)
+      >>> model = LlamaForCausalLM(config)
+      >>> ids = jax.random.randint(jax.random.key(1), (2, 16), 0, 32)
+      >>> params = model.init(jax.random.key(0), ids)["params"]
+      >>> q = awq_llama(model, params, ids, "int4_g32", progress=False)
+      >>> q["layers_0"]["gate_proj"]["kernel"].scheme.name
+      'int4_g32'
+      >>> bool(jnp.any(q["layers_0"]["input_norm"]["scale"] != params["layers_0"]["input_norm"]["scale"]))
+      True
     """
     scheme = get_scheme(scheme)
     qdq = scheme_qdq(scheme)

@@ -16,7 +16,25 @@ def smoothquant_llama(model: LlamaForCausalLM, params: dict, calibration_ids, sc
     """``params`` with the SmoothQuant scales (strength ``alpha``) folded in and every projection
     quantized to ``scheme`` (any scheme; its point is one that quantizes activations, such as
     ``fp8_e4m3_channel``). The scales pool the column maxima of a group's kernels (q/k/v, gate/up),
-    since one folded scale serves all of them."""
+    since one folded scale serves all of them.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jquant.algorithms import smoothquant_llama
+      >>> from jquant.flax import quantized_apply
+      >>> from jquant.models import LlamaConfig, LlamaForCausalLM
+      >>> config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+      ...                      num_kv_heads=1, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-5,
+      ...                      max_position_embeddings=64)
+      >>> model = LlamaForCausalLM(config)
+      >>> ids = jax.random.randint(jax.random.key(1), (2, 16), 0, 32)
+      >>> params = model.init(jax.random.key(0), ids)["params"]
+      >>> q = smoothquant_llama(model, params, ids, "fp8_e4m3_channel", alpha=0.5, progress=False)
+      >>> q["layers_0"]["down_proj"]["kernel"].scheme.name
+      'fp8_e4m3_channel'
+      >>> quantized_apply(model, {"params": q}, ids)[0].shape
+      (2, 16, 32)
+    """
     scheme = get_scheme(scheme)
     groups = scaled_groups(model.config, model.fused_projections)
 
