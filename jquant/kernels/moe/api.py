@@ -1,0 +1,110 @@
+"""The grouped GEMM of a MoE layer: rows of x sorted by expert times each expert's (quantized) weight.
+
+``grouped_matmul(x, experts, group_sizes)`` has ``jax.lax.ragged_dot``'s contract with the weight in
+PyTorch orientation (``reference.py``). ``choose_impl`` is the one place that picks an
+implementation; only the XLA reference exists, so ``"auto"`` runs it on every device until a grouped
+kernel lands (the Hopper W4A16 path will register here, chosen by device and rows per expert).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jquant.kernels.moe import reference
+from jquant.kernels.moe.experts import check_stack
+from jquant.qtensor import QTensor
+
+IMPLS = ("auto", "xla")
+
+
+def choose_impl(experts: QTensor | jax.Array, device: jax.Device | None = None) -> str:
+    """The implementation ``impl="auto"`` runs for ``experts`` on ``device``: ``"xla"`` everywhere (no
+    grouped kernel yet)."""
+    del experts, device
+    return "xla"
+
+
+def _is_traced(value) -> bool:
+    return isinstance(value, jax.core.Tracer)
+
+
+def _check_x(x) -> None:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize < 2:
+        raise TypeError(f"grouped_matmul: x must be bfloat16, float16 or float32 rows [T, K], got dtype {dtype}")
+    if x.ndim != 2:
+        raise ValueError(f"grouped_matmul: x must be rows [T, K] (2-D), got shape {tuple(x.shape)}")
+
+
+def _check_experts(experts) -> tuple[int, int, int]:
+    if isinstance(experts, QTensor):
+        return check_stack(experts, "experts").shape
+    dtype = getattr(experts, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"grouped_matmul: experts must be a stacked QTensor or float weights [E, N, K], got "
+                        f"{type(experts).__name__} with dtype {dtype}")
+    if experts.ndim != 3:
+        raise ValueError(f"grouped_matmul: experts must be [E, N, K] (3-D), got shape {tuple(experts.shape)}")
+    return tuple(experts.shape)
+
+
+def check_group_sizes(group_sizes, num_experts: int, rows: int) -> jax.Array:
+    """``group_sizes`` as int32 ``[E]``; a ValueError names it when its shape or dtype is wrong, and,
+    when its values are known (not traced), when one is negative or they sum past ``rows``."""
+    shape = tuple(getattr(group_sizes, "shape", ()))
+    dtype = getattr(group_sizes, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"grouped_matmul: group_sizes must be integers [E], got dtype {dtype}")
+    if shape != (num_experts,):
+        raise ValueError(f"grouped_matmul: group_sizes must have shape ({num_experts},) (one size per expert), "
+                         f"got {shape}")
+    if not _is_traced(group_sizes):
+        sizes = np.asarray(group_sizes).astype(np.int64)
+        if np.any(sizes < 0):
+            raise ValueError(f"grouped_matmul: group_sizes must be >= 0, got {sizes.tolist()} (negative at "
+                             f"expert {int(np.argmax(sizes < 0))})")
+        if sizes.sum() > rows:
+            raise ValueError(f"grouped_matmul: group_sizes sum to {int(sizes.sum())}, more than the {rows} rows "
+                             "of x")
+    return jnp.asarray(group_sizes, jnp.int32)
+
+
+def grouped_matmul(x: jax.Array, experts: QTensor | jax.Array, group_sizes: jax.Array, *,
+                   impl: str = "auto") -> jax.Array:
+    """``y [T, N]`` with ``y[t] = W[e] @ x[t]`` for the rows of expert ``e``.
+
+    Args:
+      x: rows ``[T, K]`` sorted by expert (bfloat16, float16 or float32).
+      experts: stacked weights ``[E, N, K]``: a QTensor (``quantize_expert_weights``, a checkpoint
+        loader) or a float array.
+      group_sizes: int ``[E]``, rows per expert in order, each ``>= 0``, summing to at most T (rows past
+        the sum come out as zeros). Values are checked when known; under jit only shape and dtype.
+      impl: ``"auto"`` (``choose_impl``) or ``"xla"`` (dequantize + ``jax.lax.ragged_dot``).
+
+    Returns:
+      ``[T, N]`` in x's dtype, accumulated in float32.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jquant.kernels.moe import grouped_matmul
+      >>> w = jnp.stack([jnp.eye(2), 2 * jnp.eye(2)])  # expert 0 keeps a row, expert 1 doubles it
+      >>> x = jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+      >>> grouped_matmul(x, w, jnp.array([1, 2], jnp.int32)).tolist()
+      [[1.0, 2.0], [6.0, 8.0], [10.0, 12.0]]
+      >>> grouped_matmul(x, w, jnp.array([1, 1], jnp.int32)).tolist()  # past the groups: zeros
+      [[1.0, 2.0], [6.0, 8.0], [0.0, 0.0]]
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"grouped_matmul: impl must be one of {IMPLS}, got {impl!r}")
+    _check_x(x)
+    num_experts, n, k = _check_experts(experts)
+    if x.shape[1] != k:
+        raise ValueError(f"grouped_matmul: x has K={x.shape[1]} (shape {tuple(x.shape)}) but experts "
+                         f"[E, N, K] = {(num_experts, n, k)} expect K={k}")
+    group_sizes = check_group_sizes(group_sizes, num_experts, x.shape[0])
+    impl = choose_impl(experts) if impl == "auto" else impl
+    if impl == "xla":
+        return reference.grouped_matmul_xla(x, experts, group_sizes)
+    raise AssertionError(f"no grouped GEMM implementation {impl!r}")

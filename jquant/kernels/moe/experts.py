@@ -1,0 +1,234 @@
+"""Stacked expert weights: one QTensor ``[E, N, K]`` per projection of a MoE layer.
+
+A stack is an ordinary QTensor with a leading expert axis: each expert is a PyTorch-oriented
+``[N, K]`` weight quantized along K (``k_axis == 2``), blocks of ``(1, 1, g)`` for groups along K,
+``(1, bh, bw)`` for 2-D tiles (block FP8), ``(blocksize,)`` over the flattened stack for
+bitsandbytes. Formats whose blocks stay inside one expert (int4 / uint4 groups, MXFP4, NF4 without
+double quantization, block FP8, per-channel int8 / FP8) give every expert exactly the codes and
+scales quantizing it alone gives. Per-tensor statistics are shared by the whole stack: NVFP4's
+global scale (a 0-d leaf in the QTensor design), bitsandbytes double quantization's absmax offset,
+per-tensor FP8's scale.
+
+``QExperts`` pairs a stack with the scheme it was quantized under, as ``QParam`` does for a Dense
+kernel (a sibling, not a QParam: ``prepare_params`` and ``Scheme.apply`` take 2-D weights only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jquant.formats import quantize
+from jquant.qtensor import QTensor
+from jquant.schemes.scheme import Scheme, get_scheme
+
+
+def quantize_expert_weights(w: Any, scheme: str | Scheme, *, name: str = "w") -> QTensor:
+    """Quantizes float expert weights ``w [E, N, K]`` under ``scheme`` along K; returns a stacked
+    QTensor of shape ``[E, N, K]`` with ``k_axis == 2`` (``dequantize()`` gives ``[E, N, K]``).
+
+    ``name`` is the parameter named in errors.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jquant.kernels.moe import quantize_expert_weights
+      >>> w = np.random.default_rng(0).standard_normal((4, 8, 64)).astype(np.float32)
+      >>> qt = quantize_expert_weights(w, "mxfp4")
+      >>> qt.fmt, qt.shape, qt.block, qt.k_axis
+      ('mxfp4', (4, 8, 64), (1, 1, 32), 2)
+      >>> qt.dequantize().shape
+      (4, 8, 64)
+    """
+    scheme = get_scheme(scheme)
+    shape = tuple(getattr(w, "shape", ()))
+    dtype = getattr(w, "dtype", None)
+    if len(shape) != 3:
+        raise ValueError(f"{name} must be stacked expert weights [E, N, K] (3-D), got shape {shape}")
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating array [E, N, K], got dtype {dtype}")
+    if 0 in shape:
+        raise ValueError(f"{name} has an empty axis: shape {shape} (E, N and K must be positive)")
+    group = scheme.activation.group_size
+    if scheme.activation.mode == "dynamic_per_token_group" and shape[2] % group:
+        raise ValueError(f"scheme {scheme.name!r} quantizes activations in groups of {group} along K, but "
+                         f"{name} {shape} has K={shape[2]}, not a multiple of {group}")
+    try:
+        qt = quantize(w, scheme.weight.format, axis=2, **scheme.weight.quantize_kwargs())
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{name} {shape} cannot be quantized with scheme {scheme.name!r}: {e}") from e
+    return qt if qt.k_axis == 2 else qt.replace(k_axis=2)
+
+
+def check_stack(qt: Any, name: str = "experts") -> QTensor:
+    """Raises unless ``qt`` is a stacked expert QTensor ``[E, N, K]`` with K (if recorded) on axis 2."""
+    if not isinstance(qt, QTensor):
+        raise TypeError(f"{name} must be a stacked expert QTensor [E, N, K], got {type(qt).__name__}")
+    if qt.ndim != 3:
+        raise ValueError(f"{name} must be a stacked expert QTensor [E, N, K] (3-D), got shape {qt.shape}")
+    if qt.k_axis not in (None, 2):
+        raise ValueError(f"{name} records K on axis {qt.k_axis} of {qt.shape}; stacked experts are [E, N, K] "
+                         "with K on axis 2 (quantize with quantize_expert_weights)")
+    return qt
+
+
+def _blocked_per_axis(qt: QTensor, what: str) -> None:
+    if len(qt.block) != qt.ndim:
+        raise ValueError(f"{what}: fmt {qt.fmt!r} blocks the flattened tensor (block {qt.block}); quantize "
+                         "the [E, N, K] float weights with quantize_expert_weights instead")
+    if qt.group_index is not None:
+        raise ValueError(f"{what}: act-order group_index is per expert; stacks keep groups in order")
+
+
+def stack_experts(experts: Sequence[QTensor]) -> QTensor:
+    """Stacks per-expert QTensors ``[N, K]`` (same format, shape, blocks, options, scale dtypes) into one
+    ``[E, N, K]`` QTensor, exactly: the codes and scales are stacked, not requantized. Eager (it compares
+    the experts' global scales)."""
+    experts = list(experts)
+    if not experts:
+        raise ValueError("stack_experts: experts is empty (at least one expert)")
+    first = experts[0]
+    for e, qt in enumerate(experts):
+        if not isinstance(qt, QTensor) or qt.ndim != 2:
+            raise ValueError(f"stack_experts: experts[{e}] must be a 2-D QTensor [N, K], got "
+                             f"{type(qt).__name__} {getattr(qt, 'shape', '')}")
+        _blocked_per_axis(qt, f"stack_experts: experts[{e}]")
+        if qt.k_axis not in (None, 1):
+            raise ValueError(f"stack_experts: experts[{e}] records K on axis {qt.k_axis}; experts are [N, K]")
+        same = (qt.fmt, qt.shape, qt.block, qt.pack_axis, qt.options, qt.dtype)
+        want = (first.fmt, first.shape, first.block, first.pack_axis, first.options, first.dtype)
+        if same != want or jax.tree.structure(qt) != jax.tree.structure(first):
+            raise ValueError(f"stack_experts: experts[{e}] (fmt {qt.fmt!r}, shape {qt.shape}, block {qt.block}) "
+                             f"differs from experts[0] (fmt {first.fmt!r}, shape {first.shape}, block {first.block})")
+        if isinstance(qt.scale, QTensor):
+            raise ValueError(f"stack_experts: experts[{e}] has double-quantized scales; not stackable")
+    global_scale = None
+    if first.global_scale is not None:
+        scales = jnp.stack([jnp.asarray(qt.global_scale).reshape(()) for qt in experts])
+        if not bool(jnp.all(scales == scales[0])):
+            raise ValueError("stack_experts: the experts' per-tensor global scales differ; a stack holds one "
+                             "(quantize the [E, N, K] weights together with quantize_expert_weights)")
+        global_scale = first.global_scale
+
+    def stack(field):
+        return None if getattr(first, field) is None else jnp.stack([getattr(qt, field) for qt in experts])
+
+    return QTensor(data=stack("data"), scale=stack("scale"), zero=stack("zero"), global_scale=global_scale,
+                   fmt=first.fmt, shape=(len(experts),) + first.shape, dtype=first.dtype,
+                   block=(1,) + first.block, pack_axis=None if first.pack_axis is None else first.pack_axis + 1,
+                   options=first.options, k_axis=2)
+
+
+def expert(qt: QTensor, e: int) -> QTensor:
+    """Expert ``e`` of a stack as a 2-D QTensor ``[N, K]`` (``k_axis == 1``), sharing its codes and scales."""
+    check_stack(qt, "qt")
+    _blocked_per_axis(qt, "expert")
+    if qt.block[0] != 1:
+        raise ValueError(f"expert: block {qt.block} spans experts; only per-expert blocks can be sliced")
+    if not 0 <= e < qt.shape[0]:
+        raise ValueError(f"expert: e={e} is out of range for {qt.shape[0]} experts")
+
+    def take(leaf):
+        return None if leaf is None else leaf[e]
+
+    return QTensor(data=take(qt.data), scale=take(qt.scale), zero=take(qt.zero), global_scale=qt.global_scale,
+                   fmt=qt.fmt, shape=qt.shape[1:], dtype=qt.dtype, block=qt.block[1:],
+                   pack_axis=None if qt.pack_axis is None else qt.pack_axis - 1, options=qt.options, k_axis=1)
+
+
+def unstack_experts(qt: QTensor) -> list[QTensor]:
+    """The inverse of ``stack_experts``: one 2-D QTensor ``[N, K]`` per expert."""
+    return [expert(qt, e) for e in range(check_stack(qt, "qt").shape[0])]
+
+
+def _row_blocks(qt: QTensor, what: str) -> int:
+    check_stack(qt, what)
+    _blocked_per_axis(qt, what)
+    if qt.pack_axis == 1:
+        raise ValueError(f"{what}: codes packed along N cannot be split by rows")
+    if qt.shape[1] % qt.block[1]:
+        raise ValueError(f"{what}: N={qt.shape[1]} is not a multiple of the block's {qt.block[1]} rows")
+    return qt.block[1]
+
+
+def concat_rows(parts: Sequence[QTensor]) -> QTensor:
+    """Concatenates stacks ``[E, N_i, K]`` along N into ``[E, sum N_i, K]`` (gate and up into the fused
+    ``gate_up``), exactly; every part's N must hold whole blocks (128-row tiles for block FP8). Eager
+    (it compares the parts' global scales)."""
+    parts = list(parts)
+    if not parts:
+        raise ValueError("concat_rows: parts is empty (at least one stack)")
+    first = parts[0]
+    for i, part in enumerate(parts):
+        _row_blocks(part, f"concat_rows: parts[{i}]")
+        key = lambda q: (q.fmt, q.shape[0], q.shape[2], q.block, q.pack_axis, q.options, q.dtype)
+        if key(part) != key(first) or jax.tree.structure(part) != jax.tree.structure(first):
+            raise ValueError(f"concat_rows: parts[{i}] (fmt {part.fmt!r}, shape {part.shape}, block {part.block}) "
+                             f"does not match parts[0] (fmt {first.fmt!r}, shape {first.shape}, block {first.block})")
+        if part.global_scale is not None and not bool(jnp.all(part.global_scale == first.global_scale)):
+            raise ValueError(f"concat_rows: parts[{i}] has another per-tensor global scale than parts[0]")
+
+    def cat(field):
+        return None if getattr(first, field) is None else jnp.concatenate([getattr(p, field) for p in parts], 1)
+
+    return first.replace(data=cat("data"), scale=cat("scale"), zero=cat("zero"),
+                         shape=(first.shape[0], sum(p.shape[1] for p in parts), first.shape[2]))
+
+
+def split_rows(qt: QTensor, sizes: Sequence[int]) -> list[QTensor]:
+    """The inverse of ``concat_rows``: ``[E, N, K]`` into stacks of ``sizes`` rows (whole blocks each)."""
+    rows = _row_blocks(qt, "split_rows")
+    if sum(sizes) != qt.shape[1] or any(s <= 0 or s % rows for s in sizes):
+        raise ValueError(f"split_rows: sizes {list(sizes)} must be positive multiples of {rows} summing to "
+                         f"N={qt.shape[1]}")
+    out, start = [], 0
+    for size in sizes:
+        lo, hi = start // rows, (start + size) // rows
+        out.append(qt.replace(data=qt.data[:, start:start + size], scale=qt.scale[:, lo:hi],
+                              zero=None if qt.zero is None else qt.zero[:, lo:hi],
+                              shape=(qt.shape[0], size, qt.shape[2])))
+        start += size
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class QExperts:
+    """A stack of expert weights ``[E, N, K]`` quantized under ``scheme`` (static under jit).
+
+    ``apply(x, group_sizes)`` is the grouped product of rows of x sorted by expert with each expert's
+    weight (``jquant.kernels.moe.grouped_matmul``); a scheme that quantizes activations (block FP8's
+    per-token groups) quantizes x first, as ``Scheme.apply``'s XLA path does.
+    """
+
+    weight: QTensor
+    scheme: Scheme
+
+    def __post_init__(self):
+        check_stack(self.weight, "QExperts.weight")
+        if not isinstance(self.scheme, Scheme):
+            raise TypeError(f"QExperts.scheme must be a Scheme, got {type(self.scheme).__name__}")
+        if self.weight.fmt != self.scheme.weight.format:
+            raise ValueError(f"QExperts: scheme {self.scheme.name!r} runs {self.scheme.weight.format!r} weights, "
+                             f"got a {self.weight.fmt!r} stack")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.weight.shape
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    def apply(self, x: jax.Array, group_sizes: jax.Array, *, impl: str = "auto") -> jax.Array:
+        """``x [T, K]`` (rows sorted by expert, ``group_sizes[e]`` rows for expert e) → ``[T, N]``."""
+        from jquant.kernels.moe.api import grouped_matmul  # api imports this module
+        if self.scheme.weight_only:
+            return grouped_matmul(x, self.weight, group_sizes, impl=impl)
+        from jquant.schemes.xla import quantize_activation
+        xq = quantize_activation(self.scheme, x).dequantize(jnp.float32)
+        return grouped_matmul(xq, self.weight, group_sizes, impl=impl).astype(x.dtype)
+
+
+jax.tree_util.register_dataclass(QExperts, data_fields=["weight"], meta_fields=["scheme"])

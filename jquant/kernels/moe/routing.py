@@ -1,0 +1,213 @@
+"""MoE routing as pure functions: router logits → (weights, expert indices), and the token sort,
+gather and combine on either side of the grouped GEMM.
+
+Scoring (reference facts numbered as in ``docs/design/moe.md``):
+
+* ``"softmax"`` (gpt-oss, Mixtral): with ``normalize=True`` the k largest logits are chosen and the
+  weights are the softmax over those k (gpt-oss reference fact 3: top-k first, softmax second; equal
+  to renormalizing the full softmax's probabilities); with ``normalize=False`` the weights are the
+  full softmax's probabilities of the chosen experts. Selection runs on the logits themselves unless
+  groups or a correction bias need the probabilities.
+* ``"sigmoid"`` (DeepSeek-V3 reference fact 4): scores ``sigmoid(logits)``; experts are chosen by
+  ``scores + correction_bias`` (the ``e_score_correction_bias``), weights are the unbiased scores of
+  the chosen experts, divided by their sum (+1e-20) when ``normalize``.
+* Group-limited selection (``n_group > 1``): experts split into ``n_group`` equal groups; each group
+  scores the sum of its two best selection scores (DeepSeek-V3 reference fact 4; ``group_score="max"``:
+  its best, as DeepSeek-V2); only the ``topk_group`` best groups compete, the others are masked to
+  -inf (DeepSeek-V3 reference fact 5).
+* Weights end multiplied by ``routed_scaling_factor``; everything is computed in float32.
+
+Ties go to the lowest expert (and group) index: ``jax.lax.top_k`` is stable, and the chosen experts
+come out in order of decreasing selection score.
+
+NaN logits: inside jit nothing can raise, so ``route`` keeps going with defined output. A NaN
+selection score counts as -inf (the expert indices stay valid, so sort and gather never go out of
+range), and every weight of a token with any NaN logit is NaN, so the NaN reaches that token's output
+and no other token's. ``check_router_logits`` (eager, outside jit) raises a ValueError naming the
+tokens instead; ``route_checked`` runs it before ``route``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SCORINGS = ("softmax", "sigmoid")
+GROUP_SCORES = ("top2_sum", "max")
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Per token, the chosen experts and their weights: ``indices [T, k]`` int32 (best first),
+    ``weights [T, k]`` float32."""
+
+    weights: jax.Array
+    indices: jax.Array
+
+
+jax.tree_util.register_dataclass(Routing, data_fields=["weights", "indices"], meta_fields=[])
+
+
+def check_routing(num_experts: int, top_k: int, *, scoring: str = "softmax", n_group: int = 1,
+                  topk_group: int = 1, group_score: str = "top2_sum") -> None:
+    """The static checks of ``route``: a ValueError naming the parameter that is out of range."""
+    for name, value in (("num_experts", num_experts), ("top_k", top_k), ("n_group", n_group),
+                        ("topk_group", topk_group)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if top_k > num_experts:
+        raise ValueError(f"top_k={top_k} exceeds the number of experts num_experts={num_experts}")
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    if group_score not in GROUP_SCORES:
+        raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {group_score!r}")
+    if num_experts % n_group:
+        raise ValueError(f"n_group={n_group} does not divide num_experts={num_experts} into equal groups")
+    if topk_group > n_group:
+        raise ValueError(f"topk_group={topk_group} exceeds n_group={n_group}")
+    reachable = topk_group * (num_experts // n_group)
+    if top_k > reachable:
+        raise ValueError(f"top_k={top_k} exceeds the {reachable} experts of the topk_group={topk_group} groups "
+                         f"of {num_experts // n_group} that can be selected")
+
+
+def _group_mask(choice: jax.Array, n_group: int, topk_group: int, group_score: str) -> jax.Array:
+    """``choice [T, E]`` with the experts outside each token's ``topk_group`` best groups set to -inf."""
+    t, e = choice.shape
+    grouped = choice.reshape(t, n_group, e // n_group)
+    if group_score == "max":
+        scores = grouped.max(-1)
+    else:
+        scores = jax.lax.top_k(grouped, min(2, e // n_group))[0].sum(-1)
+    _, best = jax.lax.top_k(scores, topk_group)
+    keep = jnp.zeros((t, n_group), bool).at[jnp.arange(t)[:, None], best].set(True)
+    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, e)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "scoring", "n_group", "topk_group", "group_score",
+                                             "normalize", "routed_scaling_factor"))
+def route(logits: jax.Array, top_k: int, *, scoring: str = "softmax", correction_bias: jax.Array | None = None,
+          n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum", normalize: bool = True,
+          routed_scaling_factor: float = 1.0) -> Routing:
+    """Chooses ``top_k`` experts per token from router ``logits [T, E]`` (see the module docstring).
+
+    One compiled program (``top_k``, ``scoring``, ``n_group``, ``topk_group``, ``group_score``,
+    ``normalize`` and ``routed_scaling_factor`` static); argument errors raise while tracing.
+    ``correction_bias [E]`` shifts the selection only.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jquant.kernels.moe import route
+      >>> r = route(jnp.array([[1.0, 3.0, 3.0, 0.0]]), 2)  # a tie: the lower expert comes first
+      >>> r.indices.tolist(), r.weights.tolist()
+      ([[1, 2]], [[0.5, 0.5]])
+      >>> route(jnp.zeros((1, 4)), 5)
+      Traceback (most recent call last):
+          ...
+      ValueError: top_k=5 exceeds the number of experts num_experts=4 ...
+    """
+    if getattr(logits, "ndim", None) != 2:
+        raise ValueError(f"logits must be router logits [T, E] (2-D), got shape {tuple(getattr(logits, 'shape', ()))}")
+    num_experts = logits.shape[1]
+    check_routing(num_experts, top_k, scoring=scoring, n_group=n_group, topk_group=topk_group,
+                  group_score=group_score)
+    if correction_bias is not None and tuple(correction_bias.shape) != (num_experts,):
+        raise ValueError(f"correction_bias must have shape ({num_experts},) (one per expert), got "
+                         f"{tuple(correction_bias.shape)}")
+    logits = logits.astype(jnp.float32)
+    bad = jnp.any(jnp.isnan(logits), axis=-1, keepdims=True)
+    if scoring == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    on_logits = scoring == "softmax" and correction_bias is None and n_group == 1
+    choice = logits if on_logits else scores
+    if correction_bias is not None:
+        choice = choice + correction_bias.astype(jnp.float32)
+    choice = jnp.where(jnp.isnan(choice), -jnp.inf, choice)
+    if n_group > 1:
+        choice = _group_mask(choice, n_group, topk_group, group_score)
+    _, indices = jax.lax.top_k(choice, top_k)
+    if scoring == "softmax" and normalize:
+        weights = jax.nn.softmax(jnp.take_along_axis(logits, indices, axis=-1), axis=-1)
+    else:
+        weights = jnp.take_along_axis(scores, indices, axis=-1)
+        if normalize:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    weights = jnp.where(bad, jnp.nan, weights * jnp.float32(routed_scaling_factor))
+    return Routing(weights=weights, indices=indices.astype(jnp.int32))
+
+
+def check_router_logits(logits) -> None:
+    """Raises a ValueError naming the tokens whose router logits hold a NaN. Eager only: inside jit
+    (traced logits) it raises a TypeError, since there ``route`` propagates NaN instead."""
+    if isinstance(logits, jax.core.Tracer):
+        raise TypeError("check_router_logits needs concrete logits: call it outside jit (inside, route gives "
+                        "NaN weights to tokens with NaN logits)")
+    values = np.asarray(logits, np.float32)
+    if values.ndim != 2:
+        raise ValueError(f"logits must be router logits [T, E] (2-D), got shape {values.shape}")
+    bad = np.flatnonzero(np.isnan(values).any(-1))
+    if bad.size:
+        raise ValueError(f"router logits hold NaN for {bad.size} of {values.shape[0]} tokens "
+                         f"(first: token {int(bad[0])}); their routing is undefined")
+
+
+def route_checked(logits, top_k: int, **options) -> Routing:
+    """``check_router_logits`` then ``route`` (eager)."""
+    check_router_logits(logits)
+    return route(jnp.asarray(logits), top_k, **options)
+
+
+# ---- token sort, gather and combine ---------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    """Token-expert pairs sorted by expert (stable: by token within an expert).
+
+    ``order [T·k]``: the flat pair ``t·k + j`` at each sorted position; ``group_sizes [E]`` int32: pairs
+    per expert; ``experts [T·k]``: the expert of each sorted row. ``top_k`` is static.
+    """
+
+    order: jax.Array
+    group_sizes: jax.Array
+    experts: jax.Array
+    top_k: int = 1
+
+    @property
+    def tokens(self) -> jax.Array:
+        """The token of each sorted row."""
+        return self.order // self.top_k
+
+
+jax.tree_util.register_dataclass(Dispatch, data_fields=["order", "group_sizes", "experts"], meta_fields=["top_k"])
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts",))
+def sort_by_expert(indices: jax.Array, num_experts: int) -> Dispatch:
+    """Sorts the pairs of ``indices [T, k]`` (expert ids in ``[0, num_experts)``) by expert."""
+    if getattr(indices, "ndim", None) != 2:
+        raise ValueError(f"indices must be [T, k] expert ids, got shape {tuple(getattr(indices, 'shape', ()))}")
+    flat = indices.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return Dispatch(order=order, group_sizes=group_sizes, experts=flat[order], top_k=indices.shape[1])
+
+
+@jax.jit
+def gather_rows(x: jax.Array, dispatch: Dispatch) -> jax.Array:
+    """``x [T, H]`` → ``[T·k, H]``: each sorted pair's token row."""
+    return jnp.take(x, dispatch.tokens, axis=0)
+
+
+@jax.jit
+def combine(y: jax.Array, dispatch: Dispatch, weights: jax.Array) -> jax.Array:
+    """Sorted expert outputs ``y [T·k, N]`` → ``[T, N]``: each token's rows weighted by ``weights [T, k]``
+    and summed over its k experts in float32 (returned in float32)."""
+    t, k = weights.shape
+    pairs = jnp.zeros(y.shape, jnp.float32).at[dispatch.order].set(y.astype(jnp.float32))
+    return jnp.einsum("tkn,tk->tn", pairs.reshape(t, k, y.shape[-1]), weights.astype(jnp.float32))
