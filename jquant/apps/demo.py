@@ -136,6 +136,11 @@ def run(argv=None) -> int:
             continue
         print(f"{name:<28}{bits:>7.2f}{nbytes / 2**20:>12.1f}{ppl:>9.3f}{dppl:>+8.3f}{agree:>12.1%}{tps:>10.0f}")
 
+    from jquant.apps.quality_table import calibrated_summary
+    summary = calibrated_summary()
+    if summary:
+        print("\n" + summary, end="")
+
     if kv_dtypes:
         from jquant.apps import kv_quality
         kv_ids = eval_batches(tokenizer, args.kv_seq_len, 2)

@@ -108,3 +108,29 @@ def markdown(table: dict) -> str:
         lines.append(f"| {r['weights']} | {r['method']} | {r['bits_per_weight']:.2f} | {r['ppl']:.3f} | {delta} | "
                      f"{recovered} | {seconds} | {r['commit']} |")
     return "\n".join(lines) + "\n"
+
+
+# The table of record, in a source checkout (an installed wheel has none).
+RECORD = pathlib.Path(__file__).resolve().parents[2] / "bench" / "results" / "quality.json"
+
+
+def calibrated_summary(path=RECORD) -> str:
+    """What calibration wins over round-to-nearest, one line per baseline (its best method), from the
+    table at ``path``; empty when there is no table."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        return ""
+    rows = json.loads(path.read_text())["rows"]
+    baselines = {r["weights"]: r for r in rows if r["method"] == "round-to-nearest"}
+    best: dict[str, dict] = {}
+    for r in rows:
+        group = _group(r)
+        if r["method"] not in ("", "round-to-nearest") and group in baselines:
+            if group not in best or r["ppl"] < best[group]["ppl"]:
+                best[group] = r
+    lines = [f"calibration (`jquant calibrate`; {path.name}, its own evaluation slice: 8 rows of 256 tokens):"]
+    for group, r in best.items():
+        base = baselines[group]
+        lines.append(f"  {group:<18} round-to-nearest ΔPPL {base['delta_ppl']:+8.3f}  ->  {r['weights']}, "
+                     f"{r['method']}: {r['delta_ppl']:+.3f}")
+    return "\n".join(lines) + "\n"

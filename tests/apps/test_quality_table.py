@@ -32,3 +32,14 @@ def test_a_run_with_a_different_float_perplexity_is_refused(tmp_path):
     record_rows(path, [Row("float", "", 16.0, 10.0)])
     with pytest.raises(ValueError, match="evaluation differs"):
         record_rows(path, [Row("float", "", 16.0, 10.5), Row("int4", "round-to-nearest", 4.25, 14.0)])
+
+
+def test_calibrated_summary_names_each_baselines_best_method(tmp_path):
+    from jquant.apps.quality_table import calibrated_summary
+    path = tmp_path / "quality.json"
+    assert calibrated_summary(path) == ""
+    record_rows(path, [Row("float", "", 16.0, 10.0), Row("mxfp4", "round-to-nearest", 4.25, 20.0),
+                       Row("mxfp4 + Hadamard 32", "GPTQ", 4.25, 13.0, recovered=0.7, baseline="mxfp4"),
+                       Row("mxfp4", "GPTQ", 4.25, 15.0, recovered=0.5, baseline="mxfp4")])
+    lines = calibrated_summary(path).splitlines()
+    assert len(lines) == 2 and "mxfp4 + Hadamard 32, GPTQ: +3.000" in lines[1] and "+10.000" in lines[1]
