@@ -22,10 +22,9 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 # one of them imports on CPU); one that does not import there is skipped rather than failed.
 GPU_PACKAGES = ("jquant.apps", "jquant.kernels")
 
-# Packages whose ``__all__`` lists are not checked for examples. jquant.kernels.*: the Pallas kernels
-# behind ``Scheme.apply`` and the paged KV cache; their docstrings are maintained with the kernels.
-# jquant.apps: the ``jquant`` command, documented by its ``--help``; it has no ``__all__``.
-UNCHECKED_PACKAGES = ("jquant.apps", "jquant.kernels")
+# Packages whose ``__all__`` lists are not checked for examples. jquant.apps: the ``jquant`` command,
+# documented by its ``--help``; it has no ``__all__``.
+UNCHECKED_PACKAGES = ("jquant.apps",)
 
 # Public names that need no example of their own, each for the reason given.
 EXEMPT = {
@@ -36,6 +35,10 @@ EXEMPT = {
     "jquant.formats.integer.COMPRESSED_TENSORS_OPTIONS": "constant",
     "jquant.formats.integer.GGUF_Q8_0_OPTIONS": "constant",
     "jquant.algorithms.rotation.BLOCKS": "constant",
+    "jquant.kernels.moe.IMPLS": "constant",  # grouped_matmul's impl names (choose_impl's example)
+    "jquant.kernels.w4a16.IMPLS": "constant",  # w4a16_matmul's impl names (resolve_impl's example)
+    "jquant.kernels.w4a16.LUTS": "constant",  # the code book names (lut_values' example)
+    "jquant.kernels.w4a16.MGPU_MAX_M": "constant",  # an int, jquant.schemes.dispatch's, documented there
     # The ``jquant bench`` command's entry point, re-exported from jquant.apps.bench (see above).
     "jquant.bench.main": "command-line entry point",
 }

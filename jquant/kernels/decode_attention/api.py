@@ -25,7 +25,17 @@ _CODE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn, jnp.f
 
 def choose_impl(q, k_pages) -> str:
     """"pallas" on a CUDA GPU of capability 8.0 or more, "xla" elsewhere (CPU: the kernel would run
-    interpreted); the policy is ``jquant.schemes.dispatch.decode_attention_impl``'s."""
+    interpreted); the policy is ``jquant.schemes.dispatch.decode_attention_impl``'s.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jquant.kernels.decode_attention import choose_impl
+      >>> q, k_pages = jnp.zeros((1, 2, 16)), jnp.zeros((2, 4, 1, 16))
+      >>> choose_impl(q, k_pages) in ("pallas", "xla")
+      True
+      >>> jax.default_backend() != "cpu" or choose_impl(q, k_pages) == "xla"  # CPU: XLA
+      True
+    """
     del q, k_pages
     return dispatch.decode_attention_impl()
 
@@ -88,6 +98,31 @@ def decode_attention(q, k_pages, v_pages, block_tables, lengths, *, k_scale=None
 
     q: ``[B, Hq, D]``; Hq a multiple of the pages' KV heads (GQA). Sequences of length 0 give
     zeros. ``scale`` defaults to 1/sqrt(D). Returns ``[B, Hq, D]`` in q's dtype.
+
+    Examples:
+      Two sequences over a pool of 3 pages of 4 tokens: sequence 0 has 6 tokens in pages 2 then 0,
+      sequence 1 has 3 in page 1; 2 query heads share the one KV head (GQA). The result is the
+      softmax attention over each sequence's tokens, gathered in order:
+
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jquant.kernels.decode_attention import decode_attention
+      >>> rng = np.random.default_rng(0)
+      >>> k_pages, v_pages = (jnp.asarray(rng.standard_normal((3, 4, 1, 16)), jnp.float32) for _ in range(2))
+      >>> block_tables = jnp.array([[2, 0], [1, 0]], jnp.int32)
+      >>> lengths = jnp.array([6, 3], jnp.int32)
+      >>> q = jnp.asarray(rng.standard_normal((2, 2, 16)), jnp.float32)  # [B, Hq, D]
+      >>> out = decode_attention(q, k_pages, v_pages, block_tables, lengths, impl="xla")
+      >>> out.shape, str(out.dtype)
+      ((2, 2, 16), 'float32')
+      >>> def attend(b):  # the tokens of sequence b, in order
+      ...     k = k_pages[block_tables[b]].reshape(-1, 16)[:lengths[b]]
+      ...     v = v_pages[block_tables[b]].reshape(-1, 16)[:lengths[b]]
+      ...     return jax.nn.softmax(q[b] @ k.T / 4.0, axis=-1) @ v  # scale 1/sqrt(16)
+      >>> bool(jnp.allclose(out[0], attend(0), atol=1e-5)), bool(jnp.allclose(out[1], attend(1), atol=1e-5))
+      (True, True)
+      >>> empty = decode_attention(q, k_pages, v_pages, block_tables, jnp.array([6, 0], jnp.int32))
+      >>> float(jnp.abs(empty[1]).max())  # a sequence of length 0 gives zeros
+      0.0
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")

@@ -19,6 +19,16 @@ class TuningConfig:
     num_splits: programs per (sequence, KV head) along the context (split-K); None picks enough to
       fill the chip (``splits_for``).
     num_warps, num_stages: Triton's warps per program and software-pipelining depth.
+
+    Examples:
+      >>> from jquant.kernels.decode_attention import TuningConfig
+      >>> config = TuningConfig(block_tokens=64, num_splits=4)
+      >>> config.block_tokens, config.num_splits, config.num_warps, config.num_stages
+      (64, 4, 4, 2)
+      >>> TuningConfig(block_tokens=48)
+      Traceback (most recent call last):
+          ...
+      ValueError: block_tokens must be a power of two ≥ 16, got 48
     """
 
     block_tokens: int = 128

@@ -39,7 +39,17 @@ BIT_EXACT_ON_GPU = frozenset({"bf16", "fp8_e4m3"})
 def choose_impl(spec: KVCacheSpec) -> str:
     """"pallas" where the Triton-backend kernels run (``dispatch.runs_triton_pallas``: a CUDA GPU of
     capability 8.0 or more) for the formats in ``BIT_EXACT_ON_GPU`` (and, for e4m3, capability 8.9 or
-    more: Triton casts float32 to e4m3 from sm_89 on); "xla" elsewhere."""
+    more: Triton casts float32 to e4m3 from sm_89 on); "xla" elsewhere.
+
+    Examples:
+      >>> import jax
+      >>> from jquant.kernels.kv_insert import choose_impl
+      >>> from jquant.kv import kv_cache_spec
+      >>> choose_impl(kv_cache_spec("int8_per_token_head"))  # not bit-exact on GPUs yet: XLA everywhere
+      'xla'
+      >>> jax.default_backend() != "cpu" or choose_impl(kv_cache_spec("bf16")) == "xla"  # CPU: XLA
+      True
+    """
     if not dispatch.runs_triton_pallas() or spec.name not in BIT_EXACT_ON_GPU:
         return "xla"
     e4m3 = "fp8_e4m3" in (spec.key_format, spec.value_format)
@@ -58,6 +68,24 @@ def insert(cache: PagedKVCache, k_new: jax.Array, v_new: jax.Array, slots: jax.A
     run the reference whatever ``impl``.
     ``config``: the kernel's launch (None: ``InsertConfig()``). Donate the cache to the jitted
     caller for the write to happen in place.
+
+    Examples:
+      Two tokens into slots 0 and 5 of an INT8 cache; slot -1 is padding. The bits are the reference's:
+
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jquant.kernels.kv_insert import insert
+      >>> from jquant.kv import allocate, dequantize_keys, insert_reference
+      >>> cache = allocate("int8_per_token_head", num_pages=2, page_size=4, kv_heads=1, head_dim=16)
+      >>> rng = np.random.default_rng(0)
+      >>> k, v = (jnp.asarray(rng.standard_normal((3, 1, 16)), jnp.float32) for _ in range(2))
+      >>> slots = jnp.array([0, 5, -1])
+      >>> new = insert(cache, k, v, slots)
+      >>> leaves = zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(insert_reference(cache, k, v, slots)))
+      >>> all(bool(jnp.array_equal(a, b)) for a, b in leaves)
+      True
+      >>> keys = dequantize_keys(new, jnp.array([[0, 1]]))[0]  # the 8 slots of pages 0 and 1
+      >>> bool(jnp.allclose(keys[jnp.array([0, 5])], k[:2], atol=0.02)), int(jnp.count_nonzero(keys.any(-1)))
+      (True, 2)
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")

@@ -38,7 +38,17 @@ from jquant.kv.paged import PagedKVCache
 @dataclasses.dataclass(frozen=True)
 class InsertConfig:
     """block_tokens: new tokens per program (a power of two; fewer when T is smaller);
-    num_warps: Triton's warps per program."""
+    num_warps: Triton's warps per program.
+
+    Examples:
+      >>> from jquant.kernels.kv_insert import InsertConfig
+      >>> InsertConfig(block_tokens=16, num_warps=8)
+      InsertConfig(block_tokens=16, num_warps=8)
+      >>> InsertConfig(block_tokens=24)
+      Traceback (most recent call last):
+          ...
+      ValueError: block_tokens must be a power of two, got 24
+    """
 
     block_tokens: int = 32
     num_warps: int = 4

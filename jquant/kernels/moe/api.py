@@ -21,7 +21,14 @@ IMPLS = ("auto", "xla")
 
 def choose_impl(experts: QTensor | jax.Array, device: jax.Device | None = None) -> str:
     """The implementation ``impl="auto"`` runs for ``experts`` on ``device``: ``"xla"`` everywhere (no
-    grouped kernel yet)."""
+    grouped kernel yet).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jquant.kernels.moe import IMPLS, choose_impl
+      >>> choose_impl(jnp.zeros((2, 4, 8))), IMPLS
+      ('xla', ('auto', 'xla'))
+    """
     del experts, device
     return "xla"
 
@@ -95,6 +102,19 @@ def grouped_matmul(x: jax.Array, experts: QTensor | jax.Array, group_sizes: jax.
       [[1.0, 2.0], [6.0, 8.0], [10.0, 12.0]]
       >>> grouped_matmul(x, w, jnp.array([1, 1], jnp.int32)).tolist()  # past the groups: zeros
       [[1.0, 2.0], [6.0, 8.0], [0.0, 0.0]]
+
+      Quantized experts give ``jax.lax.ragged_dot`` on the dequantized ``[E, K, N]`` weights:
+
+      >>> import jax, numpy as np
+      >>> from jquant.kernels.moe import quantize_expert_weights
+      >>> rng = np.random.default_rng(0)
+      >>> experts = quantize_expert_weights(rng.standard_normal((3, 8, 32)).astype(np.float32), "int4_g32")
+      >>> x = jnp.asarray(rng.standard_normal((5, 32)), jnp.float32)
+      >>> sizes = jnp.array([2, 0, 3], jnp.int32)  # rows 0-1 to expert 0, rows 2-4 to expert 2
+      >>> y = grouped_matmul(x, experts, sizes)
+      >>> ref = jax.lax.ragged_dot(x, jnp.swapaxes(experts.dequantize(), 1, 2), sizes)
+      >>> y.shape, bool(jnp.allclose(y, ref, atol=1e-5))
+      ((5, 8), True)
     """
     if impl not in IMPLS:
         raise ValueError(f"grouped_matmul: impl must be one of {IMPLS}, got {impl!r}")

@@ -85,7 +85,19 @@ def _blocked_per_axis(qt: QTensor, what: str) -> None:
 def stack_experts(experts: Sequence[QTensor]) -> QTensor:
     """Stacks per-expert QTensors ``[N, K]`` (same format, shape, blocks, options, scale dtypes) into one
     ``[E, N, K]`` QTensor, exactly: the codes and scales are stacked, not requantized. Eager (it compares
-    the experts' global scales)."""
+    the experts' global scales).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jquant
+      >>> from jquant.kernels.moe import stack_experts
+      >>> w = np.random.default_rng(0).standard_normal((3, 8, 32)).astype(np.float32)
+      >>> parts = [jquant.quantize(w[e], "int4", group_size=32) for e in range(3)]  # each [N, K]
+      >>> stack = stack_experts(parts)
+      >>> stack.shape, stack.block, stack.k_axis
+      ((3, 8, 32), (1, 1, 32), 2)
+      >>> bool(jnp.array_equal(stack.dequantize()[1], parts[1].dequantize()))  # the codes, not requantized
+      True
+    """
     experts = list(experts)
     if not experts:
         raise ValueError("stack_experts: experts is empty (at least one expert)")
@@ -122,7 +134,19 @@ def stack_experts(experts: Sequence[QTensor]) -> QTensor:
 
 
 def expert(qt: QTensor, e: int) -> QTensor:
-    """Expert ``e`` of a stack as a 2-D QTensor ``[N, K]`` (``k_axis == 1``), sharing its codes and scales."""
+    """Expert ``e`` of a stack as a 2-D QTensor ``[N, K]`` (``k_axis == 1``), sharing its codes and scales.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.kernels.moe import expert, quantize_expert_weights
+      >>> w = np.random.default_rng(0).standard_normal((3, 8, 32)).astype(np.float32)
+      >>> stack = quantize_expert_weights(w, "int4_g32")
+      >>> one = expert(stack, 1)
+      >>> one.shape, one.block, one.k_axis
+      ((8, 32), (1, 32), 1)
+      >>> bool(jnp.array_equal(one.dequantize(), stack.dequantize()[1]))
+      True
+    """
     check_stack(qt, "qt")
     _blocked_per_axis(qt, "expert")
     if qt.block[0] != 1:
@@ -139,7 +163,19 @@ def expert(qt: QTensor, e: int) -> QTensor:
 
 
 def unstack_experts(qt: QTensor) -> list[QTensor]:
-    """The inverse of ``stack_experts``: one 2-D QTensor ``[N, K]`` per expert."""
+    """The inverse of ``stack_experts``: one 2-D QTensor ``[N, K]`` per expert.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.kernels.moe import quantize_expert_weights, stack_experts, unstack_experts
+      >>> w = np.random.default_rng(0).standard_normal((3, 8, 32)).astype(np.float32)
+      >>> stack = quantize_expert_weights(w, "int4_g32")
+      >>> parts = unstack_experts(stack)
+      >>> len(parts), parts[0].shape, parts[0].k_axis
+      (3, (8, 32), 1)
+      >>> bool(jnp.array_equal(stack_experts(parts).data, stack.data))  # round trip
+      True
+    """
     return [expert(qt, e) for e in range(check_stack(qt, "qt").shape[0])]
 
 
@@ -156,7 +192,22 @@ def _row_blocks(qt: QTensor, what: str) -> int:
 def concat_rows(parts: Sequence[QTensor]) -> QTensor:
     """Concatenates stacks ``[E, N_i, K]`` along N into ``[E, sum N_i, K]`` (gate and up into the fused
     ``gate_up``), exactly; every part's N must hold whole blocks (128-row tiles for block FP8). Eager
-    (it compares the parts' global scales)."""
+    (it compares the parts' global scales).
+
+    Examples:
+      Gate and up projections, each ``[E, N, K]``, fused into one ``[E, 2N, K]`` stack:
+
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.kernels.moe import concat_rows, quantize_expert_weights
+      >>> rng = np.random.default_rng(0)
+      >>> gate, up = (quantize_expert_weights(rng.standard_normal((3, 8, 32)).astype(np.float32), "int4_g32")
+      ...             for _ in range(2))
+      >>> gate_up = concat_rows([gate, up])
+      >>> gate_up.shape
+      (3, 16, 32)
+      >>> bool(jnp.array_equal(gate_up.dequantize()[:, 8:], up.dequantize()))
+      True
+    """
     parts = list(parts)
     if not parts:
         raise ValueError("concat_rows: parts is empty (at least one stack)")
@@ -178,7 +229,19 @@ def concat_rows(parts: Sequence[QTensor]) -> QTensor:
 
 
 def split_rows(qt: QTensor, sizes: Sequence[int]) -> list[QTensor]:
-    """The inverse of ``concat_rows``: ``[E, N, K]`` into stacks of ``sizes`` rows (whole blocks each)."""
+    """The inverse of ``concat_rows``: ``[E, N, K]`` into stacks of ``sizes`` rows (whole blocks each).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.kernels.moe import quantize_expert_weights, split_rows
+      >>> w = np.random.default_rng(0).standard_normal((3, 16, 32)).astype(np.float32)
+      >>> gate_up = quantize_expert_weights(w, "int4_g32")
+      >>> gate, up = split_rows(gate_up, [8, 8])
+      >>> gate.shape, up.shape
+      ((3, 8, 32), (3, 8, 32))
+      >>> bool(jnp.array_equal(up.dequantize(), gate_up.dequantize()[:, 8:]))
+      True
+    """
     rows = _row_blocks(qt, "split_rows")
     if sum(sizes) != qt.shape[1] or any(s <= 0 or s % rows for s in sizes):
         raise ValueError(f"split_rows: sizes {list(sizes)} must be positive multiples of {rows} summing to "
@@ -200,6 +263,22 @@ class QExperts:
     ``apply(x, group_sizes)`` is the grouped product of rows of x sorted by expert with each expert's
     weight (``jquant.kernels.moe.grouped_matmul``); a scheme that quantizes activations (block FP8's
     per-token groups) quantizes x first, as ``Scheme.apply``'s XLA path does.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.kernels.moe import QExperts, grouped_matmul, quantize_expert_weights
+      >>> from jquant.schemes.scheme import get_scheme
+      >>> rng = np.random.default_rng(0)
+      >>> scheme = get_scheme("int4_g32")
+      >>> layer = QExperts(quantize_expert_weights(rng.standard_normal((3, 8, 32)).astype(np.float32), scheme),
+      ...                  scheme)
+      >>> layer.num_experts, layer.shape
+      (3, (3, 8, 32))
+      >>> x = jnp.asarray(rng.standard_normal((5, 32)), jnp.float32)
+      >>> sizes = jnp.array([2, 0, 3], jnp.int32)  # rows per expert, x sorted by expert
+      >>> y = layer.apply(x, sizes)
+      >>> y.shape, bool(jnp.allclose(y, grouped_matmul(x, layer.weight, sizes)))  # weight-only: no x quantization
+      ((5, 8), True)
     """
 
     weight: QTensor

@@ -43,7 +43,17 @@ GROUP_SCORES = ("top2_sum", "max")
 @dataclasses.dataclass(frozen=True)
 class Routing:
     """Per token, the chosen experts and their weights: ``indices [T, k]`` int32 (best first),
-    ``weights [T, k]`` float32."""
+    ``weights [T, k]`` float32.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jquant.kernels.moe import Routing, route
+      >>> r = route(jnp.array([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]]), 2)
+      >>> isinstance(r, Routing), r.indices.shape, str(r.indices.dtype), str(r.weights.dtype)
+      (True, (2, 2), 'int32', 'float32')
+      >>> r.indices.tolist()  # best first
+      [[1, 2], [0, 1]]
+    """
 
     weights: jax.Array
     indices: jax.Array
@@ -144,7 +154,17 @@ def route(logits: jax.Array, top_k: int, *, scoring: str = "softmax", correction
 
 def check_router_logits(logits) -> None:
     """Raises a ValueError naming the tokens whose router logits hold a NaN. Eager only: inside jit
-    (traced logits) it raises a TypeError, since there ``route`` propagates NaN instead."""
+    (traced logits) it raises a TypeError, since there ``route`` propagates NaN instead.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jquant.kernels.moe import check_router_logits
+      >>> check_router_logits(np.zeros((2, 4)))  # no NaN: nothing happens
+      >>> check_router_logits(np.array([[0.0, 1.0], [np.nan, 0.0]]))
+      Traceback (most recent call last):
+          ...
+      ValueError: router logits hold NaN for 1 of 2 tokens (first: token 1); their routing is undefined
+    """
     if isinstance(logits, jax.core.Tracer):
         raise TypeError("check_router_logits needs concrete logits: call it outside jit (inside, route gives "
                         "NaN weights to tokens with NaN logits)")
@@ -158,7 +178,18 @@ def check_router_logits(logits) -> None:
 
 
 def route_checked(logits, top_k: int, **options) -> Routing:
-    """``check_router_logits`` then ``route`` (eager)."""
+    """``check_router_logits`` then ``route`` (eager).
+
+    Examples:
+      >>> import numpy as np
+      >>> from jquant.kernels.moe import route_checked
+      >>> route_checked(np.array([[0.0, 1.0, 2.0]]), 2).indices.tolist()
+      [[2, 1]]
+      >>> route_checked(np.array([[np.nan, 1.0, 2.0]]), 2)  # route would give this token NaN weights
+      Traceback (most recent call last):
+          ...
+      ValueError: router logits hold NaN for 1 of 1 tokens (first: token 0); their routing is undefined
+    """
     check_router_logits(logits)
     return route(jnp.asarray(logits), top_k, **options)
 
@@ -171,6 +202,15 @@ class Dispatch:
 
     ``order [T·k]``: the flat pair ``t·k + j`` at each sorted position; ``group_sizes [E]`` int32: pairs
     per expert; ``experts [T·k]``: the expert of each sorted row. ``top_k`` is static.
+
+    Examples:
+      Token 0 chose experts 2 and 0, token 1 experts 0 and 1:
+
+      >>> import jax.numpy as jnp
+      >>> from jquant.kernels.moe import sort_by_expert
+      >>> d = sort_by_expert(jnp.array([[2, 0], [0, 1]]), 3)
+      >>> d.order.tolist(), d.experts.tolist(), d.tokens.tolist(), d.top_k
+      ([1, 2, 3, 0], [0, 0, 1, 2], [0, 1, 1, 0], 2)
     """
 
     order: jax.Array
@@ -189,7 +229,17 @@ jax.tree_util.register_dataclass(Dispatch, data_fields=["order", "group_sizes", 
 
 @functools.partial(jax.jit, static_argnames=("num_experts",))
 def sort_by_expert(indices: jax.Array, num_experts: int) -> Dispatch:
-    """Sorts the pairs of ``indices [T, k]`` (expert ids in ``[0, num_experts)``) by expert."""
+    """Sorts the pairs of ``indices [T, k]`` (expert ids in ``[0, num_experts)``) by expert.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jquant.kernels.moe import sort_by_expert
+      >>> d = sort_by_expert(jnp.array([[2, 0], [0, 1], [2, 1]]), 4)
+      >>> d.group_sizes.tolist()  # pairs per expert: the group_sizes of grouped_matmul
+      [2, 2, 2, 0]
+      >>> d.experts.tolist(), d.tokens.tolist()  # by token within an expert
+      ([0, 0, 1, 1, 2, 2], [0, 1, 1, 2, 0, 2])
+    """
     if getattr(indices, "ndim", None) != 2:
         raise ValueError(f"indices must be [T, k] expert ids, got shape {tuple(getattr(indices, 'shape', ()))}")
     flat = indices.reshape(-1).astype(jnp.int32)
@@ -200,14 +250,42 @@ def sort_by_expert(indices: jax.Array, num_experts: int) -> Dispatch:
 
 @jax.jit
 def gather_rows(x: jax.Array, dispatch: Dispatch) -> jax.Array:
-    """``x [T, H]`` → ``[T·k, H]``: each sorted pair's token row."""
+    """``x [T, H]`` → ``[T·k, H]``: each sorted pair's token row.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jquant.kernels.moe import gather_rows, sort_by_expert
+      >>> x = jnp.array([[1.0, 1.0], [2.0, 2.0]])  # two tokens
+      >>> d = sort_by_expert(jnp.array([[1, 0], [0, 1]]), 2)
+      >>> gather_rows(x, d).tolist()  # expert 0's rows (tokens 0, 1), then expert 1's
+      [[1.0, 1.0], [2.0, 2.0], [1.0, 1.0], [2.0, 2.0]]
+    """
     return jnp.take(x, dispatch.tokens, axis=0)
 
 
 @jax.jit
 def combine(y: jax.Array, dispatch: Dispatch, weights: jax.Array) -> jax.Array:
     """Sorted expert outputs ``y [T·k, N]`` → ``[T, N]``: each token's rows weighted by ``weights [T, k]``
-    and summed over its k experts in float32 (returned in float32)."""
+    and summed over its k experts in float32 (returned in float32).
+
+    Examples:
+      A whole MoE layer: route, sort, gather, grouped GEMM, combine; equal to each token's weighted sum
+      of its experts' outputs:
+
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.kernels.moe import (combine, gather_rows, grouped_matmul, quantize_expert_weights, route,
+      ...                                 sort_by_expert)
+      >>> rng = np.random.default_rng(0)
+      >>> experts = quantize_expert_weights(rng.standard_normal((3, 8, 32)).astype(np.float32), "int4_g32")
+      >>> x = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+      >>> r = route(jnp.asarray(rng.standard_normal((4, 3)), jnp.float32), 2)
+      >>> d = sort_by_expert(r.indices, 3)
+      >>> y = combine(grouped_matmul(gather_rows(x, d), experts, d.group_sizes), d, r.weights)
+      >>> w = experts.dequantize()
+      >>> dense = sum(r.weights[:, j, None] * jnp.einsum("tnk,tk->tn", w[r.indices[:, j]], x) for j in range(2))
+      >>> y.shape, str(y.dtype), bool(jnp.allclose(y, dense, atol=1e-4))
+      ((4, 8), 'float32', True)
+    """
     t, k = weights.shape
     pairs = jnp.zeros(y.shape, jnp.float32).at[dispatch.order].set(y.astype(jnp.float32))
     return jnp.einsum("tkn,tk->tn", pairs.reshape(t, k, y.shape[-1]), weights.astype(jnp.float32))

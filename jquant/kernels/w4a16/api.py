@@ -43,7 +43,18 @@ def _warn_once(key: str, message: str) -> None:
 def resolve_impl(impl: str, m: int, interpret: bool = False,
                  weight_elems: int = MGPU_LARGE_WEIGHT) -> str:
     """The implementation ``w4a16_matmul`` runs for ``impl`` at ``m`` rows on the default device,
-    for a weight of ``weight_elems`` = N·K weights."""
+    for a weight of ``weight_elems`` = N·K weights.
+
+    Examples:
+      >>> import jax
+      >>> from jquant.kernels.w4a16 import resolve_impl
+      >>> resolve_impl("xla", 8), resolve_impl("reference", 8)  # asked for by name: run as asked
+      ('xla', 'reference')
+      >>> resolve_impl("auto", 8, interpret=True)  # the kernel in interpret mode, on any device
+      'mgpu'
+      >>> jax.default_backend() != "cpu" or resolve_impl("auto", 8) == "reference"  # CPU: the fp32 reference
+      True
+    """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl in ("xla", "reference"):
@@ -76,6 +87,21 @@ def w4a16_matmul(x, packed: PackedW4NK | QTensor, *, bias=None, impl: str = "aut
 
     ``config`` overrides the kernel's launch (an ``MgpuConfig``); ``interpret`` runs the kernel in
     Pallas interpret mode (any device; every never-written output element is NaN there).
+
+    Examples:
+      A 4-bit ``[N, K]`` QTensor in groups of 32: the product is ``x @ W.T`` with ``W`` dequantized.
+
+      >>> import jax.numpy as jnp, numpy as np, jquant
+      >>> from jquant.kernels.w4a16 import w4a16_matmul
+      >>> rng = np.random.default_rng(0)
+      >>> w = jquant.quantize(rng.standard_normal((8, 64)).astype(np.float32), "int4", group_size=32)
+      >>> x = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.float32)  # [..., K]
+      >>> y = w4a16_matmul(x, w, impl="xla")
+      >>> y.shape, str(y.dtype), bool(jnp.allclose(y, x @ w.dequantize().T, atol=1e-4))
+      ((2, 3, 8), 'float32', True)
+      >>> y = w4a16_matmul(x.astype(jnp.bfloat16), w, bias=jnp.ones(8), impl="xla")  # in x's dtype
+      >>> str(y.dtype), bool(jnp.allclose(y, x @ w.dequantize().T + 1, atol=0.1))
+      ('bfloat16', True)
     """
     if isinstance(packed, QTensor):
         packed = _pack_qtensor(packed)

@@ -34,6 +34,16 @@ class MgpuConfig:
       bias applied), the ``split_k`` partials of a tile summed inside a thread-block cluster
       (``w4a16_mgpu_epilogue``), instead of fp32 partials for XLA to sum (``split_k`` ≤ 8
       with one compute warpgroup, 1 with two).
+
+    Examples:
+      >>> from jquant.kernels.w4a16 import MgpuConfig
+      >>> config = MgpuConfig(block_n=64, split_k=2)
+      >>> config.block_n, config.block_k, config.block_m, config.split_k
+      (64, 256, 8, 2)
+      >>> MgpuConfig(block_m=0)
+      Traceback (most recent call last):
+          ...
+      ValueError: MgpuConfig.block_m must be a positive int, got 0
     """
 
     block_n: int = 128
@@ -66,7 +76,20 @@ def default_mgpu_config(m: int, packed: PackedW4NK) -> MgpuConfig:
     (M ≤ 16) wants narrow 64-row tiles, 256-code steps 4 deep and split-K 2 (many small CTAs
     keep the TMA engines busy); larger M wants 128-row tiles of 128 K (so 3 stages of a 128-row
     x tile fit in shared memory) and split-K 2 only while there are fewer CTAs than ~2 per SM.
-    Every default launch writes the final output itself."""
+    Every default launch writes the final output itself.
+
+    Examples:
+      Choosing a launch needs no GPU; here for a small weight (K = 64, N = 8, groups of 32):
+
+      >>> import numpy as np
+      >>> from jquant.kernels.w4a16 import default_mgpu_config, prepack_nk
+      >>> packed = prepack_nk(np.zeros((64, 8), np.int32), np.ones((2, 8), np.float32), group_size=32)
+      >>> decode = default_mgpu_config(4, packed)  # decode: M <= 16
+      >>> decode.block_n, decode.block_k, decode.block_m, decode.final_output
+      (64, 64, 8, True)
+      >>> default_mgpu_config(256, packed).block_m  # larger M: wider x tiles
+      128
+    """
     block_m = min(round_up(m, 8), 128)
     if block_m >= 64 and packed.n_pad % 256 == 0 and packed.n_pad // 256 >= 100:
         # Two warpgroups × 128 rows share each x tile: half the x traffic from L2, which bounds

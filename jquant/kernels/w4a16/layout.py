@@ -41,6 +41,18 @@ class PackedW4NK:
     ``zero − 8`` (int4 asymmetric), subtracted before scaling. ``perm``: act-order gather of x's
     columns; ``global_scale``: optional fp32 ``[1]`` multiplier (NVFP4's; for E2M1 always, times
     2^k). ``group_size`` in stored rows.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jquant.kernels.w4a16 import prepack_nk
+      >>> rng = np.random.default_rng(0)
+      >>> packed = prepack_nk(rng.integers(0, 16, (64, 8)), np.ones((2, 8), np.float32), group_size=32)
+      >>> packed.k, packed.n, packed.k_pad, packed.n_pad, packed.group_size, packed.lut  # [K, N] = [64, 8]
+      (64, 8, 64, 128, 32, 'int4')
+      >>> packed.data.shape, str(packed.data.dtype), packed.scale.shape  # N padded to 128 rows
+      ((128, 64), 'int4', (2, 128))
+      >>> packed.nbytes  # 4096 bytes of codes + 256 float32 scales
+      5120
     """
 
     data: jax.Array
@@ -95,7 +107,27 @@ def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None
     ``"fp4_bnb"``; both without zeros). ``g_idx``: optional int32 ``[K]`` GPTQ act-order group of
     each input row, every group exactly G rows. Padded columns have scale 0, so they are exactly
     0; padded rows meet the zero columns ``gather_pad`` appends to x. ``word_order``: K permuted
-    within blocks of 32 codes (``to_word_order``) so the kernel reads a word per thread and row."""
+    within blocks of 32 codes (``to_word_order``) so the kernel reads a word per thread and row.
+
+    Examples:
+      Codes ``q`` in 0..15 stand for ``(q - 8) * scale`` (int4), a scale per group of 32 rows of K:
+
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.kernels.w4a16 import dequantize_nk, prepack_nk
+      >>> rng = np.random.default_rng(0)
+      >>> q = rng.integers(0, 16, (64, 8))  # [K, N]
+      >>> scale = rng.uniform(0.5, 1.0, (2, 8)).astype(np.float32)  # [K / 32, N]
+      >>> packed = prepack_nk(q, scale, group_size=32)
+      >>> packed.data.shape, packed.k, packed.n  # stored [N_pad, K_pad]
+      ((128, 64), 64, 8)
+      >>> w = (q - 8) * np.repeat(scale, 32, axis=0)
+      >>> bool(jnp.array_equal(dequantize_nk(packed)[:64, :8], w))
+      True
+      >>> prepack_nk(q, scale[:1], group_size=48)
+      Traceback (most recent call last):
+          ...
+      ValueError: prepack_nk takes group_size 16, 32, a multiple of 64 or -1 (per channel); ...
+    """
     lut = canonical_lut(lut)
     q = jnp.asarray(q)
     if q.ndim != 2 or 0 in q.shape or not jnp.issubdtype(q.dtype, jnp.integer):
@@ -192,7 +224,21 @@ def gather_pad(x2: jax.Array, packed: PackedW4NK, m_pad: int, k_cols: int | None
 
 
 def dequantize_nk(packed: PackedW4NK, dtype=jnp.float32) -> jax.Array:
-    """The float weight ``[K_pad, N_pad]`` in stored row order, in fp32 math (padding is 0)."""
+    """The float weight ``[K_pad, N_pad]`` in stored row order, in fp32 math (padding is 0).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.kernels.w4a16 import dequantize_nk, prepack_nk
+      >>> q = np.array([[0, 15], [8, 9]] * 16)  # [K=32, N=2] codes; int4 value = code - 8
+      >>> packed = prepack_nk(q, np.array([[0.5, 2.0]], np.float32), group_size=32)
+      >>> w = dequantize_nk(packed)
+      >>> w.shape, str(w.dtype), w[:2, :2].tolist()  # padded to [K_pad, N_pad]
+      ((64, 128), 'float32', [[-4.0, 14.0], [0.0, 2.0]])
+      >>> float(jnp.abs(w[32:]).max()), float(jnp.abs(w[:, 2:]).max())  # the padding is 0
+      (0.0, 0.0)
+      >>> str(dequantize_nk(packed, jnp.bfloat16).dtype)
+      'bfloat16'
+    """
     data = from_word_order(packed.data, packed.lut) if packed.word_order else packed.data
     if packed.lut == "int4":
         values = data.astype(jnp.float32).T
@@ -213,7 +259,21 @@ def dequantize_nk(packed: PackedW4NK, dtype=jnp.float32) -> jax.Array:
 
 
 def reference_nk(x2: jax.Array, packed: PackedW4NK, bias=None, dtype=jnp.float32) -> jax.Array:
-    """The kernel's pure-JAX twin: dequantize in fp32 (then ``dtype``), dot with fp32 accumulation."""
+    """The kernel's pure-JAX twin: dequantize in fp32 (then ``dtype``), dot with fp32 accumulation.
+
+    Examples:
+      ``x2 [M, K]`` times the packed ``[K, N]`` weight, what ``w4a16_matmul`` returns:
+
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.kernels.w4a16 import prepack_nk, reference_nk
+      >>> rng = np.random.default_rng(0)
+      >>> q, scale = rng.integers(0, 16, (64, 8)), rng.uniform(0.5, 1.0, (2, 8)).astype(np.float32)
+      >>> packed = prepack_nk(q, scale, group_size=32)
+      >>> x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+      >>> y = reference_nk(x, packed, bias=jnp.ones(8))
+      >>> y.shape, bool(jnp.allclose(y, x @ ((q - 8) * np.repeat(scale, 32, axis=0)) + 1, atol=1e-4))
+      ((3, 8), True)
+    """
     xs = gather_pad(x2, packed, x2.shape[0]).astype(dtype)
     out = jnp.dot(xs, dequantize_nk(packed, dtype)[:, :packed.n],
                   preferred_element_type=jnp.float32)

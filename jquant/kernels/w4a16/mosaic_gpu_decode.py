@@ -47,7 +47,20 @@ _LUT_ALIASES = {"int4": "int4", "uint4": "int4", "e2m1": "e2m1", "fp4": "e2m1", 
 
 
 def lut_values(lut: str) -> np.ndarray:
-    """The 16 float32 values code ``0..15`` stands for under ``lut`` (the format modules' own)."""
+    """The 16 float32 values code ``0..15`` stands for under ``lut`` (the format modules' own).
+
+    Examples:
+      >>> from jquant.kernels.w4a16 import LUTS, lut_values
+      >>> LUTS
+      ('int4', 'e2m1', 'nf4', 'fp4_bnb')
+      >>> lut_values("e2m1").tolist()  # OCP E2M1 (FP4): sign bit 3
+      [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+      >>> lut_values("mxfp4").tolist() == lut_values("e2m1").tolist()  # an alias
+      True
+      >>> v = lut_values("nf4")
+      >>> str(v.dtype), v.shape, float(v[0]), float(v[7]), float(v[15])
+      ('float32', (16,), -1.0, 0.0, 1.0)
+    """
     lut = canonical_lut(lut)
     if lut == "int4":
         return np.arange(16, dtype=np.float32)
