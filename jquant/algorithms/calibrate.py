@@ -45,15 +45,24 @@ def _recording_interceptor(record: dict):
     return intercept
 
 
-def layer_pass(layer: DecoderLayer, positions, mask):
-    """Jitted ``(params, x) -> (output, {projection: input})``; every layer has the same shapes, so one
+def layer_runner(model: LlamaForCausalLM, params: dict, calibration_ids) -> tuple[jax.Array, Callable]:
+    """The first layer's input (the embedded ``calibration_ids [rows, seq_len]``) and a jitted
+    ``(layer_params, x) -> (output, {projection: input})``; every layer has the same shapes, so one
     compile serves all of them at each stage of quantization."""
-    def run(params, x):
+    ids = jnp.asarray(calibration_ids, jnp.int32)
+    if ids.ndim != 2:
+        raise ValueError(f"calibration_ids must be [rows, seq_len], got shape {ids.shape}")
+    x = jnp.take(params["embed_tokens"]["embedding"], ids, axis=0).astype(model.dtype)
+    positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+    mask = causal_mask(positions[0], positions[0])
+    layer = DecoderLayer(model.config, model.dtype, nn.Dense, model.fused_projections)
+
+    def run(layer_params, x):
         record: dict = {}
         with nn.intercept_methods(_recording_interceptor(record)):
-            out, _ = layer.apply({"params": params}, x, positions, mask, None, None)
+            out, _ = layer.apply({"params": layer_params}, x, positions, mask, None, None)
         return out, record
-    return jax.jit(run)
+    return x, jax.jit(run)
 
 
 def calibrate_llama(model: LlamaForCausalLM, params: dict, calibration_ids: jax.Array,
@@ -85,17 +94,10 @@ def calibrate_llama(model: LlamaForCausalLM, params: dict, calibration_ids: jax.
 
       ``jquant.flax.quantized_apply(model, {"params": qparams}, ids)`` then runs the quantized model.
     """
-    c = model.config
-    ids = jnp.asarray(calibration_ids, jnp.int32)
-    if ids.ndim != 2:
-        raise ValueError(f"calibration_ids must be [rows, seq_len], got shape {ids.shape}")
-    x = jnp.take(params["embed_tokens"]["embedding"], ids, axis=0).astype(model.dtype)
-    positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
-    run = layer_pass(DecoderLayer(c, model.dtype, nn.Dense, model.fused_projections), positions,
-                      causal_mask(positions[0], positions[0]))
+    x, run = layer_runner(model, params, calibration_ids)
     groups = FUSED_GROUPS if model.fused_projections else GROUPS
     out = dict(params)
-    for i in tqdm(range(c.num_layers), desc="calibrating layers", disable=not progress):
+    for i in tqdm(range(model.config.num_layers), desc="calibrating layers", disable=not progress):
         layer_params = dict(params[f"layers_{i}"])
         for group in groups:
             inputs = run(layer_params, x)[1][group[0]]
@@ -108,12 +110,11 @@ def calibrate_llama(model: LlamaForCausalLM, params: dict, calibration_ids: jax.
     return out
 
 
-def _rotated(kernels, inputs, rotation):
-    """The kernels ``[K, N]`` and inputs ``[tokens, K]`` in the rotated basis (unchanged for None)."""
+def _rotated(kernels, rotation):
+    """The kernels ``[K, N]`` in the rotated basis (unchanged for None)."""
     if rotation is None:
-        return kernels, inputs
-    return ({n: hadamard_blocks(k, rotation, axis=0) for n, k in kernels.items()},
-            hadamard_blocks(inputs, rotation))
+        return kernels
+    return {n: hadamard_blocks(k, rotation, axis=0) for n, k in kernels.items()}
 
 
 def rtn_group(scheme: str | Scheme, *, rotation: int | None = None) -> QuantizeGroup:
@@ -142,7 +143,7 @@ def rtn_group(scheme: str | Scheme, *, rotation: int | None = None) -> QuantizeG
     scheme = get_scheme(scheme)
 
     def quantize_group(kernels, inputs):
-        kernels, _ = _rotated(kernels, inputs[:0], rotation)
+        kernels = _rotated(kernels, rotation)
         return {n: QParam(scheme.quantize_kernel(k), scheme, input_rotation=rotation) for n, k in kernels.items()}
     return quantize_group
 
@@ -167,7 +168,8 @@ def gptq_group(scheme: str | Scheme, *, rotation: int | None = None, **options) 
     scheme = get_scheme(scheme)
 
     def quantize_group(kernels, inputs):
-        kernels, inputs = _rotated(kernels, inputs, rotation)
+        kernels = _rotated(kernels, rotation)
+        inputs = inputs if rotation is None else hadamard_blocks(inputs, rotation)
         hessian = accumulate_hessian(inputs, inputs.shape[-1])
         return {n: QParam(gptq_quantize_kernel(k, hessian, scheme=scheme, **options), scheme,
                           input_rotation=rotation) for n, k in kernels.items()}

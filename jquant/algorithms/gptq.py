@@ -152,15 +152,16 @@ def gptq_quantize_weight(weight: jax.Array, inputs: Iterable[jax.Array] | jax.Ar
       >>> sorted(jquant.to_checkpoint(qt, "gptq"))
       ['g_idx', 'qweight', 'qzeros', 'scales']
     """
-    fp4 = not isinstance(scheme, WeightSpec) and get_scheme(scheme).weight.format in FP4_FORMATS
-    spec = get_scheme(scheme).weight if fp4 else int_weight_spec(scheme)
+    fp4_scheme = None if isinstance(scheme, WeightSpec) else get_scheme(scheme)
+    fp4 = fp4_scheme is not None and fp4_scheme.weight.format in FP4_FORMATS
+    spec = fp4_scheme.weight if fp4 else int_weight_spec(scheme)
     weight = jnp.asarray(weight)
     if weight.ndim != 2:
         raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
     hessian = inputs if isinstance(inputs, Hessian) else accumulate_hessian(inputs, weight.shape[1])
     if not np.isfinite(np.asarray(weight)).all() or not np.isfinite(np.asarray(hessian.h)).all():
         raise ValueError("GPTQ needs finite weights and calibration activations (found NaN or Inf)")
-    rtn = get_scheme(scheme).quantize_weight(weight) if fp4 else None
+    rtn = fp4_scheme.quantize_weight(weight) if fp4 else None
     # A Hessian too ill-conditioned for its Cholesky factor gives NaN: retry with 10x the dampening
     # (as gptqmodel's automatic damping does) rather than return a silently broken weight.
     damps = [damp_percent] + [max(damp_percent, 0.01) * 10**i for i in range(1, _DAMP_RETRIES + 1)]

@@ -15,13 +15,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from jquant.algorithms.calibrate import layer_pass
-from jquant.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM, causal_mask
+from jquant.algorithms.calibrate import FUSED_GROUPS, GROUPS, layer_runner
+from jquant.models.llama import LlamaConfig, LlamaForCausalLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +41,8 @@ class ScaledGroup:
 def scaled_groups(config: LlamaConfig, fused: bool) -> tuple[ScaledGroup, ...]:
     """The layer's groups in the order it runs them, with where each one's ``1/s`` folds."""
     o_previous = "v_proj" if config.num_kv_heads == config.num_heads and not fused else None
-    if fused:
-        return (ScaledGroup(("qkv_proj",), "input_norm"), ScaledGroup(("o_proj",), o_previous),
-                ScaledGroup(("gate_up_proj",), "post_attention_norm"), ScaledGroup(("down_proj",), "up_proj"))
-    return (ScaledGroup(("q_proj", "k_proj", "v_proj"), "input_norm"), ScaledGroup(("o_proj",), o_previous),
-            ScaledGroup(("gate_proj", "up_proj"), "post_attention_norm"), ScaledGroup(("down_proj",), "up_proj"))
+    previous = ("input_norm", o_previous, "post_attention_norm", "up_proj")
+    return tuple(ScaledGroup(linears, prev) for linears, prev in zip(FUSED_GROUPS if fused else GROUPS, previous))
 
 
 def group_weight(layer_params: Mapping, group: ScaledGroup) -> jax.Array:
@@ -92,13 +88,7 @@ def walk_float_layers(model: LlamaForCausalLM, params: dict, calibration_ids, qu
     the inputs its projections saw (``{name: [tokens, K]}`` float32) go to ``quantize_layer``, whose
     returned params replace the layer's. The next layer's input is the float layer's output, as AWQ
     and SmoothQuant compute their statistics on the float model."""
-    ids = jnp.asarray(calibration_ids, jnp.int32)
-    if ids.ndim != 2:
-        raise ValueError(f"calibration_ids must be [rows, seq_len], got shape {ids.shape}")
-    x = jnp.take(params["embed_tokens"]["embedding"], ids, axis=0).astype(model.dtype)
-    positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
-    run = layer_pass(DecoderLayer(model.config, model.dtype, nn.Dense, model.fused_projections), positions,
-                     causal_mask(positions[0], positions[0]))
+    x, run = layer_runner(model, params, calibration_ids)
     out = dict(params)
     for i in tqdm(range(model.config.num_layers), desc=desc, disable=not progress):
         layer_params = params[f"layers_{i}"]
