@@ -11,6 +11,8 @@ from jquant.schemes.spec import ActivationSpec, LayoutSpec, WeightSpec
 from jquant.schemes import xla as _xla_reference  # noqa: F401  (registers the XLA implementation)
 from jquant.schemes import builtin as _builtin_schemes  # noqa: F401  (registers the named schemes)
 from jquant.kernels.w4a16 import from_qtensor as _pallas_impl  # noqa: F401  (registers the Hopper kernels)
+from jquant.kernels.w8a16 import from_qtensor as _pallas_w8_impl  # noqa: F401  (registers the 8-bit kernels)
+from jquant.kernels.fp8_gemm import from_qtensor as _pallas_fp8_impl  # noqa: F401
 from jquant.checkpoint.hf_config import scheme_from_config
 
 __all__ = [

@@ -10,7 +10,10 @@ Policy per architecture:
   no wgmma (an sm_90a instruction; Blackwell has tcgen05 instead), so XLA runs the 4-bit GEMM;
   the Triton-backend Pallas kernels run decode attention (Triton's bf16 dot needs sm_80's mma).
 * CUDA GPUs below 8.0: XLA for everything.
-* Every GPU: W8A8 FP8 schemes use XLA's native FP8 dot (``native_fp8_dot``).
+  The 8-bit weight-only GEMM (``w8a16_impl``) runs the same pipeline with 8-bit tiles up to
+  ``W8A16_MGPU_MAX_M`` rows: none until it is timed on a Hopper GPU, so XLA today.
+* Every GPU: W8A8 FP8 schemes use XLA's native FP8 dot (``native_fp8_dot``); on Hopper the Mosaic
+  GPU FP8 GEMM (``fp8_gemm_impl``) takes over once timed there (``FP8_GEMM_MGPU``).
 * CPU and other platforms: XLA; the 4-bit GEMM's "auto" runs the fp32 reference there (``cc == 0``),
   and a Pallas kernel runs only when asked for in interpret mode.
 
@@ -32,6 +35,12 @@ import jax
 MGPU_MAX_M = 1024
 MGPU_MAX_M_SMALL_WEIGHT = 128
 MGPU_LARGE_WEIGHT = 8192 * 8192
+
+# The W8A16 kernel runs by default up to this M on Hopper. 0: it has been checked in interpret mode
+# and through Mosaic GPU's lowering on CPU, not yet timed (or run) on a GPU; XLA until then.
+W8A16_MGPU_MAX_M = 0
+# Likewise the FP8 W8A8 GEMM kernel (per-token × per-channel and block scales): XLA until timed.
+FP8_GEMM_MGPU = False
 
 TRITON_MIN_CAPABILITY = 80
 
@@ -120,3 +129,18 @@ def w4a16_fallback(capability: int) -> str:
     """What runs the 4-bit GEMM where the kernel cannot: the fp32 reference off CUDA GPUs, XLA's
     dequantize + dot on them."""
     return "reference" if capability == 0 else "xla"
+
+
+def w8a16_impl(m: int, capability: int) -> str:
+    """The 8-bit weight-only GEMM's "auto" choice for ``m`` rows of x: ``"mgpu"`` on Hopper up to
+    ``W8A16_MGPU_MAX_M`` rows, else ``"xla"``; ``"reference"`` off CUDA GPUs."""
+    if capability == 0:
+        return w4a16_fallback(capability)
+    return "mgpu" if has_wgmma(capability) and m <= W8A16_MGPU_MAX_M else "xla"
+
+
+def fp8_gemm_impl(m: int, capability: int) -> str:
+    """The FP8 W8A8 GEMM's "auto" choice: ``"mgpu"`` on Hopper when ``FP8_GEMM_MGPU``, else
+    ``"xla"`` (``m``: rows of x, for a policy by M once measured)."""
+    del m
+    return "mgpu" if FP8_GEMM_MGPU and has_wgmma(capability) else "xla"

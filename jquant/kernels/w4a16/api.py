@@ -34,7 +34,7 @@ IMPLS = ("auto", "pallas", "mgpu", "xla", "reference")
 _warned: set[str] = set()
 
 
-def _warn_once(key: str, message: str) -> None:
+def warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -69,7 +69,7 @@ def resolve_impl(impl: str, m: int, interpret: bool = False,
         if impl == "pallas":
             raise ValueError(f"impl='pallas' needs a Hopper GPU (sm_90), not {where}; pass "
                              "interpret=True to run the kernel in interpret mode")
-        _warn_once(f"mgpu{cc}", f"impl='mgpu' cannot run on {where}; using the XLA path instead")
+        warn_once(f"mgpu{cc}", f"impl='mgpu' cannot run on {where}; using the XLA path instead")
         return device_lib.w4a16_fallback(cc)
     return "mgpu"
 

@@ -80,13 +80,16 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
     g = packed.group_size
     steps = k_split // cfg.block_k
     has_zero = packed.zero is not None
+    # 8-bit weights without group scales: their scales multiply the sums in the epilogue.
+    unit_scales = getattr(packed, "unit_scales", False)
 
     def body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem, out, *a_scratch):
         def mma(w_smem, x_smem, s_smem, z_smem, acc_ref, **kw):
+            kw.setdefault("scaled", not unit_scales)
             decode_mma_step(w_smem, x_smem, s_smem, z_smem[0] if z_smem else None, acc_ref,
                             rows=slice(None), group_size=g, dtype=xs.dtype,
                             lut=packed.lut, word_order=packed.word_order,
-                            interpret=interpret, row_codes=weight_row_codes(cfg),
+                            interpret=interpret, row_codes=weight_row_codes(cfg, packed.lut),
                             a_scratch=a_scratch[0] if interpret else None, **kw)
 
         def step(idx, w_smem, x_smem, s_smem, *z_smem, acc_ref):
@@ -103,7 +106,7 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
             *z_smem, total = rest
             per_group = g // K_CHUNK
             # Loaded here, outside the groups' scopes: a 256-code span holds two groups.
-            spans = load_weight_spans(w_smem, slice(None), weight_row_codes(cfg),
+            spans = load_weight_spans(w_smem, slice(None), weight_row_codes(cfg, packed.lut),
                                       packed.word_order)
             for j in range(cfg.block_k // g):
                 def group_dot(acc_ref, j=j):
@@ -118,7 +121,7 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
             return total
 
         in_specs = step_specs(cfg, group_size=g, coords=lambda t: (ni, mi, si * steps + t),
-                              has_zero=has_zero, delay_all=False)
+                              has_zero=has_zero, delay_all=False, lut=packed.lut)
         pipeline_kw = dict(grid=(steps,), in_specs=in_specs,
                            max_concurrent_steps=max(2, min(cfg.max_concurrent_steps, steps)))
         operands = (w_gmem, x_gmem, s_gmem, *([z_gmem] if has_zero else []))

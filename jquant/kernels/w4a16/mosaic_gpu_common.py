@@ -1,5 +1,6 @@
-"""What both Mosaic GPU W4A16 kernels share: the launch checks, and one pipeline step (decode the
-int4 / E2M1 weight tile into wgmma registers chunk by chunk, scale, issue the wgmma)."""
+"""What both Mosaic GPU weight-only kernels share: the launch checks, and one pipeline step (decode the
+4-bit (int4, E2M1, table) or 8-bit (int8, e4m3: ``jquant.kernels.w8a16``) weight tile into wgmma
+registers chunk by chunk, scale, issue the wgmma)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from jquant.kernels.w4a16.layout import K_CHUNK, SUB_CHUNK_GROUPS, round_up
 from jquant.kernels.w4a16.config import MgpuConfig, group_acc_fits
 from jquant.kernels.w4a16.mosaic_gpu_epilogue import (MAX_CLUSTER, FinalOutputRefs,
                                                        final_output_scratch)
-from jquant.kernels.w4a16.mosaic_gpu_decode import (E2M1_SCALE_EXP, UNSCALE_EXP, decode_codes,
-                                                     decode_words)
+from jquant.kernels.w4a16.mosaic_gpu_decode import (E2M1_SCALE_EXP, UNSCALE_EXP, code_bits,
+                                                     decode_bytes, decode_codes, decode_words)
 
 
 def check_launch(n_pad: int, k_pad: int, m_pad: int, group_size: int, cfg: MgpuConfig) -> int:
@@ -53,14 +54,15 @@ def check_launch(n_pad: int, k_pad: int, m_pad: int, group_size: int, cfg: MgpuC
     return k_split
 
 
-# Codes per 128-byte swizzle row of the int4 weight tile (wide_rows).
-WIDE_ROW_CODES = 256
+# Bytes per swizzle row of the weight tile with wide_rows: the largest swizzle.
+WIDE_ROW_BYTES = 128
 
 
-def weight_row_codes(cfg: MgpuConfig) -> int:
+def weight_row_codes(cfg: MgpuConfig, lut: str = "int4") -> int:
     """Codes per shared-memory swizzle row of the weight tile: one 64-code chunk, or (wide_rows)
-    up to 256."""
-    return min(cfg.block_k, WIDE_ROW_CODES) if cfg.wide_rows else K_CHUNK
+    up to 128 bytes of codes (256 4-bit or 128 8-bit codes)."""
+    wide = WIDE_ROW_BYTES * 8 // code_bits(lut)
+    return min(cfg.block_k, wide) if cfg.wide_rows else K_CHUNK
 
 
 def swizzle_tiles(block_k: int, bits: int):
@@ -97,6 +99,7 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
     g = group_size
     w_ref = w_smem.at[rows]
     wg_rows = w_ref.shape[0]
+    byte_codes = code_bits(lut) == 8
     bk = w_smem.shape[1]
     chunks = range(bk // K_CHUNK) if chunks is None else chunks
 
@@ -143,8 +146,11 @@ def decode_mma_step(w_smem, x_smem, s_smem, z_smem, acc_ref, *, rows, group_size
             wc = spans[span][:, offset:offset + K_CHUNK]
         else:
             wc = _load_codes(w_ref.at[:, ks], word_order)
-        decode = decode_words if word_order else decode_codes
-        wc = decode(wc, dtype, lut=lut, interpret=interpret, unscale=not skip_unscale)
+        if byte_codes:
+            wc = decode_bytes(wc, dtype, lut=lut, interpret=interpret)
+        else:
+            decode = decode_words if word_order else decode_codes
+            wc = decode(wc, dtype, lut=lut, interpret=interpret, unscale=not skip_unscale)
         if z_smem is not None:
             wc = wc - row_of(z_smem, row)
         if scaled:
@@ -178,12 +184,13 @@ def load_weight_spans(w_smem, rows, row_codes: int, word_order: bool = False) ->
             for span in range(w_smem.shape[1] // row_codes)}
 
 
-def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, delay_all: bool):
+def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, delay_all: bool,
+               lut: str = "int4"):
     """The pipeline's BlockSpecs for step t, where ``coords(t)`` gives the step's (weight row
     block, x row block, K block): the weight tile ``[bn, bk]``, the x tile ``[bm, bk]``, and the
     scale (and zero) rows ``[s_rows, bn]`` that step meets. x is read by the wgmma still in flight
     when a step returns, so its slot is freed one step late (``delay_all``: every input's, as the
-    warp-specialized pipeline requires)."""
+    warp-specialized pipeline requires). ``lut``: the weight's code book (its code width)."""
     bn, bk, bm, g = cfg.block_n, cfg.block_k, cfg.block_m, group_size
     s_rows = scale_rows_per_step(bk, g)
     late = 1 if delay_all else 0
@@ -202,7 +209,7 @@ def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, dela
 
     specs = [
         # Tiled per 64-wide chunk, so each chunk loads on its own (or per wide row).
-        plgpu.BlockSpec((bn, bk), w_index, transforms=swizzle_tiles(weight_row_codes(cfg), 4),
+        plgpu.BlockSpec((bn, bk), w_index, transforms=swizzle_tiles(weight_row_codes(cfg, lut), code_bits(lut)),
                         delay_release=late),
         plgpu.BlockSpec((bm, bk), x_index, transforms=swizzle_tiles(bk, 16), delay_release=1),
         plgpu.BlockSpec((s_rows, bn), s_index, delay_release=late),
@@ -226,13 +233,19 @@ def launch_kernel(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool
     m_pad = round_up(xs.shape[0], cfg.block_m)
     tiles = (packed.n_pad // cfg.block_n, m_pad // cfg.block_m)
     args = [xs, packed.data, packed.scale] + ([packed.zero] if has_zero else [])
+    channel_scale = channel_scale_of(packed)
+    has_cs = channel_scale is not None
+    if has_cs and not cfg.final_output:
+        raise ValueError("channel scales (8-bit weights) are applied by the kernel's own final "
+                         "output only: MgpuConfig.final_output")
     if cfg.final_output:
         if final_scratch is None:
             final_scratch = final_output_scratch(cfg.block_n, cfg.block_m, xs.dtype,
                                                  None if bias is None else bias.dtype,
-                                                 cfg.split_k, interpret)
+                                                 cfg.split_k, interpret, channel_scale=has_cs)
         has_gs = packed.global_scale is not None
-        args += ([packed.global_scale] if has_gs else []) + ([bias] if bias is not None else [])
+        args += (([packed.global_scale] if has_gs else []) + ([channel_scale] if has_cs else [])
+                 + ([bias] if bias is not None else []))
         out_types = [jax.ShapeDtypeStruct((xs.shape[0], final_output_cols(packed, xs.dtype)),
                                           xs.dtype)]
         if interpret and cfg.split_k > 1:   # the workspace
@@ -256,6 +269,7 @@ def launch_kernel(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool
         if cfg.final_output:
             out = FinalOutputRefs(out_gmem=outputs[0],
                                   global_scale_gmem=extra.pop(0) if has_gs else None,
+                                  channel_scale_gmem=extra.pop(0) if has_cs else None,
                                   bias_gmem=extra.pop(0) if bias is not None else None,
                                   workspace_gmem=outputs[1] if len(outputs) > 1 else None,
                                   **final_refs)
@@ -267,6 +281,11 @@ def launch_kernel(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(uninitialized_memory="nan")):
             return call(*args)[0]
     return call(*args)[0]
+
+
+def channel_scale_of(packed):
+    """The packed weight's fp32 per-channel scales (8-bit weights, ``PackedW8NK``), or None."""
+    return getattr(packed, "channel_scale", None)
 
 
 def final_output_cols(packed, dtype) -> int:

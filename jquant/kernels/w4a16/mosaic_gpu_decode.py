@@ -69,6 +69,15 @@ def lut_values(lut: str) -> np.ndarray:
     return bnb.code_table(lut)
 
 
+# 8-bit code books the same pipeline reads (``jquant.kernels.w8a16``): signed int8, FP8 e4m3.
+BYTE_LUTS = ("int8", "e4m3")
+
+
+def code_bits(lut: str) -> int:
+    """Bits per stored code: 8 for ``BYTE_LUTS``, else 4."""
+    return 8 if lut in BYTE_LUTS else 4
+
+
 def canonical_lut(lut) -> str:
     if not isinstance(lut, str) or lut.lower() not in _LUT_ALIASES:
         raise ValueError(f"lut must be one of {sorted(_LUT_ALIASES)}, got {lut!r}")
@@ -412,6 +421,19 @@ def decode_words(w, dtype, *, lut: str, interpret: bool, unscale: bool = True):
         return decode_codes(from_word_order(w, lut), dtype, lut=lut, interpret=True,
                             unscale=unscale)
     return _inline_word_decode(w, dtype, word_ptx(lut, dtype, unscale))
+
+
+def decode_bytes(w, dtype, *, lut: str, interpret: bool):
+    """A tile's 8-bit codes (``BYTE_LUTS``, wgmma's register layout) → values in ``dtype`` (bf16
+    / fp16), with Mosaic GPU's conversions: int8 by its ``prmt`` decode; e4m3 pairwise by
+    ``cvt.f16x2.e4m3x2`` (sm_89+), then to bf16 through fp32 (every e4m3 value is exact in all
+    three), since Mosaic GPU converts e4m3 straight to bf16 only from PTX ISA 9.2."""
+    _check_dtype(w, dtype)
+    if lut == "int8" or interpret or jnp.dtype(dtype) == jnp.dtype(jnp.float16):
+        return w.astype(dtype)
+    if lut != "e4m3":
+        raise ValueError(f"decode_bytes decodes {BYTE_LUTS}, got lut={lut!r}")
+    return w.astype(jnp.float16).astype(jnp.float32).astype(dtype)
 
 
 def _check_dtype(w, dtype):

@@ -5,7 +5,7 @@ transposes, scales and casts them: a second kernel, which at M = 1 costs 3â€“8 Â
 on the H200 (docs/design/w4a16.md, "Split-K and epilogue"). Here the ``split_k`` CTAs of one
 output tile form a thread-block cluster; each leaves its fp32 partial in its shared memory, and
 after a cluster barrier the leader (split 0) reads its peers' partials through distributed shared
-memory, sums them in a fixed order, applies the global scale and bias, and stores the tile
+memory, sums them in a fixed order, applies the global and channel scales and bias, and stores the tile
 transposed, in x's dtype, straight into the ``[M, N]`` output (the TMA store drops the rows past
 M and the columns past N). A second cluster barrier keeps the peers' shared memory alive until the
 leader has read it.
@@ -39,6 +39,9 @@ class FinalOutputRefs:
     out_smem: object                 # [bm, bn] x's dtype: the transposed tile
     part_smem: object = None         # [bn, bm] fp32: this CTA's partial
     global_scale_gmem: object = None  # [1] fp32
+    channel_scale_gmem: object = None  # [N_pad] fp32 (8-bit weights' per-channel scales)
+    channel_scale_smem: object = None  # [bn]
+    channel_scale_barrier: object = None
     bias_gmem: object = None          # [N_out or N_pad] any float
     bias_smem: object = None          # [bn]
     bias_barrier: object = None
@@ -49,10 +52,13 @@ class FinalOutputRefs:
 
 
 def final_output_scratch(block_n: int, block_m: int, dtype, bias_dtype, split_k: int,
-                         interpret: bool) -> dict:
+                         interpret: bool, channel_scale: bool = False) -> dict:
     """Shared-memory scratch for ``FinalOutputRefs``, by field name."""
     scratch = {"part_smem": plgpu.SMEM((block_n, block_m), jnp.float32),
                "out_smem": plgpu.SMEM((block_m, block_n), dtype)}
+    if channel_scale:
+        scratch["channel_scale_smem"] = plgpu.SMEM((block_n,), jnp.float32)
+        scratch["channel_scale_barrier"] = plgpu.Barrier()
     if bias_dtype is not None:
         scratch["bias_smem"] = plgpu.SMEM((block_n,), bias_dtype)
         scratch["bias_barrier"] = plgpu.Barrier()
@@ -64,13 +70,15 @@ def final_output_scratch(block_n: int, block_m: int, dtype, bias_dtype, split_k:
 
 
 def start_bias_copy(refs: FinalOutputRefs, ni, si, block_n: int):
-    """Issues the copy of the tile's bias at kernel start in the CTA that writes the tile
-    (split 0), so its epilogue finds the bias there."""
-    if refs.bias_gmem is not None:
-        @pl.when(si == 0)
-        def _():
-            plgpu.copy_gmem_to_smem(refs.bias_gmem.at[pl.ds(ni * block_n, block_n)],
-                                    refs.bias_smem, refs.bias_barrier)
+    """Issues the copies of the tile's bias and channel scales at kernel start in the CTA that
+    writes the tile (split 0), so its epilogue finds them there."""
+    for gmem, smem, barrier in ((refs.bias_gmem, refs.bias_smem, refs.bias_barrier),
+                                (refs.channel_scale_gmem, refs.channel_scale_smem,
+                                 refs.channel_scale_barrier)):
+        if gmem is not None:
+            @pl.when(si == 0)
+            def _(gmem=gmem, smem=smem, barrier=barrier):
+                plgpu.copy_gmem_to_smem(gmem.at[pl.ds(ni * block_n, block_n)], smem, barrier)
 
 
 def store_final_output(acc, refs: FinalOutputRefs, *, ni, si, mi, split_k: int,
@@ -96,6 +104,10 @@ def store_final_output(acc, refs: FinalOutputRefs, *, ni, si, mi, split_k: int,
                 total = total + _peer_partial(refs, j, ni, mi, bn, bm, interpret)
         if refs.global_scale_gmem is not None:
             total = total * refs.global_scale_gmem[0]
+        if refs.channel_scale_gmem is not None:
+            plgpu.barrier_wait(refs.channel_scale_barrier)
+            cs = plgpu.load(refs.channel_scale_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+            total = total * jax.lax.broadcast_in_dim(cs, (bn, bm), (0,))
         if refs.bias_gmem is not None:
             plgpu.barrier_wait(refs.bias_barrier)
             bias = plgpu.load(refs.bias_smem, layout=plgpu.Layout.WGMMA.reduce(1))

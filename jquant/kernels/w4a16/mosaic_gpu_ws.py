@@ -50,15 +50,21 @@ def w4a16_mgpu_ws(xs: jax.Array, packed, *, config: MgpuConfig, bias=None,
             decode_mma_step(w_smem, x_smem, s_smem, z_smem[0] if z_smem else None, carry,
                             rows=rows, group_size=g, dtype=xs.dtype, lut=packed.lut,
                             interpret=interpret, word_order=packed.word_order,
-                            row_codes=weight_row_codes(cfg),
+                            row_codes=weight_row_codes(cfg, packed.lut),
+                            scaled=not getattr(packed, "unit_scales", False),
                             a_scratch=a_scratch[-1].at[wg] if interpret else None)
             return carry
 
         def compute_context(eval_pipeline):
             row0 = ni * bn + wg * wg_rows   # this warpgroup's first output column
-            if cfg.final_output and out.bias_gmem is not None:
-                plgpu.copy_gmem_to_smem(out.bias_gmem.at[pl.ds(row0, wg_rows)],
-                                        out.bias_smem.at[wg], out.bias_barrier.at[wg])
+            if cfg.final_output:
+                for gmem, smem, barrier in (
+                        (out.bias_gmem, out.bias_smem, out.bias_barrier),
+                        (out.channel_scale_gmem, out.channel_scale_smem,
+                         out.channel_scale_barrier)):
+                    if gmem is not None:
+                        plgpu.copy_gmem_to_smem(gmem.at[pl.ds(row0, wg_rows)], smem.at[wg],
+                                                barrier.at[wg])
 
             def with_acc(acc_ref):
                 eval_pipeline(acc_ref)
@@ -81,7 +87,7 @@ def w4a16_mgpu_ws(xs: jax.Array, packed, *, config: MgpuConfig, bias=None,
         plgpu.emit_pipeline_warp_specialized(
             step, grid=(steps,), memory_registers=_MEMORY_REGISTERS,
             in_specs=step_specs(cfg, group_size=g, coords=lambda t: (ni, mi, si * steps + t),
-                                has_zero=has_zero, delay_all=True),
+                                has_zero=has_zero, delay_all=True, lut=packed.lut),
             wg_axis="wg", num_compute_wgs=wgs,
             max_concurrent_steps=max(2, min(cfg.max_concurrent_steps, steps)),
             compute_context=compute_context,
@@ -98,6 +104,9 @@ def w4a16_mgpu_ws(xs: jax.Array, packed, *, config: MgpuConfig, bias=None,
         if bias is not None:
             final_scratch.update(bias_smem=plgpu.SMEM((wgs, wg_rows), bias.dtype),
                                  bias_barrier=plgpu.Barrier(num_barriers=wgs))
+        if getattr(packed, "channel_scale", None) is not None:
+            final_scratch.update(channel_scale_smem=plgpu.SMEM((wgs, wg_rows), jnp.float32),
+                                 channel_scale_barrier=plgpu.Barrier(num_barriers=wgs))
     return launch_kernel(body, xs, packed, cfg, scratch=scratch, interpret=interpret,
                          bias=bias, final_scratch=final_scratch, num_threads=wgs + 1,
                          thread_name="wg")
@@ -110,11 +119,17 @@ def store_final_rows(acc, refs: FinalOutputRefs, *, wg, row0, mi):
     wg_rows, bm = acc.shape
     if refs.global_scale_gmem is not None:
         acc = acc * refs.global_scale_gmem[0]
+    if refs.channel_scale_gmem is not None:
+        plgpu.barrier_wait(refs.channel_scale_barrier.at[wg])
     if refs.bias_gmem is not None:
         plgpu.barrier_wait(refs.bias_barrier.at[wg])
     out_smem = refs.out_smem.at[wg]
     for r in range(0, wg_rows, _EPILOGUE_ROWS):
         tile = acc[r:r + _EPILOGUE_ROWS]
+        if refs.channel_scale_gmem is not None:
+            cs = plgpu.load(refs.channel_scale_smem.at[wg, pl.ds(r, _EPILOGUE_ROWS)],
+                            layout=plgpu.Layout.WGMMA.reduce(1))
+            tile = tile * jax.lax.broadcast_in_dim(cs, (_EPILOGUE_ROWS, bm), (0,))
         if refs.bias_gmem is not None:
             bias = plgpu.load(refs.bias_smem.at[wg, pl.ds(r, _EPILOGUE_ROWS)],
                               layout=plgpu.Layout.WGMMA.reduce(1))

@@ -1,0 +1,100 @@
+"""``fp8_gemm``: ``y = (xq · sx) @ (wq · sw)ᵀ + bias`` for e4m3 activations and weights, per-token ×
+per-channel (or per-tensor) scales or DeepSeek's 1 × 128 / 128 × 128 block scales, dispatched by
+device (``jquant.schemes.dispatch.fp8_gemm_impl``).
+
+Implementations (``impl``): ``"mgpu"`` (the Mosaic GPU kernel, Hopper), ``"pallas"`` (the kernel,
+nothing else), ``"xla"`` / ``"reference"`` (``reference_fp8``: per K block an fp32 dot of the codes,
+scaled and summed), ``"auto"``. ``interpret=True`` runs the kernel on any device.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jquant.kernels.fp8_gemm.config import Fp8GemmConfig, default_fp8_config
+from jquant.kernels.fp8_gemm.layout import PackedFp8, activation_operands, reference_fp8
+from jquant.kernels.w4a16.api import IMPLS, warn_once
+from jquant.schemes import dispatch as device_lib
+
+
+def resolve_fp8_impl(impl: str, m: int, interpret: bool = False) -> str:
+    """What ``fp8_gemm`` runs for ``impl`` at ``m`` rows on the default device.
+
+    Examples:
+      >>> from jquant.kernels.fp8_gemm import resolve_fp8_impl
+      >>> resolve_fp8_impl("reference", 1), resolve_fp8_impl("auto", 1, interpret=True)
+      ('reference', 'mgpu')
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl in ("xla", "reference"):
+        return impl
+    if interpret:
+        return "mgpu"
+    cc = device_lib.compute_capability()
+    if impl == "auto":
+        return device_lib.fp8_gemm_impl(m, cc)
+    if not device_lib.has_wgmma(cc):
+        where = device_lib.platform() if cc == 0 else f"compute capability {cc}"
+        if impl == "pallas":
+            raise ValueError(f"impl='pallas' needs a Hopper GPU (sm_90), not {where}; pass interpret=True "
+                             "to run the kernel in interpret mode")
+        warn_once(f"fp8mgpu{cc}", f"impl='mgpu' cannot run on {where}; using the XLA path instead")
+        return "xla"
+    return "mgpu"
+
+
+def fp8_gemm(xq, x_scale, packed: PackedFp8, *, bias=None, out_dtype=jnp.bfloat16, impl: str = "auto",
+             config: Fp8GemmConfig | None = None, interpret: bool = False):
+    """``xq`` ``[M, K]`` float8_e4m3fn with ``x_scale`` (a scalar, ``[M]`` / ``[M, 1]`` per token, or
+    ``[M, K / 128]`` per 1 × 128 group for a block-scaled weight) times the packed weight; fp32
+    accumulation, ``[M, N]`` in ``out_dtype``. ``bias``: optional ``[N]``.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, ml_dtypes
+      >>> from jquant.kernels.fp8_gemm import fp8_gemm, prepack_fp8
+      >>> rng = np.random.default_rng(0)
+      >>> w = rng.standard_normal((128, 256)).astype(ml_dtypes.float8_e4m3fn)
+      >>> packed = prepack_fp8(w, np.full(128, 0.5, np.float32))
+      >>> xq = jnp.asarray(rng.standard_normal((4, 256)), jnp.float8_e4m3fn)
+      >>> y = fp8_gemm(xq, jnp.full((4, 1), 2.0), packed, interpret=True)  # the kernel, interpreted
+      >>> ref = xq.astype(jnp.float32) @ w.astype(np.float32).T  # 2.0 · 0.5 = 1
+      >>> y.shape, bool(jnp.allclose(y.astype(jnp.float32), ref, rtol=1e-2, atol=0.1))
+      ((4, 128), True)
+    """
+    if not isinstance(packed, PackedFp8):
+        raise TypeError(f"packed must be a PackedFp8 (prepack_fp8), got {type(packed).__name__}")
+    xq = jnp.asarray(xq)
+    if xq.ndim != 2 or xq.shape[0] == 0:
+        raise ValueError(f"xq must be [M, K] with M ≥ 1, got shape {tuple(xq.shape)}")
+    if bias is not None:
+        bias = jnp.asarray(bias, jnp.float32)
+        if bias.shape != (packed.n,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({packed.n},)")
+    if config is not None and not isinstance(config, Fp8GemmConfig):
+        raise TypeError(f"config must be an Fp8GemmConfig, got {type(config).__name__}")
+    m = xq.shape[0]
+    if resolve_fp8_impl(impl, m, interpret) != "mgpu":
+        return reference_fp8(xq, x_scale, packed, bias, out_dtype)
+    return run_kernel(xq, x_scale, packed, bias, out_dtype, config or default_fp8_config(m, packed.n_pad, packed.blocked),
+                      interpret)
+
+
+def run_kernel(xq, x_scale, packed: PackedFp8, bias, out_dtype, cfg: Fp8GemmConfig, interpret: bool):
+    """The Mosaic GPU kernel on ``fp8_gemm``'s checked arguments: x padded to the x tile's rows,
+    under swap AB the weight as A."""
+    from jquant.kernels.fp8_gemm.mosaic_gpu import fp8_gemm_mgpu   # Mosaic GPU loads only where it runs
+
+    m = xq.shape[0]
+    x_block = cfg.block_b if cfg.swap_ab else cfg.block_a
+    rows = -(-m // x_block) * x_block
+    codes, cols = activation_operands(xq, x_scale, packed, rows)
+    if bias is not None:
+        bias = jnp.pad(bias, (0, packed.n_pad - packed.n))
+    if cfg.swap_ab:
+        out = fp8_gemm_mgpu(packed.data, packed.scale, codes, cols, bias, out_dtype=out_dtype, config=cfg,
+                            interpret=interpret)
+    else:
+        out = fp8_gemm_mgpu(codes, cols, packed.data, packed.scale, bias, out_dtype=out_dtype, config=cfg,
+                            interpret=interpret)
+    return out[:m, :packed.n]

@@ -1,0 +1,65 @@
+"""The launch of the Mosaic GPU FP8 GEMM (``Fp8GemmConfig``) and the default one for a problem
+(``default_fp8_config``). Plain Python: choosing a launch needs no GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+# K per pipeline step: one 128-byte swizzle row of e4m3 codes, and DeepSeek's scale block.
+BLOCK_K = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8GemmConfig:
+    """Launch of the FP8 GEMM ``acc[i, j] = Σ_k a[i, k] · b[j, k]`` (both operands K-major e4m3).
+
+    swap_ab: A is the weight (its rows are N) and B the activations (rows M), as the W4A16 kernel
+      does for small M, so M is only wgmma's N dimension (≥ 8); else A is x and B the weight.
+    block_a: A rows per CTA (a multiple of 64: wgmma's M).
+    block_b: B rows per CTA (wgmma's N: a multiple of 8, at most 256).
+    max_concurrent_steps: TMA pipeline depth (each step moves ``BLOCK_K`` of K).
+
+    Examples:
+      >>> from jquant.kernels.fp8_gemm import Fp8GemmConfig
+      >>> Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8)
+      Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, max_concurrent_steps=4)
+      >>> Fp8GemmConfig(swap_ab=False, block_a=96, block_b=128)
+      Traceback (most recent call last):
+          ...
+      ValueError: Fp8GemmConfig.block_a must be a positive multiple of 64, got 96
+    """
+
+    swap_ab: bool
+    block_a: int
+    block_b: int
+    max_concurrent_steps: int = 4
+
+    def __post_init__(self):
+        if not isinstance(self.block_a, int) or self.block_a < 64 or self.block_a % 64:
+            raise ValueError(f"Fp8GemmConfig.block_a must be a positive multiple of 64, got {self.block_a!r}")
+        if not isinstance(self.block_b, int) or not 8 <= self.block_b <= 256 or self.block_b % 8:
+            raise ValueError(f"Fp8GemmConfig.block_b must be a multiple of 8 in [8, 256], got {self.block_b!r}")
+        if not isinstance(self.max_concurrent_steps, int) or self.max_concurrent_steps < 2:
+            raise ValueError(f"Fp8GemmConfig.max_concurrent_steps must be ≥ 2, got {self.max_concurrent_steps!r}")
+
+
+def default_fp8_config(m: int, n_pad: int, blocked: bool = False) -> Fp8GemmConfig:
+    """A launch for ``m`` rows of x and a weight of ``n_pad`` rows (a multiple of 256). Not yet
+    tuned on a GPU: swap AB up to 64 rows (the weight's bytes bound the step, as in the W4A16
+    kernel); above, 128 × 128 tiles 4 deep, whose fp32 accumulator takes 128 of a thread's 255
+    registers; with block scales (``blocked``) 64 × 128, since the promoted sum needs a second
+    accumulator.
+
+    Examples:
+      >>> from jquant.kernels.fp8_gemm import default_fp8_config
+      >>> default_fp8_config(1, 4096)
+      Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, max_concurrent_steps=4)
+      >>> default_fp8_config(4096, 4096)
+      Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=4)
+      >>> default_fp8_config(4096, 4096, blocked=True).block_a
+      64
+    """
+    del n_pad   # a multiple of 256: every block_b here divides it
+    if m <= 64:
+        return Fp8GemmConfig(swap_ab=True, block_a=64, block_b=max(8, -(-m // 8) * 8), max_concurrent_steps=4)
+    return Fp8GemmConfig(swap_ab=False, block_a=64 if blocked else 128, block_b=128, max_concurrent_steps=4)

@@ -1,0 +1,64 @@
+"""The FP8 GEMM as a registry implementation for W8A8 FP8 schemes on Hopper: the e4m3 weight (per
+tensor, per channel or 128 × 128 blocks) laid out once by ``prepack_fp8``; ``apply`` quantizes the
+activations exactly as the scheme says (``quantize_activation``: per token, per tensor, static or
+per 1 × 128 group) and runs ``fp8_gemm``. Registered for Hopper once the kernel is timed there
+(``dispatch.FP8_GEMM_MGPU``); until then XLA's native FP8 dot serves these schemes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jquant.kernels.fp8_gemm.api import fp8_gemm
+from jquant.kernels.fp8_gemm.config import BLOCK_K
+from jquant.kernels.fp8_gemm.layout import PackedFp8, prepack_fp8
+from jquant.qtensor import QTensor
+from jquant.schemes import dispatch
+from jquant.schemes.scheme import Impl, Scheme, register_impl
+from jquant.schemes.xla import quantize_activation
+
+
+def pack_fp8_qtensor(qt: QTensor) -> PackedFp8 | None:
+    """``prepack_fp8`` of an e4m3 ``[N, K]`` QTensor (per tensor, per channel along K, or 128 × 128
+    blocks), or None for other layouts.
+
+    Examples:
+      >>> import numpy as np, jquant
+      >>> from jquant.kernels.fp8_gemm.from_qtensor import pack_fp8_qtensor
+      >>> w = np.random.default_rng(0).standard_normal((256, 384)).astype(np.float32)
+      >>> pack_fp8_qtensor(jquant.get_scheme("fp8_e4m3_block128x128").quantize_weight(w)).scale.shape
+      (3, 256)
+    """
+    if qt.fmt != "fp8_e4m3" or qt.ndim != 2 or isinstance(qt.scale, QTensor) or qt.global_scale is not None:
+        return None
+    n, k = qt.shape
+    block = tuple(qt.block)
+    if block == (n, k):
+        return prepack_fp8(qt.data, qt.scale.reshape(()))
+    if block == (1, k) and qt.k_axis in (1, None):
+        return prepack_fp8(qt.data, qt.scale.reshape(n))
+    if block == (BLOCK_K, BLOCK_K):
+        return prepack_fp8(qt.data, qt.scale)
+    return None
+
+
+def _supports(scheme: Scheme, capability: int, platform: str) -> bool:
+    return (dispatch.FP8_GEMM_MGPU and platform == "gpu" and dispatch.has_wgmma(capability)
+            and not scheme.weight_only and scheme.weight.format == "fp8_e4m3"
+            and scheme.activation.format == "fp8_e4m3")
+
+
+def _prepare(scheme: Scheme, qweight: QTensor) -> PackedFp8 | None:
+    return pack_fp8_qtensor(qweight)
+
+
+def _run(scheme: Scheme, x: jax.Array, packed: PackedFp8, bias: jax.Array | None,
+         input_scale: jax.Array | None = None) -> jax.Array:
+    lead = x.shape[:-1]
+    xq = quantize_activation(scheme, x.reshape(-1, x.shape[-1]), input_scale)
+    scale = xq.scale if not isinstance(xq.scale, QTensor) else xq.scale.dequantize(jnp.float32)
+    y = fp8_gemm(xq.data, scale.astype(jnp.float32), packed, bias=bias, out_dtype=x.dtype)
+    return y.reshape(*lead, packed.n)
+
+
+register_impl(Impl(name="pallas_fp8", supports=_supports, prepare=_prepare, run=_run, priority=10))

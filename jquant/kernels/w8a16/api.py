@@ -1,0 +1,136 @@
+"""``w8a16_matmul``: ``x @ W`` for an 8-bit weight (int8 or FP8 e4m3) laid out by ``prepack_w8``,
+dispatched by M and device (``jquant.schemes.dispatch.w8a16_impl``).
+
+Implementations (``impl``): ``"mgpu"`` (the Mosaic GPU kernel: the W4A16 kernel's pipeline with
+8-bit tiles, Hopper), ``"pallas"`` (the kernel, nothing else), ``"xla"`` (dequantize to x's dtype,
+then ``jnp.dot`` with fp32 accumulation), ``"reference"`` (fp32 dequantize and dot), ``"auto"``.
+With ``interpret=True`` the kernel runs on any device in Pallas interpret mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jquant.kernels.w4a16.api import IMPLS, warn_once
+from jquant.kernels.w4a16.config import MgpuConfig, default_mgpu_config, group_acc_fits
+from jquant.kernels.w8a16.layout import PackedW8NK, reference_w8
+from jquant.qtensor import QTensor
+from jquant.schemes import dispatch as device_lib
+
+
+def resolve_w8_impl(impl: str, m: int, interpret: bool = False) -> str:
+    """The implementation ``w8a16_matmul`` runs for ``impl`` at ``m`` rows on the default device.
+
+    Examples:
+      >>> import jax
+      >>> from jquant.kernels.w8a16 import resolve_w8_impl
+      >>> resolve_w8_impl("xla", 1), resolve_w8_impl("auto", 1, interpret=True)
+      ('xla', 'mgpu')
+      >>> jax.default_backend() != "cpu" or resolve_w8_impl("auto", 1) == "reference"
+      True
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl in ("xla", "reference"):
+        return impl
+    if interpret:
+        return "mgpu"
+    cc = device_lib.compute_capability()
+    if impl == "auto":
+        return device_lib.w8a16_impl(m, cc)
+    if not device_lib.has_wgmma(cc):
+        where = device_lib.platform() if cc == 0 else f"compute capability {cc}"
+        if impl == "pallas":
+            raise ValueError(f"impl='pallas' needs a Hopper GPU (sm_90), not {where}; pass "
+                             "interpret=True to run the kernel in interpret mode")
+        warn_once(f"w8mgpu{cc}", f"impl='mgpu' cannot run on {where}; using the XLA path instead")
+        return device_lib.w4a16_fallback(cc)
+    return "mgpu"
+
+
+def default_w8_config(m: int, packed: PackedW8NK) -> MgpuConfig:
+    """The W4A16 kernel's launch for ``m`` rows (``default_mgpu_config``) with the same bytes per
+    weight row and step: 8-bit codes take half the codes per step at M ≤ 16 (128 codes, one
+    128-byte swizzle row) and 64-code steps from M = 72 with one warpgroup (shared memory);
+    weights without group scales take no per-group accumulator.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jquant.kernels.w8a16 import default_w8_config, prepack_w8
+      >>> packed = prepack_w8(np.ones((1024, 256), np.int8), channel_scale=np.ones(256, np.float32))
+      >>> cfg = default_w8_config(1, packed)
+      >>> cfg.block_k, cfg.group_acc, cfg.final_output
+      (128, False, True)
+    """
+    cfg = default_mgpu_config(m, packed)
+    bk = cfg.block_k
+    if cfg.compute_wgs == 1 and cfg.block_m <= 16 and bk > 128:
+        bk //= 2
+    elif cfg.compute_wgs == 1 and cfg.block_m > 64:
+        # 3 stages of 128 × 128 x and weight tiles plus the epilogue's take 242 KB of shared
+        # memory with 8-bit codes, past sm_90's 227 KB (Mosaic GPU's lowering, checked on CPU).
+        bk = min(bk, 64)
+    group_acc = (cfg.block_m <= 16 and not packed.unit_scales
+                 and group_acc_fits(packed.group_size, bk, cfg.compute_wgs))
+    return dataclasses.replace(cfg, block_k=bk, group_acc=group_acc)
+
+
+def w8a16_matmul(x, packed: PackedW8NK | QTensor, *, bias=None, impl: str = "auto",
+                 config: MgpuConfig | None = None, interpret: bool = False):
+    """``x`` ``[..., K]`` (bf16 / fp16 / fp32) contracted with an 8-bit weight's K axis; fp32
+    accumulation, result ``[..., N]`` in ``x``'s dtype. ``packed``: a ``PackedW8NK`` (``x @ W``
+    for the ``[K, N]`` codes it was packed from) or an 8-bit ``[N, K]`` QTensor (int8, uint8 with
+    zero points, fp8_e4m3 per tensor, channel or 128×128 block: ``x @ W.T``).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jquant
+      >>> from jquant.kernels.w8a16 import w8a16_matmul
+      >>> rng = np.random.default_rng(0)
+      >>> w = jquant.quantize(rng.standard_normal((8, 64)).astype(np.float32), "int8")  # per channel
+      >>> x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+      >>> y = w8a16_matmul(x, w, impl="xla")
+      >>> y.shape, bool(jnp.allclose(y, x @ w.dequantize().T, atol=1e-4))
+      ((3, 8), True)
+      >>> y = w8a16_matmul(x.astype(jnp.bfloat16), w, interpret=True)  # the kernel, interpreted
+      >>> bool(jnp.allclose(y.astype(jnp.float32), x @ w.dequantize().T, atol=0.1))
+      True
+    """
+    if isinstance(packed, QTensor):
+        from jquant.kernels.w8a16.from_qtensor import pack_w8_qtensor
+        packed = pack_w8_qtensor(packed)
+    if not isinstance(packed, PackedW8NK):
+        raise TypeError("packed must be a PackedW8NK (prepack_w8) or an 8-bit QTensor, got "
+                        f"{type(packed).__name__}")
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize not in (2, 4):
+        raise TypeError(f"x must be bf16, fp16 or fp32, got {x.dtype} (shape {tuple(x.shape)})")
+    if x.ndim < 1 or x.shape[-1] != packed.k or x.size == 0:
+        raise ValueError(f"x has shape {tuple(x.shape)}; expected [..., K={packed.k}], non-empty")
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (packed.n,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({packed.n},)")
+    if config is not None and not isinstance(config, MgpuConfig):
+        raise TypeError(f"config must be an MgpuConfig, got {type(config).__name__}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, packed.k)
+    kind = resolve_w8_impl(impl, x2.shape[0], interpret)
+    if kind == "mgpu" and x2.dtype == jnp.float32:
+        if impl != "auto" and not interpret:
+            raise TypeError(f"impl={impl!r} runs the Mosaic GPU kernel, which takes bf16 or fp16 x; "
+                            f"got float32 x of shape {tuple(x2.shape)}")
+        kind = device_lib.w4a16_fallback(device_lib.compute_capability())
+    if kind == "reference":
+        out = reference_w8(x2, packed, bias)
+    elif kind == "xla":
+        dtype = jnp.float32 if device_lib.is_cpu() else x2.dtype
+        out = reference_w8(x2, packed, bias, dtype)
+    else:
+        # Imported here: Mosaic GPU's Pallas backend loads only where a kernel runs.
+        from jquant.kernels.w4a16.mosaic_gpu import w4a16_mgpu_matmul
+
+        cfg = config or default_w8_config(x2.shape[0], packed)
+        out = w4a16_mgpu_matmul(x2, packed, bias, config=cfg, interpret=interpret)
+    return out.reshape(*lead, packed.n)

@@ -1,0 +1,151 @@
+"""``jquant bench gemm8``: 8-bit weight schemes as a model runs them, against XLA bf16 ``x @ W``, in
+one run.
+
+Per shape and M, every scheme's weight comes from the public API (``quantize_weight`` then
+``process_weights_after_loading``) and ``scheme.apply`` is timed, what a model runs: the weight-only
+schemes (``int8_ch``, FP8 e4m3 per channel with bf16 activations) through their dispatch, plus the
+W8A16 kernel forced (``mgpu``) and XLA's dequantize + dot for the same math (``xla``); the W8A8 FP8
+schemes (per tensor, per token × channel, 128×128 blocks) through theirs (XLA's FP8 dot, or
+dequantize + dot for blocks). Records: op, scheme, impl, M, N, K, µs, the XLA bf16 baseline of the
+same run, TB/s, TFLOP/s, % of the byte floor, the speedup over bf16, device, JAX version, commit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+
+import jquant
+from jquant.bench.records import markdown_title
+from jquant.bench.timing import (H200_HBM_BYTES_PER_S, array_bytes, copies_for, roofline, spread_pct,
+                                 time_interleaved)
+from jquant.kernels.w8a16.api import default_w8_config, w8a16_matmul
+from jquant.kernels.w8a16.from_qtensor import unified_w8
+from jquant.kernels.w8a16.layout import prepack_w8
+from jquant.schemes import builtin
+from jquant.schemes.xla import xla_apply
+
+SHAPES = ((28672, 8192), (8192, 28672), (8192, 8192), (4096, 4096))
+# DeepSeek-V3's block-FP8 projections (N × K), for the block scheme.
+DEEPSEEK_SHAPES = ((7168, 2048), (2112, 7168), (24576, 1536), (7168, 16384))
+MS = (1, 16, 64, 128, 256, 1024, 4096, 8192)
+
+
+def schemes() -> dict[str, jquant.Scheme]:
+    """The 8-bit schemes timed, by name: two weight-only, three W8A8."""
+    weight_only = [jquant.get_scheme("int8_ch"), builtin.fp8_channel(weight_only=True)]
+    w8a8 = [jquant.get_scheme(n) for n in ("fp8_e4m3_tensor", "fp8_e4m3_channel", "fp8_e4m3_block128x128")]
+    return {s.name: s for s in weight_only + w8a8}
+
+
+def _copies(tree, max_copies: int) -> list:
+    n = copies_for(array_bytes(tree), max_copies=max_copies)
+    return [tree] + [jax.tree_util.tree_map(lambda a: a.copy(), tree) for _ in range(n - 1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Weight:
+    scheme: jquant.Scheme
+    prepared: list           # process_weights_after_loading and copies
+    qweight: list            # the QTensor and copies (XLA's path for the same math)
+    packed: list | None      # the W8A16 kernel's layout (weight-only schemes)
+
+
+def _weight(scheme: jquant.Scheme, w: jax.Array, max_copies: int) -> _Weight:
+    qw = jax.jit(scheme.quantize_weight)(w)
+    packed = None
+    if scheme.weight_only:
+        args = unified_w8(qw)
+        packed = None if args is None else _copies(prepack_w8(**args), max_copies)
+    return _Weight(scheme, _copies(scheme.process_weights_after_loading(qw), max_copies),
+                   _copies(qw, max_copies), packed)
+
+
+def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
+        names: Iterable[str] | None = None, reps: int = 9, interpret: bool = False,
+        hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S, meta: dict | None = None,
+        log: Callable[[str], None] = print, max_copies: int = 64) -> list[dict]:
+    """Times every (shape, M, scheme) cell with its XLA bf16 baseline, interleaved. ``interpret``
+    runs the kernel in interpret mode (CPU plumbing check; its timings mean nothing)."""
+    table = schemes()
+    names = tuple(names or table)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ValueError(f"unknown 8-bit schemes {unknown}; known: {', '.join(table)}")
+    if interpret:
+        max_copies = 1
+    meta = meta or {}
+    key = jax.random.PRNGKey(0)
+    records = []
+    for n, k in shapes:
+        w = jax.random.normal(jax.random.fold_in(key, 7), (n, k), jnp.bfloat16)
+        w_bf16 = _copies(w.T, max_copies)
+        weights = {}
+        for name in names:
+            try:
+                weights[name] = _weight(table[name], w, max_copies)
+            except Exception as e:   # one failing scheme must not end the run
+                log(f"  FAILED {name} {n}x{k}: quantize/prepare: {type(e).__name__}: {e}")
+        for m in ms:
+            n_x = copies_for(n * k + m * k * 2, max_copies=max_copies)
+            xs = [jax.random.normal(jax.random.fold_in(key, 100 + c), (m, k), jnp.bfloat16) for c in range(n_x)]
+            cands = {"xla_bf16": (jnp.dot, [(xs[c % n_x], wc) for c, wc in enumerate(w_bf16)])}
+            timed = {}
+            for name, wt in weights.items():
+                for impl, fn, copies in _candidates(wt, m, interpret):
+                    args = [(xs[c % n_x], p) for c, p in enumerate(copies)]
+                    try:
+                        jax.block_until_ready(fn(*args[0]))
+                    except Exception as e:
+                        log(f"  FAILED {name} {n}x{k} M={m} {impl}: {type(e).__name__}: {e}")
+                        continue
+                    cands[f"{name}:{impl}"] = (fn, args)
+                    timed[f"{name}:{impl}"] = (name, impl, copies[0])
+            times = time_interleaved(cands, warmup=1 if interpret else 3, reps=reps,
+                                     min_batch_s=1e-3 if interpret else 10e-3)
+            bf16 = times["xla_bf16"].median_us
+            for label, (name, impl, one) in timed.items():
+                t = times[label]
+                nbytes = array_bytes(one, xs[0]) + m * n * 2
+                roof = roofline(t.median_us, nbytes, 2 * m * n * k, hbm_bytes_per_s)
+                cfg = default_w8_config(m, one) if impl == "mgpu" else None
+                rec = dict(op="gemm8", scheme=name, impl=impl, M=m, N=n, K=k,
+                           w8a8=not table[name].weight_only, time_us=round(t.median_us, 2),
+                           baselines={"xla_bf16": round(bf16, 2)},
+                           speedup_vs_bf16=round(bf16 / t.median_us, 3),
+                           spread_pct=spread_pct(t), baseline_spread_pct=spread_pct(times["xla_bf16"]),
+                           config=dataclasses.asdict(cfg) if cfg else None,
+                           tb_per_s=round(roof.tb_per_s, 3), tflop_per_s=round(roof.tflop_per_s, 2),
+                           pct_of_byte_floor=round(roof.pct_of_byte_floor, 1), **meta)
+                records.append(rec)
+                log(f"  {name:24s} {n}x{k} M={m:<5d} {impl:6s} {rec['time_us']:9.1f} us  bf16 {bf16:9.1f}"
+                    f"  x{rec['speedup_vs_bf16']:.2f}  {rec['tflop_per_s']:.0f} TFLOP/s")
+    return records
+
+
+def _candidates(wt: _Weight, m: int, interpret: bool):
+    """(impl, fn, weight copies): the scheme as a model runs it; for weight-only schemes also the
+    kernel forced and XLA's dequantize + dot of the same QTensor."""
+    scheme = wt.scheme
+    out = [("scheme", jax.jit(lambda x, p, s=scheme: s.apply(x, p)), wt.prepared)]
+    if wt.packed is not None:
+        out.append(("mgpu", jax.jit(lambda x, p: w8a16_matmul(x, p, impl="mgpu", interpret=interpret)),
+                    wt.packed))
+    out.append(("xla", jax.jit(lambda x, q, s=scheme: xla_apply(s, x, q, None)), wt.qweight))
+    return out
+
+
+def to_markdown(records: list[dict]) -> str:
+    head = ("| scheme | W8A8 | N×K | M | impl | µs | XLA bf16 µs | vs bf16 | TB/s | TFLOP/s | % byte floor |"
+            " spread % |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    rows = [f"| {r['scheme']} | {'yes' if r['w8a8'] else 'no'} | {r['N']}×{r['K']} | {r['M']} | {r['impl']} | "
+            f"{r['time_us']} | {r['baselines']['xla_bf16']} | {r['speedup_vs_bf16']} | {r['tb_per_s']} | "
+            f"{r['tflop_per_s']} | {r['pct_of_byte_floor']} | {max(r['spread_pct'], r['baseline_spread_pct'])} |"
+            for r in records]
+    return (markdown_title("8-bit GEMM benchmark", records,
+                           "impl: scheme = Scheme.apply (the dispatch), mgpu = the W8A16 kernel, xla = XLA's path "
+                           "for the same math") + head + "\n".join(rows) + "\n")
+

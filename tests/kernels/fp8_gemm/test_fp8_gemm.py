@@ -1,0 +1,147 @@
+"""The FP8 W8A8 GEMM (Mosaic GPU): interpret mode against its twin and against the W8A8 schemes'
+own XLA numerics, lowering for sm_90 on CPU, the scheme path, and bad input.
+JQUANT_TEST_GPU=1 runs the same tests on the GPU."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jquant
+from conftest import ON_GPU
+from cuda_lowering import lower_for_cuda
+from jquant.kernels.fp8_gemm import (Fp8GemmConfig, default_fp8_config, fp8_gemm, prepack_fp8, reference_fp8,
+                                     resolve_fp8_impl)
+from jquant.kernels.fp8_gemm.api import run_kernel
+from jquant.kernels.fp8_gemm.from_qtensor import pack_fp8_qtensor
+from jquant.schemes import dispatch
+from jquant.schemes.scheme import candidate_impls
+from jquant.schemes.xla import quantize_activation, xla_apply
+
+SCHEMES = ("fp8_e4m3_channel", "fp8_e4m3_tensor", "fp8_e4m3_block128x128", "fp8_e4m3_block128x128_ue8m0")
+
+
+def _impl(interpret):
+    return "auto" if interpret else "pallas"
+
+
+def _float64(xq, xs, w, ws, blocks):
+    """``Σ_b sx·sw·Σ_k xq·wq`` in float64 from the raw codes (block scales expanded by hand)."""
+    xq, w = np.asarray(xq, np.float64), np.asarray(w, np.float64)
+    m, k = xq.shape
+    n = w.shape[0]
+    if not blocks:
+        return (xq @ w.T) * np.asarray(xs, np.float64).reshape(-1, 1) * np.asarray(ws, np.float64).reshape(1, -1)
+    xs_k = np.repeat(np.asarray(xs, np.float64), 128, axis=1)[:, :k]
+    ws_nk = np.repeat(np.repeat(np.asarray(ws, np.float64), 128, 0), 128, 1)[:n, :k]
+    out = np.zeros((m, n))
+    for b in range(-(-k // 128)):
+        sl = slice(b * 128, (b + 1) * 128)
+        out += (xq[:, sl] @ w[:, sl].T) * xs_k[:, b * 128][:, None] * ws_nk[:, b * 128][None, :]
+    return out
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["token-channel", "block128"])
+@pytest.mark.parametrize("m,n,k", [(1, 256, 256), (9, 200, 300), (70, 256, 384), (130, 384, 128)])
+def test_kernel_matches_float64(blocks, m, n, k, interpret):
+    rng = np.random.default_rng()
+    w = (rng.standard_normal((n, k)) * 8).astype(ml_dtypes.float8_e4m3fn)
+    kb = -(-k // 128)
+    ws = rng.uniform(1e-3, 1e-2, (-(-n // 128), kb) if blocks else n).astype(np.float32)
+    xq = jnp.asarray(rng.standard_normal((m, k)) * 8, jnp.float8_e4m3fn)
+    xs = jnp.asarray(rng.uniform(1e-3, 1e-2, (m, kb) if blocks else (m, 1)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(n) * 0.1, jnp.float32)
+    y = fp8_gemm(xq, xs, prepack_fp8(w, ws), bias=bias, impl=_impl(interpret), interpret=interpret)
+    assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+    ref = _float64(xq, xs, w, ws, blocks) + np.asarray(bias, np.float64)
+    np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
+    # and the twin, to within the output's rounding
+    chex.assert_trees_all_close(y.astype(jnp.float32),
+                                reference_fp8(xq, xs, prepack_fp8(w, ws), bias).astype(jnp.float32),
+                                rtol=8e-3, atol=1e-3 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize("m", [3, 96])
+def test_kernel_keeps_the_scheme_numerics(name, m, interpret):
+    """Activations quantized as the W8A8 scheme says, then the kernel: the scheme's XLA result."""
+    scheme = jquant.get_scheme(name)
+    rng = np.random.default_rng()
+    w = rng.standard_normal((256, 512)).astype(np.float32)
+    qw = scheme.quantize_weight(w)
+    x = jnp.asarray(rng.standard_normal((m, 512)), jnp.float32)
+    xq = quantize_activation(scheme, x)
+    xs = xq.scale.astype(jnp.float32)
+    y = fp8_gemm(xq.data, xs, pack_fp8_qtensor(qw), out_dtype=jnp.float32, impl=_impl(interpret),
+                 interpret=interpret)
+    chex.assert_trees_all_close(y, xla_apply(scheme, x, qw, None), rtol=1e-4, atol=1e-3)
+
+
+def test_nan_and_zero_rows(interpret):
+    """A NaN code poisons its row only; an all-zero row of x (scale 0) gives exact zeros."""
+    rng = np.random.default_rng()
+    w = rng.standard_normal((256, 128)).astype(ml_dtypes.float8_e4m3fn)
+    xq = np.asarray(rng.standard_normal((8, 128)), ml_dtypes.float8_e4m3fn)
+    xq[2, 5] = np.nan
+    xq[4] = 0
+    xs = np.ones((8, 1), np.float32)
+    xs[4] = 0
+    y = np.asarray(fp8_gemm(jnp.asarray(xq), xs, prepack_fp8(w, np.ones(256, np.float32)), impl=_impl(interpret),
+                            interpret=interpret), np.float32)
+    assert np.isnan(y[2]).all() and not y[4].any() and np.isfinite(np.delete(y, 2, axis=0)).all()
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU run compiles for real")
+@pytest.mark.parametrize("blocks", [False, True], ids=["token-channel", "block128"])
+def test_lowers_for_sm90_every_default_launch(blocks):
+    n, k = 2048, 1024
+    p = prepack_fp8(jnp.ones((n, k), jnp.float8_e4m3fn), jnp.ones((n // 128, k // 128)) if blocks else jnp.ones(n))
+    for m in (1, 64, 256):
+        cfg = default_fp8_config(m, p.n_pad, blocks)
+        xs = jnp.ones((m, k // 128) if blocks else (m, 1))
+        text = lower_for_cuda(lambda a, s, w, b, cfg=cfg: run_kernel(a, s, w, b, jnp.bfloat16, cfg, False),
+                              jnp.ones((m, k), jnp.float8_e4m3fn), xs, p, jnp.ones(n))
+        assert "mosaic_gpu" in text, (m, cfg)
+
+
+def test_scheme_runs_the_kernel_on_hopper_once_enabled(monkeypatch):
+    hopper = type("Dev", (), {"platform": "gpu", "device_kind": "H200", "compute_capability": "9.0"})()
+    scheme = jquant.get_scheme("fp8_e4m3_channel")
+    assert candidate_impls(scheme, hopper)[0].name == "xla"      # XLA's FP8 dot until timed
+    monkeypatch.setattr(dispatch, "FP8_GEMM_MGPU", True)
+    assert candidate_impls(scheme, hopper)[0].name == "pallas_fp8"
+    assert candidate_impls(jquant.get_scheme("int8_ch"), hopper)[0].name != "pallas_fp8"
+    rng = np.random.default_rng()
+    qw = scheme.quantize_weight(rng.standard_normal((128, 256)).astype(np.float32))
+    impl = candidate_impls(scheme, hopper)[0]
+    x = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.float32)
+    y = impl.run(scheme, x, impl.prepare(scheme, qw), None)
+    chex.assert_trees_all_close(y, xla_apply(scheme, x, qw, None), rtol=1e-4, atol=1e-3)
+
+
+def test_dispatch_and_config():
+    assert resolve_fp8_impl("auto", 1, interpret=True) == "mgpu"
+    assert dispatch.fp8_gemm_impl(1, 90) == ("mgpu" if dispatch.FP8_GEMM_MGPU else "xla")
+    assert dispatch.fp8_gemm_impl(1, 89) == "xla"
+    assert default_fp8_config(64, 256).swap_ab and not default_fp8_config(65, 256).swap_ab
+    with pytest.raises(ValueError, match="block_b must be a multiple of 8"):
+        Fp8GemmConfig(swap_ab=True, block_a=64, block_b=4)
+
+
+def test_bad_input_names_the_problem():
+    with pytest.raises(TypeError, match="float8_e4m3fn codes"):
+        prepack_fp8(np.ones((8, 64), np.float32), 1.0)
+    w = np.ones((256, 256), ml_dtypes.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"scale has shape \(3,\)"):
+        prepack_fp8(w, np.ones(3))
+    p = prepack_fp8(w, np.ones(256, np.float32))
+    with pytest.raises(ValueError, match=r"x_scale has shape \(2, 2\)"):
+        fp8_gemm(jnp.ones((2, 256), jnp.float8_e4m3fn), jnp.ones((2, 2)), p)   # groups, weight per channel
+    with pytest.raises(ValueError, match="K=256"):
+        fp8_gemm(jnp.ones((2, 128), jnp.float8_e4m3fn), jnp.ones((2, 1)), p)
+    with pytest.raises(ValueError, match=r"bias has shape \(3,\)"):
+        fp8_gemm(jnp.ones((2, 256), jnp.float8_e4m3fn), jnp.ones((2, 1)), p, bias=jnp.ones(3))
+    with pytest.raises(TypeError, match="PackedFp8"):
+        fp8_gemm(jnp.ones((2, 256), jnp.float8_e4m3fn), jnp.ones((2, 1)), w)

@@ -1,0 +1,38 @@
+"""``jquant bench gemm8`` on CPU: tiny shapes, the kernel in interpret mode; the plumbing and the
+record fields, not the timings."""
+
+import json
+
+import pytest
+
+from jquant.apps import bench as cli
+from jquant.kernels.w8a16 import bench
+
+
+def test_gemm8_bench_writes_records_for_every_scheme_and_impl(tmp_path, capsys):
+    rc = cli.main(["gemm8", "--interpret", "--shapes", "128x256", "--ms", "1,9", "--reps", "1",
+                   "--schemes", "int8_ch,fp8_e4m3_channel_w_only,fp8_e4m3_block128x128", "--out", str(tmp_path)])
+    assert rc == 0
+    records = json.loads((tmp_path / "gemm8.json").read_text())
+    cells = {(r["scheme"], r["impl"], r["M"]) for r in records}
+    for m in (1, 9):
+        for name in ("int8_ch", "fp8_e4m3_channel_w_only"):
+            assert {(name, "scheme", m), (name, "mgpu", m), (name, "xla", m)} <= cells
+        assert {("fp8_e4m3_block128x128", "scheme", m), ("fp8_e4m3_block128x128", "xla", m)} <= cells
+        assert ("fp8_e4m3_block128x128", "mgpu", m) not in cells   # W8A8 never runs the W8A16 kernel
+    for r in records:
+        assert r["device"].startswith("cpu") and r["N"] == 128 and r["K"] == 256 and r["time_us"] > 0
+        assert r["baselines"]["xla_bf16"] > 0 and "commit" in r and "jax_version" in r
+        assert r["w8a8"] == (r["scheme"] == "fp8_e4m3_block128x128")
+        assert (r["config"] is not None) == (r["impl"] == "mgpu")
+    assert "| int8_ch | no | 128×256 | 1 | mgpu |" in (tmp_path / "gemm8.md").read_text()
+
+
+def test_gemm8_bench_refuses_unknown_schemes_and_cpu_without_interpret(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["gemm8", "--schemes", "int4_g128", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "int8_ch" in capsys.readouterr().err
+    assert cli.main(["gemm8", "--out", str(tmp_path)]) == 1
+    assert "no GPU present" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="unknown 8-bit schemes"):
+        bench.run(names=["nf4"])
