@@ -7,5 +7,6 @@ from jquant.checkpoint import gptq_awq as _gptq_awq  # noqa: F401,E402
 from jquant.checkpoint import fp8_layouts as _fp8  # noqa: F401,E402
 from jquant.checkpoint import fp4_layouts as _fp4  # noqa: F401,E402
 from jquant.checkpoint import bnb_layout as _bnb  # noqa: F401,E402
+from jquant.checkpoint import int8_layouts as _int8  # noqa: F401,E402
 
 __all__ = ["from_checkpoint", "layouts", "register_layout", "to_checkpoint"]

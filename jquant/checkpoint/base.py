@@ -79,8 +79,8 @@ def layouts() -> tuple[str, ...]:
       >>> {"awq", "gptq", "fp8", "fp8-block", "bnb", "gpt-oss"} <= set(jquant.layouts())
       True
       >>> [name for name in jquant.layouts() if name.startswith("compressed-tensors/")]
-      ['compressed-tensors/float-quantized', 'compressed-tensors/nvfp4-pack-quantized',
-       'compressed-tensors/pack-quantized']
+      ['compressed-tensors/float-quantized', 'compressed-tensors/int-quantized',
+       'compressed-tensors/nvfp4-pack-quantized', 'compressed-tensors/pack-quantized']
     """
     return tuple(sorted(_LAYOUTS))
 

@@ -150,11 +150,38 @@ def _compressed_tensors(cfg: dict) -> Scheme:
         if strategy == "channel" or act_strategy == "token":
             return bs.fp8_channel(layout="compressed-tensors", weight_only=acts is None)
         return bs.fp8_tensor(layout="compressed-tensors", weight_only=acts is None)
+    if fmt == "int-quantized":
+        return _int_quantized(weights, acts, where)
     if fmt == "nvfp4-pack-quantized":
         _nvfp4_group(_get(weights, "group_size", int, 16, where=wwhere), wwhere)
         return bs.nvfp4(convention="compressed-tensors")
     raise ValueError(f"quantization_config['format'] {fmt!r} is not supported; expected 'pack-quantized', "
-                     "'float-quantized' or 'nvfp4-pack-quantized'")
+                     "'float-quantized', 'int-quantized' or 'nvfp4-pack-quantized'")
+
+
+def _int_quantized(weights: dict, acts: dict | None, where: str) -> Scheme:
+    """compressed-tensors INT8 W8A8: symmetric int8 weights per channel (or tensor), symmetric int8
+    activations per token (dynamic) or per tensor (static), as vLLM's ``W8A8Int8`` reads them."""
+    wwhere, awhere = where + "['weights']", where + "['input_activations']"
+    if _get(weights, "type", str, "int", where=wwhere) != "int" or _get(weights, "num_bits", int, where=wwhere) != 8:
+        raise ValueError(f"{wwhere}: int-quantized needs type 'int' with num_bits 8")
+    if not _get(weights, "symmetric", bool, True, wwhere):
+        raise ValueError(f"{wwhere}: asymmetric INT8 weights are not supported (vLLM's W8A8 INT8 takes symmetric)")
+    if _get(weights, "strategy", str, where=wwhere) not in ("channel", "tensor"):
+        raise ValueError(f"{wwhere}['strategy'] must be 'channel' or 'tensor' for int-quantized")
+    if acts is None:
+        raise ValueError(f"{where}: int-quantized without input_activations (INT8 weight-only) is stored "
+                         "pack-quantized; expected input_activations for W8A8")
+    if _get(acts, "type", str, "int", where=awhere) != "int" or _get(acts, "num_bits", int, where=awhere) != 8:
+        raise ValueError(f"{awhere}: needs type 'int' with num_bits 8")
+    if not _get(acts, "symmetric", bool, True, awhere):
+        raise ValueError(f"{awhere}: asymmetric INT8 activations (azp) are not supported")
+    dynamic = _get(acts, "dynamic", (bool, str), True, where=awhere)
+    strategy = _get(acts, "strategy", str, "token" if dynamic else "tensor", where=awhere)
+    if dynamic and strategy != "token" or not dynamic and strategy != "tensor":
+        raise ValueError(f"{awhere}: INT8 activations are dynamic per token or static per tensor, got "
+                         f"dynamic={dynamic!r}, strategy={strategy!r}")
+    return bs.int8_w8a8(static_activations=not dynamic)
 
 
 def _modelopt(cfg: dict) -> Scheme:

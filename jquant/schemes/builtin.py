@@ -6,6 +6,7 @@ from jquant.schemes.scheme import Scheme, register_scheme
 from jquant.schemes.spec import ActivationSpec, LayoutSpec, WeightSpec
 
 FP8_CAPABILITY = 89  # FP8 tensor cores: Ada and Hopper
+INT8_CAPABILITY = 75  # INT8 tensor cores (IMMA) that cuBLASLt runs int8 GEMMs on: Turing and up
 
 
 def int_weight_only(bits: int, group_size: int | None, *, symmetric: bool = True, layout: str | None = None,
@@ -67,6 +68,21 @@ def fp8_block(block: tuple[int, int] = (128, 128), *, ue8m0: bool = False, eleme
     )
 
 
+def int8_w8a8(*, static_activations: bool = False, input_scale: float | None = None,
+              layout: str | None = "compressed-tensors/int-quantized") -> Scheme:
+    """INT8 W8A8 (vLLM's compressed-tensors ``W8A8Int8``): symmetric int8 weights per output channel,
+    symmetric int8 activations per token (or one static, calibrated scale), int32 accumulation."""
+    mode = "static" if static_activations else "dynamic_per_token"
+    return Scheme(
+        name="int8_w8a8" + ("_static" if static_activations else ""),
+        weight=WeightSpec.integer(8, None, symmetric=True),
+        activation=ActivationSpec(mode, "int8", input_scale=input_scale),
+        min_capability=INT8_CAPABILITY, checkpoint_layout=layout,
+        description="INT8 weights per output channel; " + ("static per-tensor" if static_activations
+                                                           else "dynamic per-token") + " INT8 activations",
+    )
+
+
 def mxfp4(scale_mode: str = "floor") -> Scheme:
     return Scheme(name="mxfp4", weight=WeightSpec("mxfp4", 4, scale_mode=scale_mode),
                   checkpoint_layout="gpt-oss",
@@ -95,6 +111,7 @@ BUILTIN = (
     int_weight_only(4, 128, symmetric=False, layout="awq"),
     int_weight_only(4, 64, layout="gptq"),
     int_weight_only(4, 32, layout="gptq"),
+    int8_w8a8(),
     fp8_tensor(),
     fp8_channel(),
     fp8_block(),

@@ -18,6 +18,8 @@ from jquant.formats.fp8 import FP8_DTYPES, WEIGHT_GRANULARITIES
 from jquant.formats.integer import BITS, int_format
 
 ACTIVATION_MODES = ("none", "dynamic_per_tensor", "dynamic_per_token", "dynamic_per_token_group", "static")
+ACTIVATION_FORMATS = (*FP8_DTYPES, "int8")
+INT8_ACTIVATION_MODES = ("dynamic_per_token", "static")
 
 # Known formats → (family, bits). Integer names are built from their (bits, symmetric) fields.
 _INT_FORMATS = {int_format(b, s): (b, s) for b in BITS for s in (True, False)}
@@ -159,7 +161,8 @@ class ActivationSpec:
 
     Attributes:
       mode: one of ``ACTIVATION_MODES`` (``"none"``: weight-only, activations stay in float).
-      format: FP8 format of the quantized activations (``"fp8_e4m3"`` unless given); None when ``"none"``.
+      format: format of the quantized activations: FP8 (``"fp8_e4m3"`` unless given) or ``"int8"``
+        (symmetric, per token or static); None when ``"none"``.
       group_size: ``"dynamic_per_token_group"``: values per scale along K.
       ue8m0: ``"dynamic_per_token_group"``: power-of-two scales.
       input_scale: ``"static"``: a calibrated per-tensor scale used where no per-weight one is passed.
@@ -197,8 +200,11 @@ class ActivationSpec:
             return
         if self.format is None:
             object.__setattr__(self, "format", "fp8_e4m3")
-        if self.format not in FP8_DTYPES:
-            raise ValueError(f"ActivationSpec.format must be one of {tuple(FP8_DTYPES)}, got {self.format!r}")
+        if self.format not in ACTIVATION_FORMATS:
+            raise ValueError(f"ActivationSpec.format must be one of {ACTIVATION_FORMATS}, got {self.format!r}")
+        if self.format == "int8" and self.mode not in INT8_ACTIVATION_MODES:
+            raise ValueError(f"ActivationSpec: int8 activations are quantized {INT8_ACTIVATION_MODES} (symmetric, "
+                             f"as vLLM's W8A8 INT8 path), got mode={self.mode!r}")
         if (self.mode == "dynamic_per_token_group") != (self.group_size is not None):
             raise ValueError(f"ActivationSpec: group_size goes with mode 'dynamic_per_token_group' (and only with "
                              f"it), got mode={self.mode!r}, group_size={self.group_size!r}")

@@ -1,7 +1,7 @@
 """The XLA implementation of ``Scheme.apply``: runs everywhere, and is the twin kernels are checked against.
 
-Weight-only schemes dequantize and dot (XLA materialises the float weight: correct, not fast). W8A8 FP8
-schemes use XLA's native FP8 dot with per-row/per-column scales on a GPU (``dispatch.native_fp8_dot``;
+Weight-only schemes dequantize and dot (XLA materialises the float weight: correct, not fast). W8A8 INT8
+schemes multiply the int8 codes with int32 accumulation everywhere. W8A8 FP8 schemes use XLA's native FP8 dot with per-row/per-column scales on a GPU (``dispatch.native_fp8_dot``;
 it lowers to cuBLASLt's f8 GEMM), and dequantize both operands elsewhere.
 """
 
@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jquant.formats import fp8 as fp8_format
+from jquant.formats import int8_activations
 from jquant.qtensor import QTensor
 from jquant.schemes import dispatch
 from jquant.schemes.scheme import Impl, Scheme, register_impl
@@ -23,6 +24,13 @@ def quantize_activation(scheme: Scheme, x: jax.Array, input_scale: jax.Array | N
     ``input_scale``, else the spec's ``input_scale``)."""
     spec = scheme.activation
     fmt = spec.format
+    if fmt == "int8":
+        if spec.mode == "dynamic_per_token":
+            return int8_activations.quantize_int8_per_token(x)
+        scale = spec.input_scale if input_scale is None else input_scale
+        if scale is None:
+            raise ValueError(f"scheme {scheme.name!r} has static activations but no input_scale")
+        return int8_activations.quantize_int8_static(x, scale)
     if spec.mode == "dynamic_per_token":
         return fp8_format.quantize_fp8_per_token(x, fmt=fmt)
     if spec.mode == "dynamic_per_token_group":
@@ -61,7 +69,12 @@ def xla_apply(scheme: Scheme, x: jax.Array, qweight: QTensor, bias: jax.Array | 
         xs, ws = _row_scales(xq), _row_scales(qweight)
         native = (dispatch.native_fp8_dot() and xs is not None and ws is not None
                   and xq.fmt in FP8_FORMATS and qweight.fmt in FP8_FORMATS)
-        if native:
+        if xq.fmt == "int8" and qweight.fmt == "int8" and xs is not None and ws is not None:
+            # int8 × int8 with exact int32 sums (cuBLASLt's IMMA on GPUs), scaled once in fp32.
+            acc = jax.lax.dot_general(int8_activations.signed_int8(xq), int8_activations.signed_int8(qweight),
+                                      (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+            y = acc.astype(jnp.float32) * xs * ws.T
+        elif native:
             y = _contract_last(xq.data, qweight.data) * xs * ws.T
         else:
             y = _contract_last(xq.dequantize(jnp.float32), qweight.dequantize(jnp.float32))

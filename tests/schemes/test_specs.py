@@ -97,7 +97,7 @@ def test_weight_spec_refuses_inconsistent_fields(kwargs, match):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(mode="per_token"), "activation must be one of"),
     (dict(mode="none", format="fp8_e4m3"), "takes no format"),
-    (dict(mode="dynamic_per_token", format="int8"), "format must be one of"),
+    (dict(mode="dynamic_per_token", format="int4"), "format must be one of"),
     (dict(mode="dynamic_per_token_group"), "group_size goes with"),
     (dict(mode="dynamic_per_token", group_size=128), "group_size goes with"),
     (dict(mode="dynamic_per_tensor", input_scale=0.5), "input_scale applies to mode 'static'"),

@@ -5,8 +5,8 @@ Per shape and M, every scheme's weight comes from the public API (``quantize_wei
 ``process_weights_after_loading``) and ``scheme.apply`` is timed, what a model runs: the weight-only
 schemes (``int8_ch``, FP8 e4m3 per channel with bf16 activations) through their dispatch, plus the
 W8A16 kernel forced (``mgpu``) and XLA's dequantize + dot for the same math (``xla``); the W8A8 FP8
-schemes (per tensor, per token × channel, 128×128 blocks) through theirs (XLA's FP8 dot, or
-dequantize + dot for blocks). Records: op, scheme, impl, M, N, K, µs, the XLA bf16 baseline of the
+schemes (per tensor, per token × channel, 128×128 blocks) and INT8 W8A8 through theirs (XLA's FP8
+dot, or dequantize + dot for blocks; XLA's int8 × int8 → int32 dot). Records: op, scheme, impl, M, N, K, µs, the XLA bf16 baseline of the
 same run, TB/s, TFLOP/s, % of the byte floor, the speedup over bf16, device, JAX version, commit.
 """
 
@@ -35,9 +35,10 @@ MS = (1, 16, 64, 128, 256, 1024, 4096, 8192)
 
 
 def schemes() -> dict[str, jquant.Scheme]:
-    """The 8-bit schemes timed, by name: two weight-only, three W8A8."""
+    """The 8-bit schemes timed, by name: two weight-only, four W8A8 (INT8, FP8 three ways)."""
     weight_only = [jquant.get_scheme("int8_ch"), builtin.fp8_channel(weight_only=True)]
-    w8a8 = [jquant.get_scheme(n) for n in ("fp8_e4m3_tensor", "fp8_e4m3_channel", "fp8_e4m3_block128x128")]
+    w8a8 = [jquant.get_scheme(n) for n in ("int8_w8a8", "fp8_e4m3_tensor", "fp8_e4m3_channel",
+                                            "fp8_e4m3_block128x128")]
     return {s.name: s for s in weight_only + w8a8}
 
 
