@@ -1,10 +1,13 @@
-"""``quantize_params``: replace Dense kernels in a parameter tree by QParams, chosen by path rules.
+"""``quantize_params``: replace Dense kernels in a parameter tree by QParams, and MoE expert stacks by
+QExperts, chosen by path rules.
 
 Paths are the tree's keys joined by ``/`` (``layers_3/q_proj/kernel``; NNX: ``layers/3/q_proj/kernel``).
 Rules are tried in order and the first whose regex fully matches a path wins (as in qwix); a rule whose
-scheme is None keeps that path in float. Only 2-D ``kernel`` leaves are candidates, so embeddings, norms
-and biases stay in float unless a model names an embedding ``kernel``; ``skip`` patterns (default:
-anything with ``embed`` in its path) and predicates (e.g. a checkpoint config's ignore list,
+scheme is None keeps that path in float. Candidates are 2-D ``kernel`` leaves and 3-D expert stacks
+(floating ``[E, N, K]`` leaves named ``gate_up_proj`` / ``down_proj``, as ``jquant.models.moe.MoE``
+holds them; they become ``QExperts``, exactly what ``quantize_experts`` gives), so embeddings, norms,
+routers and biases stay in float unless a model names an embedding ``kernel``; ``skip`` patterns
+(default: anything with ``embed`` in its path) and predicates (e.g. a checkpoint config's ignore list,
 ``jquant.checkpoint.hf_checkpoint.skip_from_config``) are never quantized.
 """
 
@@ -18,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jquant.checkpoint.writer import path_str
+from jquant.kernels.moe.experts import EXPERT_PARAMS, QExperts, is_expert_stack, quantize_expert_weights
 from jquant.schemes.qparam import QParam
 from jquant.qtensor import QTensor
 from jquant.schemes.scheme import Scheme, get_scheme
@@ -69,7 +73,7 @@ class QuantizeReport:
 
 def _as_rules(rules) -> tuple[Rule, ...]:
     if isinstance(rules, (str, Scheme)):
-        return (Rule(r".*kernel", rules),)
+        return (Rule(r".*", rules),)  # every candidate: Dense kernels and expert stacks
     out = []
     for r in rules:
         if isinstance(r, Rule):
@@ -89,7 +93,7 @@ def _as_rules(rules) -> tuple[Rule, ...]:
 
 
 def _is_leaf(x) -> bool:
-    return isinstance(x, (QParam, QTensor))
+    return isinstance(x, (QParam, QTensor, QExperts))
 
 
 def _check_skip(skip) -> tuple:
@@ -111,13 +115,16 @@ def quantize_params(params: Any, rules: str | Scheme | Sequence, *,
     """Returns ``(quantized_params, report)``.
 
     Args:
-      params: a linen params dict or an NNX ``State`` (from ``nnx.split``); float kernels ``[K, N]``.
-      rules: a scheme name / Scheme (every candidate kernel), or a sequence of ``(regex, scheme)`` pairs /
+      params: a linen params dict or an NNX ``State`` (from ``nnx.split``); float kernels ``[K, N]``, and
+        expert stacks ``[E, N, K]`` (PyTorch orientation per expert, ``jquant.models.moe.MoE``'s
+        ``gate_up_proj`` / ``down_proj``), which become ``QExperts``.
+      rules: a scheme name / Scheme (every candidate), or a sequence of ``(regex, scheme)`` pairs /
         ``Rule``s, first match wins; scheme None keeps a path in float.
       skip: regexes (full match) or predicates of paths never quantized (default: embeddings); add
         ``skip_from_config(quantization_config)`` to keep a config's ignored modules in float.
       prepare: lay weights out for this device's kernels (``process_weights_after_loading``); False keeps
-        plain QTensors (for export and inspection).
+        plain QTensors (for export and inspection). Expert stacks have no kernel layout yet (the grouped
+        GEMM runs XLA's reference), so they are plain stacked QTensors either way.
       strict: raise when a rule matches no path (else it is only reported).
 
     Examples:
@@ -136,7 +143,18 @@ def quantize_params(params: Any, rules: str | Scheme | Sequence, *,
       >>> quantize_params(params, [(r".*v_proj/kernel", "int8_ch")])
       Traceback (most recent call last):
           ...
-      ValueError: quantization rule(s) ['.*v_proj/kernel'] matched no parameter path; candidate kernels were ...
+      ValueError: quantization rule(s) ['.*v_proj/kernel'] matched no parameter path; candidates were ...
+
+      A MoE layer's expert stacks ``[E, N, K]`` are candidates too; they become ``QExperts``:
+
+      >>> moe = {"router_weight": rng.standard_normal((4, 64)).astype(np.float32),   # E=4, H=64, I=32
+      ...        "gate_up_proj": rng.standard_normal((4, 64, 64)).astype(np.float32),
+      ...        "down_proj": rng.standard_normal((4, 64, 32)).astype(np.float32)}
+      >>> qmoe, report = quantize_params({"moe": moe}, [(r".*gate_up_proj", "mxfp4"), (r".*down_proj", "int4_g32")])
+      >>> report.quantized
+      {'moe/down_proj': 'int4_g32', 'moe/gate_up_proj': 'mxfp4'}
+      >>> type(qmoe["moe"]["gate_up_proj"]).__name__, qmoe["moe"]["gate_up_proj"].shape
+      ('QExperts', (4, 64, 64))
     """
     rules = _as_rules(rules)
     skip = _check_skip(skip)
@@ -146,9 +164,10 @@ def quantize_params(params: Any, rules: str | Scheme | Sequence, *,
 
     def visit(path, leaf):
         name = path_str(path)
-        candidate = (hasattr(leaf, "ndim") and leaf.ndim == 2 and name.split("/")[-1] == "kernel"
-                     and jnp.issubdtype(leaf.dtype, jnp.floating))
-        if not candidate or _skipped(skip, name):
+        kernel = (hasattr(leaf, "ndim") and leaf.ndim == 2 and name.split("/")[-1] == "kernel"
+                  and jnp.issubdtype(leaf.dtype, jnp.floating))
+        experts = not kernel and is_expert_stack(name, leaf)
+        if not (kernel or experts) or _skipped(skip, name):
             return leaf
         for i, rule in enumerate(rules):
             if re.fullmatch(rule.pattern, name):
@@ -157,6 +176,9 @@ def quantize_params(params: Any, rules: str | Scheme | Sequence, *,
                     kept.append(name)
                     return leaf
                 scheme = get_scheme(rule.scheme)
+                if experts:  # quantize_expert_weights names the parameter in its errors
+                    quantized[name] = scheme.name
+                    return QExperts(quantize_expert_weights(leaf, scheme, name=f"parameter {name!r}"), scheme)
                 try:
                     qw = scheme.quantize_kernel(leaf)
                 except (ValueError, TypeError) as e:
@@ -170,8 +192,9 @@ def quantize_params(params: Any, rules: str | Scheme | Sequence, *,
     out = jax.tree_util.tree_map_with_path(visit, params, is_leaf=_is_leaf)
     unused = tuple(r.pattern for i, r in enumerate(rules) if i not in used)
     if unused and strict:
-        raise ValueError(f"quantization rule(s) {list(unused)} matched no parameter path; candidate kernels "
-                         f"were {sorted(quantized) + sorted(kept)}")
+        raise ValueError(f"quantization rule(s) {list(unused)} matched no parameter path; candidates were "
+                         f"{sorted(quantized) + sorted(kept)} (2-D Dense kernels and [E, N, K] expert stacks "
+                         f"named {'/'.join(EXPERT_PARAMS)})")
     return out, QuantizeReport(quantized, tuple(kept), unused)
 
 

@@ -17,9 +17,11 @@ name                           shape             what
                                                  ``down_proj`` (SiLU SwiGLU, as DeepSeek-V3's)
 =============================  ================  ==========================================================
 
-Expert weights may be float arrays or ``QExperts`` (``quantize_experts``, ``expert_params``); both run
-through ``grouped_matmul``, so float parameters compute the dense reference and quantized ones the
-same product with the dequantized weights. The router and the biases stay float. The shared
+Expert weights may be float arrays or ``QExperts`` (``quantize_experts``, ``quantize_params``,
+``expert_params``); both run through ``grouped_matmul``, so float parameters compute the dense
+reference and quantized ones the same product with the dequantized weights. (Any other ``[E, N, K]``
+object with QExperts' ``apply(rows, group_sizes, impl=)`` runs its own grouped GEMM: how
+``jquant bench moe`` times a foreign kernel inside the same layer.) The router and the biases stay float. The shared
 expert's Dense kernels are ordinary ``quantize_params`` candidates (run through ``quantized_apply``).
 
 Activations (``activation``): ``"swiglu"`` = ``silu(gate) · up``; ``"gptoss_swiglu"`` (gpt-oss
@@ -39,14 +41,13 @@ import jax.numpy as jnp
 from jquant.checkpoint.experts import ExpertWeights
 from jquant.checkpoint.writer import path_str
 from jquant.kernels.moe.api import grouped_matmul
-from jquant.kernels.moe.experts import QExperts, concat_rows, quantize_expert_weights
-from jquant.kernels.moe.routing import check_routing, combine, gather_rows, route, sort_by_expert
+from jquant.kernels.moe.experts import EXPERT_PARAMS, QExperts, concat_rows, is_expert_stack, quantize_expert_weights
+from jquant.kernels.moe.routing import Routing, check_routing, combine, gather_rows, route, sort_by_expert
 from jquant.schemes.scheme import Scheme, get_scheme
 
 ACTIVATIONS = ("swiglu", "gptoss_swiglu")
 GPT_OSS_ALPHA = 1.702
 GPT_OSS_LIMIT = 7.0
-EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 # The scheme a loaded stack runs under, by format (gpt-oss MXFP4, DeepSeek-V3 block FP8).
 LOADED_SCHEMES = {"mxfp4": "mxfp4", "fp8_e4m3": "fp8_e4m3_block128x128"}
 
@@ -125,8 +126,27 @@ class MoE(nn.Module):
                              f"{self.num_experts}, intermediate={self.intermediate}, hidden={self.hidden})")
         return value
 
+    def _route(self, x2, router_weight, router_bias, correction) -> Routing:
+        logits = x2.astype(jnp.float32) @ jnp.asarray(router_weight, jnp.float32).T
+        if router_bias is not None:
+            logits = logits + jnp.asarray(router_bias, jnp.float32)
+        return route(logits, self.top_k, scoring=self.scoring, correction_bias=correction, n_group=self.n_group,
+                     topk_group=self.topk_group, group_score=self.group_score, normalize=self.normalize_weights,
+                     routed_scaling_factor=self.routed_scaling_factor)
+
+    def routing(self, x: jax.Array) -> Routing:
+        """The experts the tokens of ``x [..., H]`` go to and their weights (``Routing`` over the flattened
+        tokens), as ``__call__`` routes them: ``model.apply(variables, x, method=MoE.routing)``."""
+        e, h = self.num_experts, self.hidden
+        zeros = nn.initializers.zeros
+        router_weight = self._param("router_weight", (e, h), nn.initializers.lecun_normal(), "[E, H]")
+        router_bias = self._param("router_bias", (e,), zeros, "[E]") if self.router_bias else None
+        correction = self._param("e_score_correction_bias", (e,), zeros, "[E]") if self.scoring == "sigmoid" else None
+        return self._route(x.reshape(-1, h), router_weight, router_bias, correction)
+
     def _project(self, weight, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        if isinstance(weight, QExperts):
+        # QExperts, or any stack with QExperts' ``apply`` (a benchmark's foreign grouped GEMM).
+        if isinstance(weight, QExperts) or callable(getattr(weight, "apply", None)):
             return weight.apply(rows, group_sizes, impl=self.impl).astype(rows.dtype)
         return grouped_matmul(rows, jnp.asarray(weight, rows.dtype), group_sizes, impl=self.impl)
 
@@ -154,12 +174,7 @@ class MoE(nn.Module):
         gate_up_b = self._param("gate_up_bias", (e, 2 * i), zeros, "[E, 2I]") if self.expert_bias else None
         down_b = self._param("down_bias", (e, h), zeros, "[E, H]") if self.expert_bias else None
 
-        logits = x2.astype(jnp.float32) @ jnp.asarray(router_weight, jnp.float32).T
-        if router_bias is not None:
-            logits = logits + jnp.asarray(router_bias, jnp.float32)
-        routing = route(logits, self.top_k, scoring=self.scoring, correction_bias=correction, n_group=self.n_group,
-                        topk_group=self.topk_group, group_score=self.group_score, normalize=self.normalize_weights,
-                        routed_scaling_factor=self.routed_scaling_factor)
+        routing = self._route(x2, router_weight, router_bias, correction)
         dispatch = sort_by_expert(routing.indices, e)
         rows = gather_rows(x2.astype(dtype), dispatch)
         gate_up = self._project(gate_up_w, rows, dispatch.group_sizes)
@@ -193,14 +208,16 @@ def _rules(rules) -> list[tuple[str, Scheme | None]]:
 def quantize_experts(params: Any, rules: str | Scheme | Sequence) -> tuple[Any, dict[str, str]]:
     """Replaces the float expert stacks (``gate_up_proj``, ``down_proj`` leaves ``[E, N, K]``) of a params
     tree by ``QExperts``; ``rules`` as ``quantize_params``'s (a scheme, or ``(regex, scheme)`` pairs on
-    ``/``-joined paths, first full match wins, None keeps float). Returns ``(params, {path: scheme})``."""
+    ``/``-joined paths, first full match wins, None keeps float). Returns ``(params, {path: scheme})``.
+
+    ``jquant.flax.quantize_params`` gives the same stacks (its rules reach expert stacks and Dense
+    kernels alike, and it reports unused rules); this one touches expert stacks only."""
     rules = _rules(rules)
     done: dict[str, str] = {}
 
     def visit(path, leaf):
         name = path_str(path)
-        if (name.split("/")[-1] not in EXPERT_PARAMS or getattr(leaf, "ndim", None) != 3
-                or not jnp.issubdtype(leaf.dtype, jnp.floating)):
+        if not is_expert_stack(name, leaf):
             return leaf
         for pattern, scheme in rules:
             if re.fullmatch(pattern, name):

@@ -80,6 +80,9 @@ def test_float_layer_is_the_dense_reference(name):
     weights, indices = routing_loop(model, params, x2)
     expected = moe_loop(params, x2, weights, indices, activation=model.activation)
     np.testing.assert_allclose(np.asarray(y).reshape(x2.shape), expected, rtol=2e-5, atol=2e-5)
+    routing = model.apply({"params": params}, x, method=MoE.routing)  # the layer's own routing, alone
+    np.testing.assert_array_equal(np.asarray(routing.indices), indices)
+    np.testing.assert_allclose(np.asarray(routing.weights), weights, rtol=1e-6)
 
 
 def dequantized(qparams):
@@ -91,8 +94,9 @@ def dequantized(qparams):
     return jax.tree.map(leaf, qparams, is_leaf=lambda q: isinstance(q, (QExperts, QParam)))
 
 
-# MXFP4 experts: test_gpt_oss_checkpoint_experts_follow_transformers; block FP8 (DeepSeek): below.
-@pytest.mark.parametrize("name, scheme", [("gpt-oss", "int4_g32")])
+# MXFP4 experts: test_gpt_oss_checkpoint_experts_follow_transformers; block FP8 (DeepSeek): below. NVFP4:
+# each expert's own global scale.
+@pytest.mark.parametrize("name, scheme", [("gpt-oss", "int4_g32"), ("gpt-oss", "nvfp4")])
 def test_quantized_layer_is_the_float_layer_on_dequantized_weights(name, scheme):
     model, params, apply = setup(name)
     x = inputs(name)

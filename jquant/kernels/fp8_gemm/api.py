@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jquant.kernels.fp8_gemm.config import Fp8GemmConfig, default_fp8_config
 from jquant.kernels.fp8_gemm.layout import PackedFp8, activation_operands, reference_fp8
-from jquant.kernels.w4a16.api import IMPLS, warn_once
+from jquant.kernels.w4a16.api import resolve_kernel_impl
 from jquant.schemes import dispatch as device_lib
 
 
@@ -25,23 +25,7 @@ def resolve_fp8_impl(impl: str, m: int, interpret: bool = False) -> str:
       >>> resolve_fp8_impl("reference", 1), resolve_fp8_impl("auto", 1, interpret=True)
       ('reference', 'mgpu')
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl in ("xla", "reference"):
-        return impl
-    if interpret:
-        return "mgpu"
-    cc = device_lib.compute_capability()
-    if impl == "auto":
-        return device_lib.fp8_gemm_impl(m, cc)
-    if not device_lib.has_wgmma(cc):
-        where = device_lib.platform() if cc == 0 else f"compute capability {cc}"
-        if impl == "pallas":
-            raise ValueError(f"impl='pallas' needs a Hopper GPU (sm_90), not {where}; pass interpret=True "
-                             "to run the kernel in interpret mode")
-        warn_once(f"fp8mgpu{cc}", f"impl='mgpu' cannot run on {where}; using the XLA path instead")
-        return "xla"
-    return "mgpu"
+    return resolve_kernel_impl(impl, interpret, lambda cc: device_lib.fp8_gemm_impl(m, cc), "fp8_gemm")
 
 
 def fp8_gemm(xq, x_scale, packed: PackedFp8, *, bias=None, out_dtype=jnp.bfloat16, impl: str = "auto",

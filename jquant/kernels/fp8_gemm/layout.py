@@ -14,14 +14,11 @@ import jax
 import jax.numpy as jnp
 
 from jquant.kernels.fp8_gemm.config import BLOCK_K
-
-
-def _round_up(v: int, m: int) -> int:
-    return -(-v // m) * m
+from jquant.kernels.w4a16.layout import PaddedNK, round_up
 
 
 @dataclasses.dataclass(frozen=True)
-class PackedFp8:
+class PackedFp8(PaddedNK):
     """An e4m3 weight for the FP8 GEMM: ``data`` ``[N_pad, K_pad]`` float8_e4m3fn (zero padded to
     multiples of 256 and 128), ``scale`` fp32 ``[blocks, N_pad]`` (blocks: 1, or ``K_pad / 128``
     for block FP8), ``k``, ``n`` the true sizes.
@@ -44,14 +41,6 @@ class PackedFp8:
     def blocked(self) -> bool:
         return self.scale.shape[0] > 1
 
-    @property
-    def n_pad(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def k_pad(self) -> int:
-        return self.data.shape[1]
-
 
 jax.tree_util.register_dataclass(PackedFp8, data_fields=["data", "scale"], meta_fields=["k", "n"])
 
@@ -72,7 +61,7 @@ def prepack_fp8(w, scale) -> PackedFp8:
     if w.ndim != 2 or 0 in w.shape or w.dtype != jnp.float8_e4m3fn:
         raise TypeError(f"prepack_fp8 takes float8_e4m3fn codes [N, K], got {w.dtype} of shape {tuple(w.shape)}")
     n, k = w.shape
-    n_pad, k_pad = _round_up(n, 256), _round_up(k, BLOCK_K)
+    n_pad, k_pad = round_up(n, 256), round_up(k, BLOCK_K)
     s = jnp.asarray(scale, jnp.float32)
     kb = k_pad // BLOCK_K
     if s.size == 1:

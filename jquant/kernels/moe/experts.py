@@ -5,9 +5,13 @@ A stack is an ordinary QTensor with a leading expert axis: each expert is a PyTo
 ``(1, bh, bw)`` for 2-D tiles (block FP8), ``(blocksize,)`` over the flattened stack for
 bitsandbytes. Formats whose blocks stay inside one expert (int4 / uint4 groups, MXFP4, NF4 without
 double quantization, block FP8, per-channel int8 / FP8) give every expert exactly the codes and
-scales quantizing it alone gives. Per-tensor statistics are shared by the whole stack: NVFP4's
-global scale (a 0-d leaf in the QTensor design), bitsandbytes double quantization's absmax offset,
-per-tensor FP8's scale.
+scales quantizing it alone gives. Per-tensor statistics are per expert too, as ModelOpt's NVFP4 MoE
+checkpoints store them (one ``weight_scale_2`` per expert and projection) and vLLM's fused MoE reads
+them (``w2_weight_scale_2 [E]``; per-tensor FP8 ``w2_weight_scale [E]`` likewise): NVFP4's global
+scale is a ``[E, 1, 1]`` leaf (it broadcasts against the block scales ``[E, N, K/16]`` as any
+per-block leaf does), per-tensor FP8 has blocks ``(1, N, K)`` and a scale ``[E, 1, 1]``, and each
+expert again holds what quantizing it alone gives. Only bitsandbytes double quantization's absmax
+offset stays one per stack.
 
 ``QExperts`` pairs a stack with the scheme it was quantized under, as ``QParam`` does for a Dense
 kernel (a sibling, not a QParam: ``prepare_params`` and ``Scheme.apply`` take 2-D weights only).
@@ -25,12 +29,43 @@ from jquant.formats import quantize
 from jquant.qtensor import QTensor
 from jquant.schemes.scheme import Scheme, get_scheme
 
+# The float parameters of a MoE layer (``jquant.models.moe``) that hold expert stacks ``[E, N, K]``.
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+def is_expert_stack(path: str, leaf: Any) -> bool:
+    """True for a float ``[E, N, K]`` leaf named (last path component) one of ``EXPERT_PARAMS``: what
+    ``quantize_params`` and ``quantize_experts`` may turn into ``QExperts``."""
+    dtype = getattr(leaf, "dtype", None)
+    return (path.split("/")[-1] in EXPERT_PARAMS and getattr(leaf, "ndim", None) == 3 and dtype is not None
+            and jnp.issubdtype(dtype, jnp.floating))
+
+
+def _quantize_each_expert(w: jax.Array, scheme: Scheme) -> QTensor:
+    """Every expert quantized alone, stacked: a per-expert scalar leaf becomes ``[E, 1, 1]``.
+
+    ``lax.map``, not ``vmap``: batching turns the formats' exact divisions by a broadcast constant into
+    reciprocal multiplies (an ulp off), while a loop body is the single-expert program itself. The loop
+    also holds one expert's intermediates at a time: quantizing a DeepSeek-V3 gate/up stack (7.5G
+    values) whole needs tens of GB of temporaries."""
+    one = jax.lax.map(lambda we: quantize(we, scheme.weight.format, axis=1, **scheme.weight.quantize_kwargs()), w)
+    e = w.shape[0]
+
+    def lift(leaf):
+        return None if leaf is None else leaf.reshape(e, 1, 1) if leaf.ndim == 1 else leaf
+
+    return QTensor(data=one.data, scale=lift(one.scale), zero=lift(one.zero), global_scale=lift(one.global_scale),
+                   fmt=one.fmt, shape=(e,) + one.shape, dtype=one.dtype, block=(1,) + one.block,
+                   pack_axis=None if one.pack_axis is None else one.pack_axis + 1, options=one.options, k_axis=2)
+
 
 def quantize_expert_weights(w: Any, scheme: str | Scheme, *, name: str = "w") -> QTensor:
     """Quantizes float expert weights ``w [E, N, K]`` under ``scheme`` along K; returns a stacked
     QTensor of shape ``[E, N, K]`` with ``k_axis == 2`` (``dequantize()`` gives ``[E, N, K]``).
 
-    ``name`` is the parameter named in errors.
+    Each expert is quantized as it would be alone, one at a time (``lax.map``; so a stack of any size
+    needs one expert's temporaries), except for bitsandbytes formats, whose blocks run over the
+    flattened stack. ``name`` is the parameter named in errors.
 
     Examples:
       >>> import numpy as np
@@ -41,6 +76,13 @@ def quantize_expert_weights(w: Any, scheme: str | Scheme, *, name: str = "w") ->
       ('mxfp4', (4, 8, 64), (1, 1, 32), 2)
       >>> qt.dequantize().shape
       (4, 8, 64)
+
+      NVFP4 keeps one global (per-tensor) scale per expert, ``[E, 1, 1]``:
+
+      >>> w[2] *= 1000.0  # one expert far larger than the others
+      >>> qt = quantize_expert_weights(w, "nvfp4")
+      >>> qt.global_scale.shape, bool(qt.global_scale[2, 0, 0] < qt.global_scale[0, 0, 0] / 100)
+      ((4, 1, 1), True)
     """
     scheme = get_scheme(scheme)
     shape = tuple(getattr(w, "shape", ()))
@@ -56,7 +98,10 @@ def quantize_expert_weights(w: Any, scheme: str | Scheme, *, name: str = "w") ->
         raise ValueError(f"scheme {scheme.name!r} quantizes activations in groups of {group} along K, but "
                          f"{name} {shape} has K={shape[2]}, not a multiple of {group}")
     try:
-        qt = quantize(w, scheme.weight.format, axis=2, **scheme.weight.quantize_kwargs())
+        if scheme.weight.family == "bnb":  # blocks of the flattened stack: quantized whole
+            qt = quantize(w, scheme.weight.format, axis=2, **scheme.weight.quantize_kwargs())
+        else:
+            qt = _quantize_each_expert(jnp.asarray(w), scheme)
     except (ValueError, TypeError) as e:
         raise type(e)(f"{name} {shape} cannot be quantized with scheme {scheme.name!r}: {e}") from e
     return qt if qt.k_axis == 2 else qt.replace(k_axis=2)
@@ -71,6 +116,10 @@ def check_stack(qt: Any, name: str = "experts") -> QTensor:
     if qt.k_axis not in (None, 2):
         raise ValueError(f"{name} records K on axis {qt.k_axis} of {qt.shape}; stacked experts are [E, N, K] "
                          "with K on axis 2 (quantize with quantize_expert_weights)")
+    gs = qt.global_scale
+    if gs is not None and tuple(gs.shape) not in ((), (qt.shape[0], 1, 1)):
+        raise ValueError(f"{name} has a global scale of shape {tuple(gs.shape)}; a stack holds one per expert, "
+                         f"{(qt.shape[0], 1, 1)} (or one shared, 0-d)")
     return qt
 
 
@@ -84,8 +133,8 @@ def _blocked_per_axis(qt: QTensor, what: str) -> None:
 
 def stack_experts(experts: Sequence[QTensor]) -> QTensor:
     """Stacks per-expert QTensors ``[N, K]`` (same format, shape, blocks, options, scale dtypes) into one
-    ``[E, N, K]`` QTensor, exactly: the codes and scales are stacked, not requantized. Eager (it compares
-    the experts' global scales).
+    ``[E, N, K]`` QTensor, exactly: the codes and scales are stacked, not requantized, and per-tensor
+    global scales (NVFP4) become the stack's per-expert ``[E, 1, 1]``.
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, jquant
@@ -118,11 +167,7 @@ def stack_experts(experts: Sequence[QTensor]) -> QTensor:
             raise ValueError(f"stack_experts: experts[{e}] has double-quantized scales; not stackable")
     global_scale = None
     if first.global_scale is not None:
-        scales = jnp.stack([jnp.asarray(qt.global_scale).reshape(()) for qt in experts])
-        if not bool(jnp.all(scales == scales[0])):
-            raise ValueError("stack_experts: the experts' per-tensor global scales differ; a stack holds one "
-                             "(quantize the [E, N, K] weights together with quantize_expert_weights)")
-        global_scale = first.global_scale
+        global_scale = jnp.stack([jnp.asarray(qt.global_scale).reshape(1, 1) for qt in experts])
 
     def stack(field):
         return None if getattr(first, field) is None else jnp.stack([getattr(qt, field) for qt in experts])
@@ -157,7 +202,9 @@ def expert(qt: QTensor, e: int) -> QTensor:
     def take(leaf):
         return None if leaf is None else leaf[e]
 
-    return QTensor(data=take(qt.data), scale=take(qt.scale), zero=take(qt.zero), global_scale=qt.global_scale,
+    gs = qt.global_scale
+    gs = gs if gs is None or gs.ndim == 0 else gs[e].reshape(())
+    return QTensor(data=take(qt.data), scale=take(qt.scale), zero=take(qt.zero), global_scale=gs,
                    fmt=qt.fmt, shape=qt.shape[1:], dtype=qt.dtype, block=qt.block[1:],
                    pack_axis=None if qt.pack_axis is None else qt.pack_axis - 1, options=qt.options, k_axis=1)
 
@@ -191,8 +238,8 @@ def _row_blocks(qt: QTensor, what: str) -> int:
 
 def concat_rows(parts: Sequence[QTensor]) -> QTensor:
     """Concatenates stacks ``[E, N_i, K]`` along N into ``[E, sum N_i, K]`` (gate and up into the fused
-    ``gate_up``), exactly; every part's N must hold whole blocks (128-row tiles for block FP8). Eager
-    (it compares the parts' global scales).
+    ``gate_up``), exactly; every part's N must hold whole blocks (128-row tiles for block FP8), and the
+    parts' per-expert global scales (NVFP4) must agree. Eager (it compares them).
 
     Examples:
       Gate and up projections, each ``[E, N, K]``, fused into one ``[E, 2N, K]`` stack:
@@ -219,7 +266,12 @@ def concat_rows(parts: Sequence[QTensor]) -> QTensor:
             raise ValueError(f"concat_rows: parts[{i}] (fmt {part.fmt!r}, shape {part.shape}, block {part.block}) "
                              f"does not match parts[0] (fmt {first.fmt!r}, shape {first.shape}, block {first.block})")
         if part.global_scale is not None and not bool(jnp.all(part.global_scale == first.global_scale)):
-            raise ValueError(f"concat_rows: parts[{i}] has another per-tensor global scale than parts[0]")
+            # One global scale per expert covers all its rows: gate and up must share it (vLLM's fused
+            # w13 likewise keeps one, after warning when a ModelOpt checkpoint's two differ).
+            differ = jnp.nonzero(jnp.broadcast_to(part.global_scale != first.global_scale,
+                                                  (first.shape[0], 1, 1)).reshape(-1))[0]
+            raise ValueError(f"concat_rows: parts[{i}] has other per-tensor global scales than parts[0] (experts "
+                             f"{differ[:8].tolist()}); the rows of one expert share one global scale")
 
     def cat(field):
         return None if getattr(first, field) is None else jnp.concatenate([getattr(p, field) for p in parts], 1)

@@ -55,6 +55,20 @@ def resolve_impl(impl: str, m: int, interpret: bool = False,
       >>> jax.default_backend() != "cpu" or resolve_impl("auto", 8) == "reference"  # CPU: the fp32 reference
       True
     """
+    return resolve_kernel_impl(impl, interpret, lambda cc: device_lib.w4a16_impl(m, cc, weight_elems), "w4a16")
+
+
+def resolve_kernel_impl(impl: str, interpret: bool, auto, kernel: str) -> str:
+    """What a Mosaic GPU kernel's op runs for ``impl``: ``"xla"`` / ``"reference"`` as asked,
+    ``"mgpu"`` in interpret mode, ``auto(capability)`` (the dispatch policy) for ``"auto"``, the
+    kernel where a Hopper GPU runs it, else an error (``"pallas"``) or XLA with a warning once
+    (``"mgpu"``). ``kernel`` names the op in the warning.
+
+    Examples:
+      >>> from jquant.kernels.w4a16.api import resolve_kernel_impl
+      >>> resolve_kernel_impl("xla", False, lambda cc: "mgpu", "w8a16"), resolve_kernel_impl("auto", True, None, "w8a16")
+      ('xla', 'mgpu')
+    """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl in ("xla", "reference"):
@@ -63,15 +77,39 @@ def resolve_impl(impl: str, m: int, interpret: bool = False,
         return "mgpu"
     cc = compute_capability()  # 0 off NVIDIA GPUs
     if impl == "auto":
-        return device_lib.w4a16_impl(m, cc, weight_elems)
+        return auto(cc)
     if not has_wgmma(cc):
         where = device_lib.platform() if cc == 0 else f"compute capability {cc}"
         if impl == "pallas":
             raise ValueError(f"impl='pallas' needs a Hopper GPU (sm_90), not {where}; pass "
                              "interpret=True to run the kernel in interpret mode")
-        warn_once(f"mgpu{cc}", f"impl='mgpu' cannot run on {where}; using the XLA path instead")
+        warn_once(f"{kernel}:{cc}", f"impl='mgpu' ({kernel}) cannot run on {where}; using the XLA path instead")
         return device_lib.w4a16_fallback(cc)
     return "mgpu"
+
+
+def check_matmul_args(x, k: int, n: int, bias, config, config_type):
+    """``x`` as an array ``[..., K]`` of bf16 / fp16 / fp32 and ``bias`` ``[N]`` (or None), or the
+    error naming what is wrong; ``config`` must be a ``config_type`` or None.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jquant.kernels.w4a16.api import check_matmul_args
+      >>> check_matmul_args(jnp.ones((2, 8)), 8, 4, None, None, object)[0].shape
+      (2, 8)
+    """
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize not in (2, 4):
+        raise TypeError(f"x must be bf16, fp16 or fp32, got {x.dtype} (shape {tuple(x.shape)})")
+    if x.ndim < 1 or x.shape[-1] != k or x.size == 0:
+        raise ValueError(f"x has shape {tuple(x.shape)}; expected [..., K={k}], non-empty")
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (n,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({n},)")
+    if config is not None and not isinstance(config, config_type):
+        raise TypeError(f"config must be an {config_type.__name__}, got {type(config).__name__}")
+    return x, bias
 
 
 def w4a16_matmul(x, packed: PackedW4NK | QTensor, *, bias=None, impl: str = "auto",
@@ -108,18 +146,7 @@ def w4a16_matmul(x, packed: PackedW4NK | QTensor, *, bias=None, impl: str = "aut
     if not isinstance(packed, PackedW4NK):
         raise TypeError("packed must be a PackedW4NK (prepack_nk) or a 4-bit QTensor, got "
                         f"{type(packed).__name__}")
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize not in (2, 4):
-        raise TypeError(f"x must be bf16, fp16 or fp32, got {x.dtype} (shape {tuple(x.shape)})")
-    if x.ndim < 1 or x.shape[-1] != packed.k or x.size == 0:
-        raise ValueError(f"x has shape {tuple(x.shape)}; expected [..., K={packed.k}], non-empty")
-    if bias is not None:
-        bias = jnp.asarray(bias)
-        if bias.shape != (packed.n,):
-            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({packed.n},)")
-    if config is not None and not isinstance(config, MgpuConfig):
-        raise TypeError(f"config for the Mosaic GPU kernel must be an MgpuConfig, got "
-                        f"{type(config).__name__}")
+    x, bias = check_matmul_args(x, packed.k, packed.n, bias, config, MgpuConfig)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, packed.k)
     return _matmul(x2, packed, bias, impl, config, interpret).reshape(*lead, packed.n)

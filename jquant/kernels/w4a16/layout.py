@@ -28,8 +28,20 @@ K_CHUNK = 64
 SUB_CHUNK_GROUPS = (16, 32)
 
 
+class PaddedNK:
+    """``n_pad`` and ``k_pad`` of a weight stored ``data`` ``[N_pad, K_pad]``."""
+
+    @property
+    def n_pad(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def k_pad(self) -> int:
+        return self.data.shape[1]
+
+
 @dataclasses.dataclass(frozen=True)
-class PackedW4NK:
+class PackedW4NK(PaddedNK):
     """A 4-bit weight laid out for the Mosaic GPU kernel.
 
     ``data`` int4 ``[N_pad, K_pad]``: ``code − 8`` for int4 codes (exact in int4 for uint4b8 and
@@ -65,14 +77,6 @@ class PackedW4NK:
     n: int = 0
     group_size: int = 0
     word_order: bool = False
-
-    @property
-    def n_pad(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def k_pad(self) -> int:
-        return self.data.shape[1]
 
     @property
     def nbytes(self) -> int:

@@ -13,7 +13,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jquant.kernels.w4a16.api import IMPLS, warn_once
+from jquant.kernels.w4a16.api import check_matmul_args, resolve_kernel_impl
 from jquant.kernels.w4a16.config import MgpuConfig, default_mgpu_config, group_acc_fits
 from jquant.kernels.w8a16.layout import PackedW8NK, reference_w8
 from jquant.qtensor import QTensor
@@ -31,23 +31,7 @@ def resolve_w8_impl(impl: str, m: int, interpret: bool = False) -> str:
       >>> jax.default_backend() != "cpu" or resolve_w8_impl("auto", 1) == "reference"
       True
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl in ("xla", "reference"):
-        return impl
-    if interpret:
-        return "mgpu"
-    cc = device_lib.compute_capability()
-    if impl == "auto":
-        return device_lib.w8a16_impl(m, cc)
-    if not device_lib.has_wgmma(cc):
-        where = device_lib.platform() if cc == 0 else f"compute capability {cc}"
-        if impl == "pallas":
-            raise ValueError(f"impl='pallas' needs a Hopper GPU (sm_90), not {where}; pass "
-                             "interpret=True to run the kernel in interpret mode")
-        warn_once(f"w8mgpu{cc}", f"impl='mgpu' cannot run on {where}; using the XLA path instead")
-        return device_lib.w4a16_fallback(cc)
-    return "mgpu"
+    return resolve_kernel_impl(impl, interpret, lambda cc: device_lib.w8a16_impl(m, cc), "w8a16")
 
 
 def default_w8_config(m: int, packed: PackedW8NK) -> MgpuConfig:
@@ -103,17 +87,7 @@ def w8a16_matmul(x, packed: PackedW8NK | QTensor, *, bias=None, impl: str = "aut
     if not isinstance(packed, PackedW8NK):
         raise TypeError("packed must be a PackedW8NK (prepack_w8) or an 8-bit QTensor, got "
                         f"{type(packed).__name__}")
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize not in (2, 4):
-        raise TypeError(f"x must be bf16, fp16 or fp32, got {x.dtype} (shape {tuple(x.shape)})")
-    if x.ndim < 1 or x.shape[-1] != packed.k or x.size == 0:
-        raise ValueError(f"x has shape {tuple(x.shape)}; expected [..., K={packed.k}], non-empty")
-    if bias is not None:
-        bias = jnp.asarray(bias)
-        if bias.shape != (packed.n,):
-            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({packed.n},)")
-    if config is not None and not isinstance(config, MgpuConfig):
-        raise TypeError(f"config must be an MgpuConfig, got {type(config).__name__}")
+    x, bias = check_matmul_args(x, packed.k, packed.n, bias, config, MgpuConfig)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, packed.k)
     kind = resolve_w8_impl(impl, x2.shape[0], interpret)

@@ -19,14 +19,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jquant.kernels.w4a16.layout import K_CHUNK, SUB_CHUNK_GROUPS, gather_pad, round_up, sort_act_order
+from jquant.kernels.w4a16.layout import (K_CHUNK, SUB_CHUNK_GROUPS, PaddedNK, gather_pad, round_up,
+                                         sort_act_order)
 from jquant.kernels.w4a16.mosaic_gpu_decode import BYTE_LUTS
 
 _CODE_DTYPES = {"int8": jnp.int8, "e4m3": jnp.float8_e4m3fn}
 
 
 @dataclasses.dataclass(frozen=True)
-class PackedW8NK:
+class PackedW8NK(PaddedNK):
     """An 8-bit weight laid out for the Mosaic GPU kernel.
 
     ``data`` ``[N_pad, K_pad]``: int8 codes (``code − 128`` for unsigned codes with zero points,
@@ -60,14 +61,6 @@ class PackedW8NK:
     group_size: int = 0
     unit_scales: bool = False
     word_order: bool = False
-
-    @property
-    def n_pad(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def k_pad(self) -> int:
-        return self.data.shape[1]
 
     @property
     def nbytes(self) -> int:

@@ -76,7 +76,7 @@ def test_forced_kernel_on_cpu_warns_once_or_raises(packed):
     x = jnp.ones((1, packed.k), jnp.bfloat16)
     with pytest.raises(ValueError, match="needs a Hopper GPU.*interpret=True"):
         w4a16_matmul(x, packed, impl="pallas")
-    dispatch._warned.discard("mgpu0")
+    dispatch._warned.discard("w4a16:0")
     with pytest.warns(RuntimeWarning, match="cannot run on cpu"):
         out = w4a16_matmul(x, packed, impl="mgpu")
     np.testing.assert_array_equal(np.asarray(out, np.float32),

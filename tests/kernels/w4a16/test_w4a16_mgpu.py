@@ -429,7 +429,7 @@ def test_dispatch_by_device_and_m(monkeypatch):
     assert resolve_impl("auto", 129, **small) == "xla"
     monkeypatch.setattr(dispatch, "compute_capability", lambda: 100)     # no wgmma on Blackwell
     assert resolve_impl("auto", 1) == "xla"
-    dispatch._warned.discard("mgpu100")
+    dispatch._warned.discard("w4a16:100")
     with pytest.warns(RuntimeWarning, match="cannot run on compute capability 100"):
         assert resolve_impl("mgpu", 1) == "xla"
     with pytest.raises(ValueError, match="needs a Hopper GPU"):
