@@ -1,12 +1,13 @@
-"""Mixture-of-experts ops: stacked expert QTensors, routing, and the grouped GEMM (XLA reference; the
-Hopper kernels are still to come)."""
+"""Mixture-of-experts ops: stacked expert QTensors, routing, and the grouped GEMM (XLA reference, and the
+grouped W4A16 Mosaic GPU kernel for decode: ``grouped_w4a16``, ``W4A16Experts``)."""
 
 from jquant.kernels.moe.api import IMPLS, choose_impl, grouped_matmul
+from jquant.kernels.moe.grouped_w4a16 import W4A16Experts, grouped_w4a16, prepack_experts
 from jquant.kernels.moe.experts import (QExperts, concat_rows, expert, quantize_expert_weights, split_rows,
                                         stack_experts, unstack_experts)
 from jquant.kernels.moe.routing import (Dispatch, Routing, check_router_logits, combine, gather_rows, route,
                                         route_checked, sort_by_expert)
 
-__all__ = ["Dispatch", "IMPLS", "QExperts", "Routing", "check_router_logits", "choose_impl", "combine",
+__all__ = ["Dispatch", "IMPLS", "QExperts", "Routing", "W4A16Experts", "grouped_w4a16", "prepack_experts", "check_router_logits", "choose_impl", "combine",
            "concat_rows", "expert", "gather_rows", "grouped_matmul", "quantize_expert_weights", "route",
            "route_checked", "sort_by_expert", "split_rows", "stack_experts", "unstack_experts"]

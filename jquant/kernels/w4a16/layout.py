@@ -29,15 +29,16 @@ SUB_CHUNK_GROUPS = (16, 32)
 
 
 class PaddedNK:
-    """``n_pad`` and ``k_pad`` of a weight stored ``data`` ``[N_pad, K_pad]``."""
+    """``n_pad`` and ``k_pad`` of a weight stored ``data`` ``[N_pad, K_pad]`` (or a stack of them,
+    ``[E, N_pad, K_pad]``: MoE experts)."""
 
     @property
     def n_pad(self) -> int:
-        return self.data.shape[0]
+        return self.data.shape[-2]
 
     @property
     def k_pad(self) -> int:
-        return self.data.shape[1]
+        return self.data.shape[-1]
 
 
 @dataclasses.dataclass(frozen=True)

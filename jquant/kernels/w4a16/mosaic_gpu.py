@@ -44,7 +44,7 @@ from jquant.kernels.w4a16.mosaic_gpu_ws import w4a16_mgpu_ws
 
 
 def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=None,
-               interpret: bool = False) -> jax.Array:
+               interpret: bool = False, slots=None) -> jax.Array:
     """fp32 ``[split_k, N_pad, M_pad]`` partials of ``(xs @ W)ᵀ`` for ``xs`` ``[M, K_pad]``
     (columns in stored order, see ``gather_pad``), ``M_pad`` = M rounded up to ``block_m``; or,
     with ``config.final_output``, ``xs @ W · global_scale + bias`` itself, ``[M, N]`` (N_pad
@@ -54,7 +54,8 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
     (so at M = 1 the L2 serves one row of x per step, not ``block_m``). The copy's 8-row tiling
     needs M < 8 or a multiple of 8 (``x_rows``). Likewise ``xs`` may stop at K columns (not
     K_pad) where K is a multiple of 64 (the x tile's swizzle tiling): the copy fills the
-    padded columns with zeros (``kernel_x``)."""
+    padded columns with zeros (``kernel_x``). ``slots``: MoE experts (``launch_kernel``), with
+    ``packed`` and ``bias`` stacked per expert."""
     cfg = config
     if xs.dtype not in (jnp.bfloat16, jnp.float16):
         raise TypeError(f"xs must be bf16 or fp16 (wgmma's 16-bit operand), got {xs.dtype} "
@@ -67,14 +68,17 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
     if bias is not None and not cfg.final_output:
         raise ValueError("bias goes to the kernel only with MgpuConfig.final_output")
     if bias is not None:
-        if bias.shape not in ((packed.n,), (packed.n_pad,)):
-            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({packed.n},) or "
-                             f"({packed.n_pad},) (N or N_pad)")
+        lead = packed.data.shape[:-2]   # (E,) for stacked experts
+        if bias.shape not in (lead + (packed.n,), lead + (packed.n_pad,)):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected {lead + (packed.n,)} or "
+                             f"{lead + (packed.n_pad,)} (N or N_pad)")
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             raise TypeError(f"bias must be a float array, got {bias.dtype}")
     m_pad = round_up(xs.shape[0], cfg.block_m)
     k_split = check_launch(packed.n_pad, packed.k_pad, m_pad, packed.group_size, cfg)
     if cfg.compute_wgs > 1:
+        if slots is not None:
+            raise ValueError("expert slots run with one compute warpgroup (MgpuConfig.compute_wgs=1)")
         return w4a16_mgpu_ws(xs, packed, config=cfg, bias=bias, interpret=interpret)
     bn, bm = cfg.block_n, cfg.block_m
     g = packed.group_size
@@ -153,7 +157,8 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
     scratch = [plgpu.SMEM((bn, K_CHUNK), xs.dtype)] if interpret else []
     if not cfg.final_output:   # the partial's staging buffer (final_output brings its own)
         scratch.append(plgpu.SMEM((bn, bm), jnp.float32))
-    return launch_kernel(body, xs, packed, cfg, scratch=scratch, interpret=interpret, bias=bias)
+    return launch_kernel(body, xs, packed, cfg, scratch=scratch, interpret=interpret, bias=bias,
+                         slots=slots)
 
 
 def kernel_x(x2: jax.Array, packed: PackedW4NK) -> jax.Array:

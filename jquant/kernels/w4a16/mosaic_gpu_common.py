@@ -220,7 +220,7 @@ def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, dela
 
 
 def launch_kernel(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool, bias=None,
-                  final_scratch: dict | None = None, **kernel_kw):
+                  final_scratch: dict | None = None, slots=None, **kernel_kw):
     """Runs ``body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem or None, out, *scratch)`` on the
     (N_pad / block_n, split_k, M_pad / block_m) grid (``M_pad``: x's rows rounded up to
     ``block_m``). ``out`` is the fp32 ``[split_k, N_pad, M_pad]`` partials' reference, which is
@@ -228,7 +228,11 @@ def launch_kernel(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool
     and the kernel returns ``[M, N]`` (M: x's rows) in x's dtype, global scale and
     ``bias`` applied; its split-K CTAs are one cluster (``final_scratch``: the body's own
     ``FinalOutputRefs`` scratch instead of ``final_output_scratch``'s). Interpret mode starts
-    every buffer as NaN, so an unwritten tile shows."""
+    every buffer as NaN, so an unwritten tile shows.
+
+    ``slots`` (MoE experts: ``packed`` holds a stack ``[E, N_pad, K_pad]``): int32 ``(expert_ids,
+    counts)``, one entry per ``block_m`` rows of ``xs``; the CTAs of row tile ``i`` multiply by
+    expert ``expert_ids[i]``'s weight, scales and bias, and do nothing where ``counts[i]`` is 0."""
     has_zero = packed.zero is not None
     m_pad = round_up(xs.shape[0], cfg.block_m)
     tiles = (packed.n_pad // cfg.block_n, m_pad // cfg.block_m)
@@ -258,13 +262,23 @@ def launch_kernel(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool
         out_types = [jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad), jnp.float32)]
         mesh = dict(grid=(tiles[0], cfg.split_k, tiles[1]), grid_names=("n", "s", "m"))
 
+    if slots is not None:
+        args += list(slots)
+
     def kernel(*refs):
         n_io = len(args) + len(out_types)
         inputs, outputs = refs[:len(args)], refs[len(args):n_io]
         scratch_refs, final_refs = refs[n_io:]
+        if slots is not None:
+            *inputs, ids_gmem, counts_gmem = inputs
         x_gmem, w_gmem, s_gmem, *extra = inputs
         z_gmem = extra.pop(0) if has_zero else None
         ni, si, mi = (jax.lax.axis_index(name) for name in ("n", "s", "m"))
+        if slots is not None:   # this row tile's expert: its slice of every per-expert input
+            e = ids_gmem[mi]
+            w_gmem, s_gmem = w_gmem.at[e], s_gmem.at[e]
+            z_gmem = None if z_gmem is None else z_gmem.at[e]
+            extra = [ref.at[e] for ref in extra]
         out = outputs[0]
         if cfg.final_output:
             out = FinalOutputRefs(out_gmem=outputs[0],
@@ -273,7 +287,11 @@ def launch_kernel(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool
                                   bias_gmem=extra.pop(0) if bias is not None else None,
                                   workspace_gmem=outputs[1] if len(outputs) > 1 else None,
                                   **final_refs)
-        body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem, out, *scratch_refs)
+        if slots is None:
+            body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem, out, *scratch_refs)
+        else:   # an empty slot's CTAs (the whole cluster alike) skip its work
+            pl.when(counts_gmem[mi] > 0)(
+                lambda: body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem, out, *scratch_refs))
 
     call = plgpu.kernel(kernel, out_type=out_types,
                         scratch_types=(list(scratch), final_scratch), **mesh, **kernel_kw)

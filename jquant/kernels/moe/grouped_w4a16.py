@@ -1,0 +1,182 @@
+"""The grouped W4A16 GEMM for MoE decode on Hopper: the Mosaic GPU W4A16 kernel over *expert slots*.
+
+Rows of x sorted by expert (``jax.lax.ragged_dot``'s contract) are cut into slots of ``block_m`` rows,
+each slot within one expert's group (an expert of g rows takes ``ceil(g / block_m)`` slots). XLA
+gathers the slots' rows into ``[S · block_m, K]`` (zero rows past a slot's count); the W4A16 kernel
+runs that as one dense ``x`` whose row tile ``i`` multiplies by expert ``ids[i]``'s weight, scales and
+bias (``launch_kernel(slots=...)``: the expert indexes the stacked weight, so only the experts that
+hold rows are read, once per slot); empty slots do nothing; XLA gathers each row's result back.
+
+``S`` is static: at most one slot per row, and at most ``ceil(T / block_m) + E − 1`` (one partial slot
+per expert), so decode (few rows per expert) pays a small gather of x, not the weight bytes of idle
+experts. Prefill, with many rows per expert, wants a kernel that streams its groups: this one is for
+decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jquant.kernels.moe.experts import check_stack, expert
+from jquant.kernels.w4a16.config import MgpuConfig, default_mgpu_config
+from jquant.kernels.w4a16.from_qtensor import prepack_for_kernels, unified_w4
+from jquant.kernels.w4a16.layout import PackedW4NK
+from jquant.qtensor import QTensor
+
+
+def prepack_experts(experts: QTensor) -> PackedW4NK:
+    """A stacked 4-bit expert QTensor ``[E, N, K]`` laid out for the W4A16 kernel, each expert as
+    ``prepack_nk`` lays out a 2-D weight, stacked: ``data`` ``[E, N_pad, K_pad]``, scales ``[E, K_pad /
+    G, N_pad]``, per-expert global scales ``[E, 1]``.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jquant.kernels.moe import quantize_expert_weights
+      >>> from jquant.kernels.moe.grouped_w4a16 import prepack_experts
+      >>> stack = quantize_expert_weights(np.ones((3, 8, 64), np.float32), "int4_g32")
+      >>> packed = prepack_experts(stack)
+      >>> packed.data.shape, packed.scale.shape, packed.n, packed.k
+      ((3, 128, 64), (3, 2, 128), 8, 64)
+    """
+    check_stack(experts, "experts")
+    parts = []
+    for e in range(experts.shape[0]):
+        args = unified_w4(expert(experts, e))
+        packed = None if args is None else prepack_for_kernels(args)
+        if packed is None:
+            raise ValueError(f"prepack_experts: {experts.fmt} experts of shape {experts.shape} and block "
+                             f"{experts.block} have no W4A16 kernel layout (4-bit codes in groups of 16, 32 or "
+                             "64·j along K, or per channel)")
+        if packed.perm is not None:   # act-order would permute x's columns per expert
+            raise ValueError("prepack_experts: act-order (g_idx) experts are not supported")
+        parts.append(packed)
+    return jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *parts)
+
+
+def slot_table(group_sizes: jax.Array, rows: int, block_m: int):
+    """``(ids, counts, first_row, slot_of_row)`` for rows sorted by expert: slot i holds ``counts[i]``
+    rows of expert ``ids[i]`` from row ``first_row[i]`` (count 0: unused); row r sits in slot
+    ``slot_of_row[r] // block_m`` at position ``slot_of_row[r] % block_m`` (-1: past the groups).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jquant.kernels.moe.grouped_w4a16 import slot_table
+      >>> ids, counts, first, where = slot_table(jnp.array([3, 0, 10]), rows=14, block_m=8)
+      >>> ids.tolist(), counts.tolist(), first.tolist()  # expert 2's 10 rows take two slots
+      ([0, 2, 2, 0], [3, 8, 2, 0], [0, 3, 11, 0])
+      >>> where.tolist()
+      [0, 1, 2, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, -1]
+    """
+    g = jnp.asarray(group_sizes, jnp.int32)
+    num_experts = g.shape[0]
+    slots = max(1, min(rows, -(-rows // block_m) + num_experts - 1))
+    starts = jnp.cumsum(g) - g
+    per_expert = -(-g // block_m)
+    slot_ends = jnp.cumsum(per_expert)
+    slot_starts = slot_ends - per_expert
+    s = jnp.arange(slots, dtype=jnp.int32)
+    ids = jnp.minimum(jnp.searchsorted(slot_ends, s, side="right"), num_experts - 1).astype(jnp.int32)
+    local = (s - slot_starts[ids]) * block_m
+    counts = jnp.where(s < slot_ends[-1], jnp.clip(g[ids] - local, 0, block_m), 0).astype(jnp.int32)
+    first = jnp.where(counts > 0, starts[ids] + local, 0).astype(jnp.int32)
+    ids = jnp.where(counts > 0, ids, 0)
+    r = jnp.arange(rows, dtype=jnp.int32)
+    ends = jnp.cumsum(g)
+    e_r = jnp.minimum(jnp.searchsorted(ends, r, side="right"), num_experts - 1)
+    off = r - starts[e_r]
+    where = (slot_starts[e_r] + off // block_m) * block_m + off % block_m
+    return ids, counts, first, jnp.where(r < ends[-1], where, -1).astype(jnp.int32)
+
+
+def default_grouped_config(block_m: int, packed: PackedW4NK) -> MgpuConfig:
+    """The dense kernel's launch for ``block_m`` rows (``default_mgpu_config``), one compute
+    warpgroup (the slot's row tile is the CTA's whole x)."""
+    cfg = default_mgpu_config(block_m, packed)
+    if cfg.compute_wgs > 1:
+        cfg = dataclasses.replace(cfg, block_n=128, block_k=128, compute_wgs=1, max_concurrent_steps=3)
+    return dataclasses.replace(cfg, block_m=block_m)
+
+
+def grouped_w4a16(x: jax.Array, packed: PackedW4NK, group_sizes: jax.Array, *, bias=None,
+                  block_m: int = 8, config: MgpuConfig | None = None, interpret: bool = False) -> jax.Array:
+    """``y [T, N]``, ``y[t] = W[e] @ x[t] (+ bias[e])`` for the rows of expert e (x sorted by expert, bf16
+    or fp16), with the W4A16 kernel over expert slots of ``block_m`` rows; rows past the groups are 0.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jquant.kernels.moe import quantize_expert_weights
+      >>> from jquant.kernels.moe.grouped_w4a16 import grouped_w4a16, prepack_experts
+      >>> rng = np.random.default_rng(0)
+      >>> stack = quantize_expert_weights(rng.standard_normal((3, 8, 64)).astype(np.float32), "int4_g32")
+      >>> x = jnp.asarray(rng.standard_normal((5, 64)), jnp.bfloat16)
+      >>> sizes = jnp.array([2, 0, 3], jnp.int32)
+      >>> y = grouped_w4a16(x, prepack_experts(stack), sizes, interpret=True)
+      >>> ref = jax.lax.ragged_dot(x.astype(jnp.float32), jnp.swapaxes(stack.dequantize(), 1, 2), sizes)
+      >>> y.shape, bool(jnp.allclose(y.astype(jnp.float32), ref, rtol=2e-2, atol=5e-2))
+      ((5, 8), True)
+    """
+    from jquant.kernels.w4a16.mosaic_gpu import w4a16_mgpu   # Mosaic GPU loads only where it runs
+
+    if x.dtype not in (jnp.bfloat16, jnp.float16) or x.ndim != 2 or x.shape[1] != packed.k:
+        raise ValueError(f"grouped_w4a16: x must be bf16 or fp16 rows [T, K={packed.k}], got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if block_m % 8 or not 8 <= block_m <= 128:
+        raise ValueError(f"grouped_w4a16: block_m must be a multiple of 8 in [8, 128], got {block_m}")
+    rows = x.shape[0]
+    ids, counts, first, where = slot_table(group_sizes, rows, block_m)
+    take = first[:, None] + jnp.arange(block_m, dtype=jnp.int32)[None, :]
+    live = jnp.arange(block_m)[None, :] < counts[:, None]
+    xs = jnp.where(live[..., None], x[jnp.clip(take, 0, rows - 1)], 0).reshape(-1, x.shape[1])
+    k_cols = packed.k if packed.k % 64 == 0 else packed.k_pad
+    if k_cols != x.shape[1]:
+        xs = jnp.pad(xs, ((0, 0), (0, k_cols - x.shape[1])))
+    cfg = config or default_grouped_config(block_m, packed)
+    if not cfg.final_output:
+        raise ValueError("grouped_w4a16 runs the kernel's own final output (MgpuConfig.final_output)")
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            bias = bias.astype(jnp.float32)
+    y_slots = w4a16_mgpu(xs, packed, config=cfg, bias=bias, interpret=interpret, slots=(ids, counts))
+    y = y_slots[jnp.maximum(where, 0), :packed.n]
+    return jnp.where((where >= 0)[:, None], y, jnp.zeros((), y.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class W4A16Experts:
+    """4-bit experts laid out for the grouped W4A16 kernel (``prepack_experts``), run by ``MoE`` as it runs
+    ``QExperts``: ``apply(x, group_sizes)`` is ``grouped_w4a16`` (``interpret``: Pallas interpret mode, any
+    device).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.kernels.moe import QExperts, quantize_expert_weights
+      >>> from jquant.kernels.moe.grouped_w4a16 import W4A16Experts
+      >>> from jquant.schemes.scheme import get_scheme
+      >>> rng = np.random.default_rng(0)
+      >>> q = QExperts(quantize_expert_weights(rng.standard_normal((3, 8, 64)).astype(np.float32), "mxfp4"),
+      ...              get_scheme("mxfp4"))
+      >>> fast = W4A16Experts.from_qexperts(q, interpret=True)
+      >>> x, sizes = jnp.asarray(rng.standard_normal((4, 64)), jnp.bfloat16), jnp.array([1, 3, 0], jnp.int32)
+      >>> y = fast.apply(x, sizes)
+      >>> y.shape, bool(jnp.allclose(y.astype(jnp.float32), q.apply(x, sizes).astype(jnp.float32), rtol=2e-2, atol=0.1))
+      ((4, 8), True)
+    """
+
+    packed: PackedW4NK
+    shape: tuple[int, int, int]
+    interpret: bool = False
+
+    @classmethod
+    def from_qexperts(cls, experts, interpret: bool = False) -> "W4A16Experts":
+        return cls(prepack_experts(experts.weight), tuple(experts.shape), interpret)
+
+    def apply(self, x: jax.Array, group_sizes: jax.Array, *, impl: str = "auto") -> jax.Array:
+        del impl
+        return grouped_w4a16(x, self.packed, group_sizes, interpret=self.interpret)
+
+
+jax.tree_util.register_dataclass(W4A16Experts, data_fields=["packed"], meta_fields=["shape", "interpret"])

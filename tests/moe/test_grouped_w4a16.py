@@ -1,0 +1,111 @@
+"""The grouped W4A16 kernel (the W4A16 Mosaic GPU kernel over expert slots): the slot table, the kernel in
+interpret mode against ``jax.lax.ragged_dot`` on the dequantized experts, the MoE layer on it, its sm_90
+lowering on CPU, bad input. JQUANT_TEST_GPU=1 runs the same tests on the GPU."""
+
+import chex
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from conftest import ON_GPU
+from cuda_lowering import lower_for_cuda
+from jquant.kernels.moe import QExperts, quantize_expert_weights
+from jquant.kernels.moe.grouped_w4a16 import (W4A16Experts, default_grouped_config, grouped_w4a16,
+                                              prepack_experts, slot_table)
+from jquant.models.moe import MoE, quantize_experts
+from jquant.schemes.scheme import get_scheme
+
+
+@settings(max_examples=8)
+@given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=9), extra=st.integers(0, 5),
+       block_m=st.sampled_from([8, 16]))
+def test_slot_table_places_every_row_once_with_its_expert(sizes, extra, block_m):
+    rows = max(1, sum(sizes) + extra)
+    ids, counts, first, where = (np.asarray(a) for a in slot_table(jnp.asarray(sizes, jnp.int32), rows, block_m))
+    expert_of_row = np.repeat(np.arange(len(sizes)), sizes)
+    placed = where[where >= 0]
+    assert len(placed) == sum(sizes) and len(set(placed.tolist())) == sum(sizes)   # one place each
+    assert (where[sum(sizes):] == -1).all()                                          # past the groups
+    slot, pos = placed // block_m, placed % block_m
+    assert (ids[slot] == expert_of_row).all() and (pos < counts[slot]).all()
+    assert (first[slot] + pos == np.arange(sum(sizes))).all()
+    assert counts.sum() == sum(sizes) and (counts <= block_m).all()
+
+
+def _ragged_ref(x, stack, sizes, bias=None):
+    w = jnp.swapaxes(stack.dequantize(), 1, 2)
+    y = np.array(jax.lax.ragged_dot(x.astype(jnp.float32), w, sizes))
+    if bias is not None:
+        n = int(np.sum(sizes))
+        y[:n] += np.repeat(np.asarray(bias), np.asarray(sizes), axis=0)
+    return y
+
+
+MIXED, ONE, EMPTY = [5, 0, 11, 1], [0, 17, 0, 0], [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("fmt,sizes", [("int4_g32", MIXED), ("int4_g128_asym", ONE), ("mxfp4", MIXED),
+                                       ("nvfp4", MIXED), ("nvfp4", ONE), ("int4_g32", EMPTY)])
+def test_kernel_matches_ragged_dot(fmt, sizes, interpret):
+    """Empty experts, one expert with every row, group sizes off the slot size, rows past the groups
+    (zeros), per-expert biases; experts of magnitudes 1000× apart keep their own (global) scales."""
+    rng = np.random.default_rng()
+    e, n, k, t = 4, 192, 256, 19
+    w = rng.standard_normal((e, n, k)) * np.array([1e-2, 1.0, 10.0, 0.3])[:, None, None]
+    stack = quantize_expert_weights(w.astype(np.float32), fmt)
+    x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal((e, n)), jnp.float32)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    y = grouped_w4a16(x, prepack_experts(stack), sizes, bias=bias, interpret=interpret)
+    ref = _ragged_ref(x, stack, sizes, bias)
+    assert y.shape == (t, n) and y.dtype == jnp.bfloat16
+    rows = np.repeat(np.arange(e), np.asarray(sizes))
+    for r in range(int(sizes.sum())):   # each row within bf16 of its own expert's scale
+        tol = 2e-2 * np.abs(ref[r]).max() + 1e-6
+        np.testing.assert_allclose(np.asarray(y[r], np.float32), ref[r], atol=tol, err_msg=f"row {r}, expert {rows[r]}")
+    assert not np.asarray(y[int(sizes.sum()):], np.float32).any()
+
+
+def test_moe_layer_on_the_kernel_equals_the_quantized_layer(interpret):
+    model = MoE(num_experts=8, top_k=2, hidden=128, intermediate=64)
+    rng = np.random.default_rng()
+    params = {"router_weight": jnp.asarray(rng.standard_normal((8, 128)) * 0.1, jnp.float32),
+              "gate_up_proj": jnp.asarray(rng.standard_normal((8, 128, 128)) * 0.1, jnp.float32),
+              "down_proj": jnp.asarray(rng.standard_normal((8, 128, 64)) * 0.1, jnp.float32)}
+    qparams, _ = quantize_experts(params, "mxfp4")
+    fast = {name: W4A16Experts.from_qexperts(v, interpret=interpret) if isinstance(v, QExperts) else v
+            for name, v in qparams.items()}
+    x = jnp.asarray(rng.standard_normal((6, 128)), jnp.bfloat16)
+    y = model.apply({"params": fast}, x).astype(jnp.float32)
+    ref = model.apply({"params": qparams}, x).astype(jnp.float32)
+    chex.assert_trees_all_close(y, ref, atol=3e-2 * float(jnp.abs(ref).max()))
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU run compiles for real")
+def test_lowers_for_sm90():
+    rng = np.random.default_rng(0)
+    stack = quantize_expert_weights(rng.standard_normal((8, 2048, 1024)).astype(np.float32), "int4_g128_asym")
+    packed = prepack_experts(stack)
+    sizes = jnp.array([5, 0, 11, 1, 0, 0, 20, 3], jnp.int32)
+    for block_m in (8, 64):
+        cfg = default_grouped_config(block_m, packed)
+        text = lower_for_cuda(lambda x, p, s: grouped_w4a16(x, p, s, block_m=block_m, config=cfg),
+                              jnp.ones((40, 1024), jnp.bfloat16), packed, sizes)
+        assert "mosaic_gpu" in text and cfg.compute_wgs == 1
+
+
+def test_bad_input_names_the_problem():
+    rng = np.random.default_rng()
+    stack = quantize_expert_weights(rng.standard_normal((2, 8, 64)).astype(np.float32), "int4_g32")
+    packed = prepack_experts(stack)
+    with pytest.raises(ValueError, match="block_m must be a multiple of 8"):
+        grouped_w4a16(jnp.ones((3, 64), jnp.bfloat16), packed, jnp.array([1, 2], jnp.int32), block_m=12)
+    with pytest.raises(ValueError, match="bf16 or fp16 rows"):
+        grouped_w4a16(jnp.ones((3, 64), jnp.float32), packed, jnp.array([1, 2], jnp.int32))
+    fp8 = quantize_expert_weights(rng.standard_normal((2, 128, 128)).astype(np.float32), "fp8_e4m3_block128x128")
+    with pytest.raises(ValueError, match="no W4A16 kernel layout"):
+        prepack_experts(fp8)
+    assert get_scheme("mxfp4").weight.bits == 4
