@@ -15,6 +15,7 @@ ctx tokens of cache per sequence and layer) at the HBM rate measured in the same
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from typing import Callable, Iterable
@@ -56,12 +57,13 @@ def random_bf16_params(model: LlamaForCausalLM, key) -> dict:
     return jax.tree.unflatten(tree, make(keys))
 
 
-def weights_for(scheme: str, bf16_params: dict) -> dict:
-    """bf16 params as they are, or their projections quantized and prepared with ``scheme``."""
+def weights_for(scheme: str, bf16_params: dict, prepare: bool = True) -> dict:
+    """bf16 params as they are, or their projections quantized with ``scheme`` (and prepared, unless
+    ``prepare=False``: tensor-parallel placement prepares each device's piece itself)."""
     if scheme == "bf16":
         return bf16_params
     from jquant.flax.rules import quantize_params
-    qparams, _ = quantize_params(bf16_params, [(PROJECTIONS, scheme)])
+    qparams, _ = quantize_params(bf16_params, [(PROJECTIONS, scheme)], prepare=prepare)
     return qparams
 
 
@@ -92,13 +94,16 @@ def step_bytes(params: dict, kv_cache_dtype: str | None, batch: int, ctx: int, c
     return array_bytes(params) + batch * ctx * per_token
 
 
-def time_decode(model, variables, cache, batch: int, ctx: int, reps: int, warmup: int = 2):
-    """Median µs per step over ``reps`` batches of back-to-back donated steps; returns (µs list, cache)."""
+def time_decode(model, variables, cache, batch: int, ctx: int, reps: int, warmup: int = 2,
+                step: Callable | None = None):
+    """Median µs per step over ``reps`` batches of back-to-back donated steps; returns (µs list, cache).
+    ``step(variables, token_ids, cache)``: the step to time (default ``decode_step`` of ``model``)."""
     token = jnp.ones((batch, 1), jnp.int32)
+    decode = functools.partial(decode_step, model) if step is None else step
     for _ in range(warmup):
         cache = _at_ctx(cache, ctx)
         for _ in range(STEPS_PER_BATCH):
-            logits, cache = decode_step(model, variables, token, cache)
+            logits, cache = decode(variables, token, cache)
         logits.block_until_ready()
     samples = []
     for _ in range(reps):
@@ -106,7 +111,7 @@ def time_decode(model, variables, cache, batch: int, ctx: int, reps: int, warmup
         jax.block_until_ready(cache)
         t0 = time.perf_counter()
         for _ in range(STEPS_PER_BATCH):
-            logits, cache = decode_step(model, variables, token, cache)
+            logits, cache = decode(variables, token, cache)
         logits.block_until_ready()
         samples.append(1e6 * (time.perf_counter() - t0) / STEPS_PER_BATCH)
     if not np.isfinite(np.asarray(logits, np.float32)).all():
@@ -197,4 +202,120 @@ def to_markdown(records: list[dict]) -> str:
         out.append(f"| {r['scheme']} | {r['kv_dtype']} | {r['batch']} | {r['ctx']} | {r['time_us']} | "
                    f"{r['tokens_per_s']} | {r['byte_floor_us']} | {r['pct_of_byte_floor']} | "
                    f"{r['speedup_vs_bf16']} | {r['baselines']['bf16_weights_dense_cache']} | {r['spread_pct']} |")
+    return "\n".join(out) + "\n"
+
+
+# ---- tensor parallel -----------------------------------------------------------------------------
+
+
+def shrunk_llama3_8b_shape(factor: int) -> Callable[[int, int], LlamaConfig]:
+    """``llama3_8b_shape`` with hidden size, head dim, intermediate size and vocabulary divided by
+    ``factor`` (1, 2, 4 or 8; head counts kept, so every tensor-parallel split of the full shape stays
+    possible): a plumbing check on CPU, whose timings mean nothing."""
+    if factor not in (1, 2, 4, 8):
+        raise ValueError(f"the shrink factor must be 1, 2, 4 or 8 (head_dim 128 / factor >= 16), got {factor}")
+
+    def shape(num_layers: int, max_len: int) -> LlamaConfig:
+        c = llama3_8b_shape(num_layers, max_len)
+        return dataclasses.replace(c, hidden_size=c.hidden_size // factor, head_dim=c.head_dim // factor,
+                                   intermediate_size=c.intermediate_size // factor,
+                                   vocab_size=c.vocab_size // factor)
+    return shape
+
+
+def _device_bytes(variables) -> int:
+    """Bytes one device holds of ``variables`` (its piece of every split leaf, every replicated one whole)."""
+    return array_bytes([a.addressable_shards[0].data for a in jax.tree.leaves(variables)])
+
+
+def run_tp(num_layers: int = 8, batches: Iterable[int] = (16,), ctxs: Iterable[int] = (1024,),
+           schemes: Iterable[str] = ("bf16", "int4_g128"), kv_dtypes: Iterable[str] = ("bf16",),
+           tps: Iterable[int] = (1, 2, 4, 8), collectives: Iterable[str] = ("psum",), reps: int = 7,
+           meta: dict | None = None, log: Callable[[str], None] = print,
+           shape: Callable[[int, int], LlamaConfig] = llama3_8b_shape, fused: bool = True) -> list[dict]:
+    """The decode step run tensor-parallel (``jquant.parallel``) at every tp of ``tps``, per (scheme, kv
+    dtype, batch, ctx) and every ``collectives`` mode (``"psum"``, ``"fp8"``, ``"fp8_rs"``).
+
+    The collectives' time is measured by difference: each cell is timed as it runs and again with every
+    exchange replaced by a local stand-in of the same shapes that moves nothing
+    (``TensorParallel.local_collectives``); ``collective_us`` is the difference, the communication time
+    that overlapping with compute did not hide. At tp = 1 nothing is exchanged and the two are one.
+    ``device_bytes``: what one device reads per step (its weights and its heads of ctx cached tokens)."""
+    from jquant.parallel import decode_step as tp_decode_step, shard_cache, shard_params, tensor_parallel
+
+    # Contents are random only; XLA compiles rbg's sampling far faster than threefry's on CPU.
+    key = jax.random.key(0, impl="rbg")
+    records = []
+    for batch in batches:
+        for ctx in ctxs:
+            max_len = ctx + (reps + 2) * STEPS_PER_BATCH + 16
+            config = shape(num_layers, max_len)
+            model = LlamaForCausalLM(config, dtype=jnp.bfloat16, fused_projections=fused)
+            # Separate q/k/v and gate/up: shard_params fuses each device's pieces when the model fuses.
+            bf16 = random_bf16_params(model.clone(fused_projections=False), key)
+            for scheme in schemes:
+                weights = {"params": weights_for(scheme, bf16, prepare=False)}
+                for kv in kv_dtypes:
+                    filled = filled_cache(model, kv, batch, ctx, max_len, jax.random.fold_in(key, 7))
+                    per_token = token_bytes(kv, num_layers=num_layers, kv_heads=config.num_kv_heads,
+                                            head_dim=config.head_dim)
+                    group = []
+                    for tp in tps:
+                        try:
+                            params = shard_params(tensor_parallel(model, tp), weights)
+                        except Exception as e:  # a split this shape does not allow must not end the run
+                            log(f"  FAILED {scheme} kv={kv} tp={tp}: {type(e).__name__}: {e}")
+                            continue
+                        nbytes = _device_bytes(params) + batch * ctx * per_token // tp
+                        for mode in (("psum",) if tp == 1 else tuple(collectives)):
+                            timed = {}
+                            for local in ((False,) if tp == 1 else (False, True)):
+                                plan = tensor_parallel(model, tp, collectives=mode, local_collectives=local)
+                                cache = shard_cache(plan, jax.tree.map(jnp.copy, filled))
+                                step = functools.partial(tp_decode_step, plan)
+                                try:
+                                    timed[local], cache = time_decode(model, params, cache, batch, ctx, reps,
+                                                                      step=step)
+                                except Exception as e:  # one failing cell must not end the run
+                                    log(f"  FAILED {scheme} kv={kv} tp={tp} {mode}: {type(e).__name__}: {e}")
+                                del cache
+                            if False not in timed:
+                                continue
+                            t = float(np.median(timed[False]))
+                            alone = float(np.median(timed.get(True, timed[False])))
+                            group.append(dict(
+                                op="decode_step", scheme=scheme, kv_dtype=kv, batch=batch, ctx=ctx,
+                                layers=num_layers, fused_projections=fused, tp=tp, collectives=mode,
+                                time_us=round(t, 1), no_collectives_us=round(alone, 1),
+                                collective_us=round(t - alone, 1), collective_pct=round(100 * (t - alone) / t, 1),
+                                tokens_per_s=round(batch * 1e6 / t, 1), device_bytes=nbytes,
+                                spread_pct=round(100 * (max(timed[False]) - min(timed[False])) / t, 1),
+                                **(meta or {})))
+                    tp1 = next((r["time_us"] for r in group if r["tp"] == 1), None)
+                    for r in group:
+                        psum = next((p["time_us"] for p in group if p["tp"] == r["tp"] and p["collectives"] == "psum"),
+                                    None)
+                        r["baselines"] = {"tp1_us": tp1, "psum_us": psum}
+                        r["vs_tp1"] = tp1 and round(r["time_us"] / tp1, 3)
+                        r["speedup_vs_psum"] = psum and round(psum / r["time_us"], 3)
+                        log(f"  decode {scheme:10s} kv={kv:10s} B={batch:<3d} ctx={ctx:<6d} tp={r['tp']} "
+                            f"{r['collectives']:6s} {r['time_us']:9.1f} us  collectives {r['collective_us']:8.1f}"
+                            f"  x{r['vs_tp1'] or float('nan'):.2f} of tp=1")
+                    records += group
+    return records
+
+
+def tp_to_markdown(records: list[dict]) -> str:
+    """The table of ``run_tp``'s records."""
+    meta = records[0] if records else {}
+    detail = (f"Llama-3-8B-shaped, {meta.get('layers', '')} layers, random weights, tensor parallel; collective "
+              "time = step time - the same step with every exchange replaced by a local stand-in")
+    out = [markdown_title("Tensor-parallel decode step benchmark", records, detail) +
+           "| weights | KV | B | ctx | TP | collectives | step µs | without collectives µs | collectives µs | "
+           "× of TP=1 | vs psum | tokens/s | bytes/device | spread % |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        out.append(f"| {r['scheme']} | {r['kv_dtype']} | {r['batch']} | {r['ctx']} | {r['tp']} | {r['collectives']} | "
+                   f"{r['time_us']} | {r['no_collectives_us']} | {r['collective_us']} | {r['vs_tp1']} | "
+                   f"{r['speedup_vs_psum']} | {r['tokens_per_s']} | {r['device_bytes']} | {r['spread_pct']} |")
     return "\n".join(out) + "\n"

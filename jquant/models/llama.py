@@ -390,11 +390,12 @@ def new_cache(model: LlamaForCausalLM, batch: int, max_len: int, kv_cache_dtype:
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "greedy", "eos_id", "kv_cache_dtype",
-                                             "page_size"))
+                                             "page_size", "forward"))
 def _generate(model, params, prompt_ids, rng, temperature, max_new_tokens, greedy, eos_id, kv_cache_dtype,
-              page_size):
+              page_size, forward):
     batch, prompt_len = prompt_ids.shape
     cache = new_cache(model, batch, prompt_len + max_new_tokens, kv_cache_dtype, page_size)
+    apply = model.apply if forward is None else forward
 
     def pick(logits, key):
         if greedy:
@@ -402,13 +403,13 @@ def _generate(model, params, prompt_ids, rng, temperature, max_new_tokens, greed
         return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
 
     keys = jax.random.split(rng, max_new_tokens)
-    logits, cache = model.apply(params, prompt_ids, cache)
+    logits, cache = apply(params, prompt_ids, cache)
     first = pick(logits[:, -1], keys[0])
     done = jnp.zeros((batch,), bool) if eos_id is None else first == eos_id
 
     def step(carry, key):
         token, cache, done = carry
-        logits, cache = model.apply(params, token[:, None], cache)
+        logits, cache = apply(params, token[:, None], cache)
         nxt = pick(logits[:, -1], key)
         if eos_id is not None:  # a finished row keeps emitting eos; shapes stay static
             nxt = jnp.where(done, eos_id, nxt)
@@ -421,13 +422,15 @@ def _generate(model, params, prompt_ids, rng, temperature, max_new_tokens, greed
 
 def generate(model: LlamaForCausalLM, params, prompt_ids, max_new_tokens: int, greedy: bool = True, *,
              rng: jax.Array | None = None, temperature: float = 1.0, eos_id: int | None = None,
-             kv_cache_dtype: str | None = None, page_size: int = 16) -> jax.Array:
+             kv_cache_dtype: str | None = None, page_size: int = 16, forward: Callable | None = None) -> jax.Array:
     """``max_new_tokens`` tokens after ``prompt_ids`` [batch, P] (equal-length prompts, no padding):
     one prefill through the KV cache, then one decode step per token inside ``lax.scan``.
     Greedy takes the argmax; otherwise tokens are sampled at ``temperature`` from ``rng``.
     ``kv_cache_dtype`` (a vLLM name: ``bf16``, ``fp8``, ``int8_per_token_head``, ``turboquant_3bit_nc``,
     ...) stores the cache paged in that format, ``page_size`` tokens a page; None keeps a dense cache in
     the model's dtype. Returns int32 [batch, max_new_tokens]; after ``eos_id`` a row repeats ``eos_id``.
+    ``forward(params, token_ids, cache) -> (logits, cache)`` runs each step in place of ``model.apply``
+    (hashable: ``jquant.parallel.generate`` passes its tensor-parallel ``TensorParallel.apply``).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -459,7 +462,7 @@ def generate(model: LlamaForCausalLM, params, prompt_ids, max_new_tokens: int, g
         kv_cache_spec(kv_cache_dtype)  # an unknown name fails here, before tracing
     rng = jax.random.key(0) if rng is None else rng
     return _generate(model, params, prompt_ids, rng, jnp.float32(temperature), max_new_tokens, greedy, eos_id,
-                     kv_cache_dtype, page_size)
+                     kv_cache_dtype, page_size, forward)
 
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
