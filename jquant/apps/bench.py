@@ -1,12 +1,14 @@
-"""``jquant bench {w4a16,attention,insert,decode,gptq} --out bench/results/<device> [options]``.
+"""``jquant bench {w4a16,gemm8,attention,insert,decode,gptq,moe} --out bench/results/<device> [options]``.
 
 ``w4a16`` times 4-bit weight-only schemes as a model runs them (``get_scheme → quantize_weight →
-process_weights_after_loading → apply``) against XLA; ``attention`` times paged decode attention per
+process_weights_after_loading → apply``) against XLA; ``gemm8`` times the 8-bit schemes (the W8A16
+kernel, FP8 W8A8) the same way; ``attention`` times paged decode attention per
 ``kv_cache_dtype`` against JAX's own ``paged_attention``; ``insert`` times the quantize-and-insert of new tokens
 into the paged cache per ``kv_cache_dtype`` against XLA; ``decode`` times one donated decode step of a
 Llama-3-8B-shaped stack per weight scheme × KV dtype, with the bf16 model in the same run; ``gptq`` times
-GPTQ of one Llama-3-8B-shaped layer (Hessians and the column loop). All need a
-CUDA GPU (Hopper for the Mosaic GPU kernels); ``--interpret`` (w4a16) runs the same plumbing on CPU,
+GPTQ of one Llama-3-8B-shaped layer (Hessians and the column loop); ``moe`` times one MoE layer (gpt-oss-20b,
+DeepSeek-V3 shapes) per expert format and token count against the same layer on bf16 experts. All need a
+CUDA GPU (Hopper for the Mosaic GPU kernels); ``--interpret`` (w4a16, gemm8) runs the same plumbing on CPU,
 whose timings mean nothing.
 """
 
@@ -82,6 +84,25 @@ def build_parser() -> argparse.ArgumentParser:
                           "writes decode_unfused.{json,md}")
     dec.add_argument("--profile", default=None, metavar="DIR",
                      help="also write a jax.profiler trace of a few steps of every cell under DIR")
+    dec.add_argument("--tp", type=_ints, default=None, metavar="N,...",
+                     help="tensor-parallel degrees, e.g. 1,2,4,8: the step split over that many devices "
+                          "(jquant.parallel), collective time broken out; writes decode_tp.{json,md}")
+    dec.add_argument("--fp8-collectives", action="store_true",
+                     help="with --tp: also time the row-parallel sums as FP8 all-gathers (else bf16 psum only)")
+    dec.add_argument("--shrink", type=int, default=1,
+                     help="divide hidden size, head_dim, intermediate size and vocabulary by 2, 4 or 8 "
+                          "(a quick plumbing check)")
+    dec.add_argument("--allow-cpu", action="store_true", help="run without a GPU (timings are the CPU's)")
+    g8 = sub.add_parser("gemm8", help="8-bit weight schemes (W8A16 kernel, FP8 W8A8) against XLA bf16")
+    g8.add_argument("--out", default="bench/results", help="folder for gemm8.json and gemm8.md")
+    g8.add_argument("--shapes", type=_shapes, default=None,
+                    help="NxK list (default 28672x8192,8192x28672,8192x8192,4096x4096)")
+    g8.add_argument("--deepseek", action="store_true", help="DeepSeek-V3's block-FP8 projection shapes")
+    g8.add_argument("--ms", type=_ints, default=None, help="M values, e.g. 1,16,128")
+    g8.add_argument("--schemes", default=None, help="comma list of the 8-bit schemes (default all six)")
+    g8.add_argument("--reps", type=int, default=9)
+    g8.add_argument("--interpret", action="store_true", help="run the Pallas kernel in interpret mode")
+
     gq = sub.add_parser("gptq", help="GPTQ of one Llama-3-8B-shaped layer (7 projections)")
     gq.add_argument("--out", default="bench/results", help="folder for gptq.json and gptq.md")
     gq.add_argument("--rows", type=int, default=128, help="calibration sequences")
@@ -91,7 +112,22 @@ def build_parser() -> argparse.ArgumentParser:
     gq.add_argument("--shrink", type=int, default=1,
                     help="divide every projection dimension by this (a quick plumbing check)")
     gq.add_argument("--allow-cpu", action="store_true", help="run without a GPU (timings are the CPU's)")
+    _moe_parser(sub)
     return parser
+
+
+def _moe_parser(sub) -> None:
+    # Defaults live in jquant.kernels.moe.bench (SHAPES, TOKENS), imported only to run: keep --help fast.
+    moe = sub.add_parser("moe", help="one MoE layer per expert format x tokens against bf16 ragged_dot")
+    moe.add_argument("--out", default="bench/results", help="folder for moe.json and moe.md")
+    moe.add_argument("--shapes", default=None, help="comma list of gpt-oss-20b, deepseek-v3 (default both)")
+    moe.add_argument("--tokens", type=_ints, default=None, help="tokens per call (default 1,8,64,512,4096)")
+    moe.add_argument("--formats", default=None,
+                     help="comma list of registered schemes for every shape (default each shape's own: "
+                          "gpt-oss-20b mxfp4,int4_g32; deepseek-v3 fp8_e4m3_block128x128,int4_g128,mxfp4)")
+    moe.add_argument("--reps", type=int, default=9)
+    moe.add_argument("--shrink", action="store_true", help="tiny layers of the same kinds (a plumbing check)")
+    moe.add_argument("--allow-cpu", action="store_true", help="run without a GPU (timings are the CPU's)")
 
 
 def main(argv=None) -> int:
@@ -101,7 +137,43 @@ def main(argv=None) -> int:
         return _w4a16(parser, args)
     if args.bench == "gptq":
         return _gptq(parser, args)
+    if args.bench == "moe":
+        return _moe(parser, args)
+    if args.bench == "gemm8":
+        return _gemm8(parser, args)
     return _model_bench(parser, args)
+
+
+def _moe(parser, args) -> int:
+    from jquant.bench.records import write_records
+    from jquant.kernels.moe import bench
+    from jquant.schemes import dispatch
+    from jquant.schemes.scheme import schemes as registered   # filled by import jquant
+
+    names = args.shapes.split(",") if args.shapes else list(bench.SHAPES)
+    tokens = args.tokens or bench.TOKENS
+    unknown = [n for n in names if n not in bench.SHAPES]
+    if unknown:
+        parser.error(f"--shapes: unknown {unknown}; known: {', '.join(bench.SHAPES)}")
+    formats = tuple(args.formats.split(",")) if args.formats else None
+    unknown = [f for f in formats or () if f not in registered()]
+    if unknown:
+        parser.error(f"--formats: unknown {unknown}; registered schemes: {', '.join(registered())}")
+    if any(t < 1 for t in tokens) or args.reps < 1:
+        parser.error("--tokens and --reps must be positive")
+    if not args.allow_cpu and _no_gpu(args):
+        return 1
+    shapes = [bench.SHAPES[n].tiny() if args.shrink else bench.SHAPES[n] for n in names]
+    written = []   # the files are rewritten after every cell: a run cut short keeps its rows
+    records = bench.run(shapes, tokens, formats, reps=args.reps, cpu=not dispatch.is_gpu(),
+                        on_records=lambda recs: written.append(write_records(recs, args.out, "moe",
+                                                                             bench.to_markdown)))
+    if not records:
+        print("jquant bench moe: no cell ran (see the FAILED lines above)", file=sys.stderr)
+        return 1
+    js, md = written[-1]
+    print(f"wrote {js} and {md}")
+    return 0
 
 
 def _gptq(parser, args) -> int:
@@ -121,6 +193,40 @@ def _gptq(parser, args) -> int:
     return 0
 
 
+def _gemm8(parser, args) -> int:
+    from jquant.bench.records import run_meta, write_records
+    from jquant.kernels.w8a16 import bench
+
+    names = tuple(args.schemes.split(",")) if args.schemes else tuple(bench.schemes())
+    unknown = [n for n in names if n not in bench.schemes()]
+    if unknown:
+        parser.error(f"--schemes: unknown {unknown}; known: {', '.join(bench.schemes())}")
+    if _no_gpu(args):
+        return 1
+    shapes = args.shapes or (bench.DEEPSEEK_SHAPES if args.deepseek else bench.SHAPES)
+    meta, records = run_meta(), []
+    for shape in shapes:   # rewrite the files after every shape: a run cut short keeps its rows
+        records += bench.run((shape,), args.ms or bench.MS, names, reps=args.reps, interpret=args.interpret,
+                             meta=meta)
+        js, md = write_records(records, args.out, "gemm8", bench.to_markdown)
+    print(f"wrote {js} and {md}")
+    return 0
+
+
+def _check_decode_options(parser, args) -> None:
+    """``--shrink`` and ``--tp`` of ``decode``: a usable factor, and no more devices than JAX sees."""
+    if args.shrink not in (1, 2, 4, 8):
+        parser.error(f"--shrink must be 1, 2, 4 or 8 (head_dim 128 / shrink >= 16), got {args.shrink}")
+    if args.fp8_collectives and not args.tp:
+        parser.error("--fp8-collectives needs --tp")
+    if args.tp:
+        import jax
+        bad = [n for n in args.tp if n < 1 or n > jax.device_count()]
+        if bad:
+            parser.error(f"--tp {','.join(map(str, bad))}: each must lie in 1..{jax.device_count()}, the "
+                         f"devices JAX sees ({jax.default_backend()})")
+
+
 def _no_gpu(args) -> bool:
     """True (after saying so) when there is no GPU to time and no --interpret."""
     from jquant.schemes import dispatch   # imported here: keep --help fast
@@ -130,7 +236,7 @@ def _no_gpu(args) -> bool:
     print(f"jquant bench: no GPU present (JAX runs on {dispatch.platform()}); the benchmark times CUDA "
           "kernels. Run it on a machine with an NVIDIA GPU (Hopper for the Mosaic GPU kernels) and "
           "jax[cuda12] installed" + (", or add --interpret to check the plumbing on CPU (its timings "
-                                     "mean nothing)." if args.bench == "w4a16" else "."), file=sys.stderr)
+                                     "mean nothing)." if args.bench in ("w4a16", "gemm8") else "."), file=sys.stderr)
     return True
 
 
@@ -176,7 +282,9 @@ def _model_bench(parser, args) -> int:
     unknown = [s for s in weights if s != "bf16" and s not in registered()]
     if unknown:
         parser.error(f"--schemes: unknown {unknown}; bf16 or one of {', '.join(registered())}")
-    if _no_gpu(args):
+    if args.bench == "decode":
+        _check_decode_options(parser, args)
+    if not getattr(args, "allow_cpu", False) and _no_gpu(args):
         return 1
     meta = run_meta()
     records: list[dict] = []
@@ -196,10 +304,18 @@ def _model_bench(parser, args) -> int:
             js, md = write_records(records, args.out, "insert", bench.to_markdown)
     else:
         from jquant.models import decode_bench as bench
+        shape = bench.shrunk_llama3_8b_shape(args.shrink)
         for batch in args.batches:
             for ctx in args.ctxs:
+                if args.tp:
+                    records += bench.run_tp(args.layers, (batch,), (ctx,), weights, kv_dtypes, tps=args.tp,
+                                            collectives=("psum", "fp8") if args.fp8_collectives else ("psum",),
+                                            reps=args.reps, meta=meta, shape=shape, fused=not args.unfused)
+                    js, md = write_records(records, args.out, "decode_tp_unfused" if args.unfused else "decode_tp",
+                                           bench.tp_to_markdown)
+                    continue
                 records += bench.run(args.layers, (batch,), (ctx,), weights, kv_dtypes, reps=args.reps, meta=meta,
-                                     profile_dir=args.profile, fused=not args.unfused)
+                                     profile_dir=args.profile, fused=not args.unfused, shape=shape)
                 js, md = write_records(records, args.out, "decode_unfused" if args.unfused else "decode",
                                        bench.to_markdown)
     print(f"wrote {js} and {md}")
