@@ -16,6 +16,11 @@ module only names, splits, stacks and interleaves.
   float32 ``[ceil(N/128), ceil(K/128)]`` (a multiplier), stacked along a new expert axis.
 
 Biases are kept as the arrays the checkpoint holds (their dtype included), so export gives them back.
+
+``moe_stack_to_tensors`` exports one expert stack of a ``jquant.models.moe.MoE`` layer (its
+``gate_up_proj`` holds gate rows then up rows, not gpt-oss's interleave) in either layout; the
+safetensors writer calls it for ``QExperts`` leaves. ``check_stack_arrays`` checks a stack's arrays
+against its metadata (expert count, shapes) before it is saved, restored or exported.
 """
 
 from __future__ import annotations
@@ -30,12 +35,16 @@ import numpy as np
 
 from jquant.checkpoint.base import from_checkpoint, to_checkpoint
 from jquant.checkpoint.writer import tensor_name
-from jquant.kernels.moe.experts import check_stack, stack_experts, unstack_experts
+from jquant.kernels.moe.experts import check_stack, split_rows, stack_experts, unstack_experts
 from jquant.qtensor import QTensor
 
 GPT_OSS = "gpt-oss"
 FP8_BLOCK = "fp8-block"
 DEEPSEEK_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# The layouts expert stacks export to (moe_stack_to_tensors), and the bias a MoE layer keeps beside each
+# stack (jquant.models.moe: gate_up_bias [E, 2I] in halves, down_bias [E, H]).
+STACK_LAYOUTS = (GPT_OSS, FP8_BLOCK)
+LAYER_BIASES = {"gate_up_proj": "gate_up_bias", "down_proj": "down_bias"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,23 +147,25 @@ def _interleave(even: np.ndarray, odd: np.ndarray) -> np.ndarray:
     return out
 
 
+def _gpt_oss_tensors(proj: str, stacks: list[QTensor], biases: list, module: str) -> dict[str, np.ndarray]:
+    """``stacks`` (gate and up, or down alone) as gpt-oss's ``<proj>_blocks`` / ``_scales`` / ``_bias``,
+    two stacks interleaved row by row (even rows the first)."""
+    parts = [to_checkpoint(qt, GPT_OSS) for qt in stacks]
+    join = (lambda xs: _interleave(*xs)) if len(stacks) == 2 else (lambda xs: xs[0])
+    blocks_name, scales_name, bias_name = _gpt_oss_names(module, proj)
+    out = {blocks_name: join([p["blocks"] for p in parts]), scales_name: join([p["scales"] for p in parts])}
+    if biases[0] is not None:
+        out[bias_name] = join([np.asarray(b) for b in biases])
+    return out
+
+
 def gpt_oss_experts_to_tensors(weights: ExpertWeights, module: str = "mlp.experts") -> dict[str, np.ndarray]:
     """The inverse of ``load_gpt_oss_experts``: the checkpoint's tensors, gate and up interleaved again."""
     if (weights.gate_bias is None) != (weights.up_bias is None):
         raise ValueError("gpt-oss stores one gate_up_proj_bias: give both gate_bias and up_bias, or neither")
-    gate = to_checkpoint(weights.gate, GPT_OSS)
-    up = to_checkpoint(weights.up, GPT_OSS)
-    down = to_checkpoint(weights.down, GPT_OSS)
-    gate_up_names = _gpt_oss_names(module, "gate_up_proj")
-    down_names = _gpt_oss_names(module, "down_proj")
-    out = {gate_up_names[0]: _interleave(gate["blocks"], up["blocks"]),
-           gate_up_names[1]: _interleave(gate["scales"], up["scales"]),
-           down_names[0]: down["blocks"], down_names[1]: down["scales"]}
-    if weights.gate_bias is not None:
-        out[gate_up_names[2]] = _interleave(np.asarray(weights.gate_bias), np.asarray(weights.up_bias))
-    if weights.down_bias is not None:
-        out[down_names[2]] = np.asarray(weights.down_bias)
-    return out
+    return {**_gpt_oss_tensors("gate_up_proj", [weights.gate, weights.up], [weights.gate_bias, weights.up_bias],
+                               module),
+            **_gpt_oss_tensors("down_proj", [weights.down], [weights.down_bias], module)}
 
 
 # ---- DeepSeek-V3 (block FP8, one tensor per expert) -------------------------------------------------
@@ -196,13 +207,140 @@ def load_deepseek_experts(tensors: dict, module: str = "mlp.experts", *, num_exp
     return ExpertWeights(stacks["gate_proj"], stacks["up_proj"], stacks["down_proj"])
 
 
+def _deepseek_tensors(proj: str, stack: QTensor, module: str) -> dict[str, np.ndarray]:
+    out = {}
+    for e, qt in enumerate(unstack_experts(stack)):
+        for key, array in to_checkpoint(qt, FP8_BLOCK).items():
+            out[_deepseek_name(module, e, proj, key)] = array
+    return out
+
+
 def deepseek_experts_to_tensors(weights: ExpertWeights, module: str = "mlp.experts") -> dict[str, np.ndarray]:
     """The inverse of ``load_deepseek_experts``: ``weight`` and ``weight_scale_inv`` per expert and projection."""
     if any(b is not None for b in (weights.gate_bias, weights.up_bias, weights.down_bias)):
         raise ValueError("DeepSeek-V3 experts have no biases; this ExpertWeights holds some")
     out = {}
     for proj, stack in zip(DEEPSEEK_PROJECTIONS, (weights.gate, weights.up, weights.down)):
-        for e, qt in enumerate(unstack_experts(stack)):
-            for key, array in to_checkpoint(qt, FP8_BLOCK).items():
-                out[_deepseek_name(module, e, proj, key)] = array
+        out.update(_deepseek_tensors(proj, stack, module))
     return out
+
+
+# ---- one stack of a MoE layer ------------------------------------------------------------------------
+
+def check_stack_arrays(qt: Any, name: str = "experts") -> QTensor:
+    """``check_stack``, and the arrays agree with the metadata: codes ``[E, N, K]`` (the packed axis
+    shorter), scales and zero points one per block; raises a ValueError naming ``name`` otherwise.
+    Stacks whose blocks run over the flattened tensor (bitsandbytes) are checked as ``check_stack`` does.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jquant.checkpoint.experts import check_stack_arrays
+      >>> from jquant.kernels.moe import quantize_expert_weights
+      >>> qt = quantize_expert_weights(np.ones((4, 8, 64), np.float32), "mxfp4")
+      >>> check_stack_arrays(qt).shape
+      (4, 8, 64)
+      >>> check_stack_arrays(qt.replace(scale=qt.scale[:3]), "gate_up_proj")
+      Traceback (most recent call last):
+          ...
+      ValueError: gate_up_proj: scale has shape (3, 8, 2), but a (4, 8, 64) stack with blocks (1, 1, 32)
+      needs (4, 8, 2)
+    """
+    check_stack(qt, name)
+    if len(qt.block) != qt.ndim:
+        return qt
+    blocks = tuple(-(-s // b) for s, b in zip(qt.shape, qt.block))
+    for field in ("data", "scale", "zero"):
+        leaf = getattr(qt, field)
+        if leaf is None or isinstance(leaf, QTensor):
+            continue
+        got = tuple(getattr(leaf, "shape", ()))
+        if field == "data":
+            ok = len(got) == 3 and all(g == s for a, (g, s) in enumerate(zip(got, qt.shape)) if a != qt.pack_axis)
+            want = "codes [E, N, K]" + ("" if qt.pack_axis is None else f" (axis {qt.pack_axis} packed)")
+        else:
+            ok, want = got == blocks, str(blocks)
+        if not ok:
+            raise ValueError(f"{name}: {field} has shape {got}, but a {qt.shape} stack with blocks {qt.block} "
+                             f"needs {want}")
+    return qt
+
+
+def moe_stack_to_tensors(param: str, stack: QTensor, layout: str | None, module: str = "mlp.experts", *,
+                         bias: Any = None, name: str | None = None) -> dict[str, np.ndarray]:
+    """One expert stack of a ``jquant.models.moe.MoE`` layer as its format's checkpoints store it.
+
+    ``param``: the layer's parameter, ``"gate_up_proj"`` (``[E, 2I, H]``, gate rows ``[0, I)``, up rows
+    ``[I, 2I)``) or ``"down_proj"`` (``[E, H, I]``); ``bias``: the layer's ``gate_up_bias`` ``[E, 2I]``
+    (halves likewise) or ``down_bias`` ``[E, H]``, or None. ``layout``:
+
+    * ``"gpt-oss"`` (MXFP4): ``<module>.<param>_blocks`` / ``_scales`` / ``_bias``, gate and up
+      interleaved again (even rows gate), as ``load_gpt_oss_experts`` reads them;
+    * ``"fp8-block"`` (DeepSeek-V3): ``<module>.<e>.{gate,up,down}_proj.weight`` / ``.weight_scale_inv``
+      per expert, as ``load_deepseek_experts`` reads them; no bias (DeepSeek-V3 experts have none).
+
+    Any other layout (or none) raises a ValueError naming the parameter (``name``, default ``param``),
+    its format and the layouts stacks export to: no other expert checkpoint layout is implemented, and a
+    stack written as some dense layout's single tensor would load as nothing any MoE loader reads.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jquant.checkpoint.experts import load_gpt_oss_experts, moe_stack_to_tensors
+      >>> from jquant.kernels.moe import quantize_expert_weights, split_rows
+      >>> rng = np.random.default_rng(0)
+      >>> e, h, i = 2, 64, 32
+      >>> gate_up = quantize_expert_weights(rng.standard_normal((e, 2 * i, h)).astype(np.float32), "mxfp4")
+      >>> down = quantize_expert_weights(rng.standard_normal((e, h, i)).astype(np.float32), "mxfp4")
+      >>> tensors = {**moe_stack_to_tensors("gate_up_proj", gate_up, "gpt-oss"),
+      ...            **moe_stack_to_tensors("down_proj", down, "gpt-oss")}
+      >>> sorted(tensors)
+      ['mlp.experts.down_proj_blocks', 'mlp.experts.down_proj_scales',
+       'mlp.experts.gate_up_proj_blocks', 'mlp.experts.gate_up_proj_scales']
+      >>> tensors["mlp.experts.gate_up_proj_blocks"].shape  # [E, 2I, H/32, 16]
+      (2, 64, 2, 16)
+      >>> loaded = load_gpt_oss_experts(tensors)  # de-interleaves: the halves come back
+      >>> gate, up = split_rows(gate_up, [i, i])
+      >>> bool((loaded.up.data == up.data).all()), bool((loaded.gate.scale == gate.scale).all())
+      (True, True)
+      >>> moe_stack_to_tensors("down_proj", down, "gptq", name="layers_0/mlp/down_proj")
+      Traceback (most recent call last):
+          ...
+      ValueError: parameter 'layers_0/mlp/down_proj': expert stacks (fmt 'mxfp4') export only in the gpt-oss
+      MXFP4 layout ('gpt-oss') and the DeepSeek-V3 block-FP8 layout ('fp8-block'), not in layout 'gptq';
+      save it with orbax (jquant.flax.orbax_io.save_quantized)
+    """
+    what = f"parameter {name or param!r}"
+    base = None if layout is None else layout.split("/", 1)[0]
+    if base not in STACK_LAYOUTS:
+        fmt = getattr(stack, "fmt", type(stack).__name__)
+        raise ValueError(f"{what}: expert stacks (fmt {fmt!r}) export only in the gpt-oss MXFP4 layout "
+                         f"({GPT_OSS!r}) and the DeepSeek-V3 block-FP8 layout ({FP8_BLOCK!r}), not in layout "
+                         f"{layout!r}; save it with orbax (jquant.flax.orbax_io.save_quantized)")
+    if param not in LAYER_BIASES:
+        raise ValueError(f"{what}: a MoE layer's expert stacks are {tuple(LAYER_BIASES)}, not {param!r}; the "
+                         f"{base} names depend on which one it is")
+    check_stack_arrays(stack, what)
+    e, n, _ = stack.shape
+    if bias is not None and (getattr(bias, "ndim", None) != 2 or tuple(bias.shape) != (e, n)):
+        raise ValueError(f"{what}: its bias {LAYER_BIASES[param]!r} has shape {tuple(getattr(bias, 'shape', ()))}, "
+                         f"expected one per expert and row, {(e, n)}")
+    if base == FP8_BLOCK and bias is not None:
+        raise ValueError(f"{what}: DeepSeek-V3 ({FP8_BLOCK!r}) expert checkpoints hold no biases, but the layer has "
+                         f"{LAYER_BIASES[param]!r}")
+    if stack.fmt != ("mxfp4" if base == GPT_OSS else "fp8_e4m3"):
+        raise ValueError(f"{what}: layout {layout!r} stores {'mxfp4' if base == GPT_OSS else 'fp8_e4m3'} "
+                         f"expert stacks, got fmt {stack.fmt!r}")
+    try:
+        if param == "gate_up_proj":
+            if n % 2:
+                raise ValueError(f"gate_up_proj [E, 2I, H] has an odd number of rows {n}")
+            stacks = split_rows(stack, [n // 2, n // 2])
+            halves = [None, None] if bias is None else [np.asarray(bias)[:, :n // 2], np.asarray(bias)[:, n // 2:]]
+        else:
+            stacks, halves = [stack], [bias]
+        if base == GPT_OSS:
+            return _gpt_oss_tensors(param, stacks, halves, module)
+        projs = ("gate_proj", "up_proj") if param == "gate_up_proj" else ("down_proj",)
+        return {k: v for proj, qt in zip(projs, stacks) for k, v in _deepseek_tensors(proj, qt, module).items()}
+    except ValueError as err:
+        raise ValueError(f"{what} ({stack.fmt}, shape {stack.shape}) cannot be written in layout {layout!r}: "
+                         f"{err}") from err

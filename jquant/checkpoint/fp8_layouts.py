@@ -59,6 +59,8 @@ def _check_qtensor(qt: QTensor, layout: str, granularities) -> str:
         raise ValueError(f"{layout} stores 2-D fp8_e4m3 weights [N, K]; got QTensor.fmt={qt.fmt!r} "
                          f"with shape {qt.shape}")
     granularity = _granularity(qt.shape, qt.block)
+    if granularity == "tensor" and qt.option("granularity") == "block":
+        granularity = "block"   # a weight of exactly one block: its block alone reads as per tensor
     if granularity not in granularities:
         raise ValueError(f"{layout} stores {' or '.join(granularities)} scales; QTensor with shape "
                          f"{qt.shape} has block {qt.block} ({granularity})")
@@ -131,12 +133,12 @@ def _ct_scale_block(weight, scale, block_size) -> tuple[int, int]:
                      f"needs [1] (tensor), [{n}, 1] (channel) or {list(grid)} (block {tuple(block_size)})")
 
 
-def _qtensor(weight, scale, block, dtype) -> QTensor:
+def _qtensor(weight, scale, block, dtype, granularity: str | None = None) -> QTensor:
     shape = weight.shape
     nblocks = tuple(-(-s // b) for s, b in zip(shape, block))
     return QTensor(data=jnp.asarray(weight), scale=jnp.asarray(scale.reshape(nblocks)), fmt=_FMT,
                    shape=shape, dtype=dtype, block=block,
-                   options=(("granularity", _granularity(shape, block)),))
+                   options=(("granularity", granularity or _granularity(shape, block)),))
 
 
 def _is_fp8_weight(tensors: dict) -> bool:
@@ -162,7 +164,10 @@ def from_compressed_tensors(tensors: dict, dtype=jnp.float32, block_size=_DEFAUL
     if "weight_zero_point" in tensors and np.any(np.asarray(tensors["weight_zero_point"], np.float32)):
         raise ValueError(f"{_CT}: nonzero 'weight_zero_point' (asymmetric FP8) is not supported")
     _check_input_scale(tensors, _CT, ((1,), ()))
-    return _qtensor(weight, scale, _ct_scale_block(weight, scale, block_size), dtype)
+    block = _ct_scale_block(weight, scale, block_size)
+    # A 2-D scale that is not [N, 1] is a block grid, even of one block.
+    return _qtensor(weight, scale, block, dtype,
+                    "block" if scale.ndim == 2 and scale.shape != (weight.shape[0], 1) else None)
 
 
 def _detect_compressed_tensors(tensors: dict) -> bool:
@@ -216,7 +221,7 @@ def from_fp8_block(tensors: dict, dtype=jnp.float32, block_size=_DEFAULT_BLOCK) 
     if scale.shape != grid:
         raise ValueError(f"{_BLOCK}: tensor 'weight_scale_inv' has shape {scale.shape}, but weight "
                          f"{weight.shape} with block {tuple(block_size)} needs {list(grid)}")
-    return _qtensor(weight, scale, tuple(block_size), dtype)
+    return _qtensor(weight, scale, tuple(block_size), dtype, "block")
 
 
 register_layout(_CT, to_compressed_tensors, from_compressed_tensors, fmts=(_FMT,),

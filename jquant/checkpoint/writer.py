@@ -2,7 +2,9 @@
 
 ``checkpoint_tensors`` turns a tree into ``{tensor name: numpy array}``: each QParam becomes the tensors
 ``to_checkpoint`` gives in its layout, under its module's name joined by the layout's separator
-(``tensor_name``); each float leaf becomes one tensor. ``save_checkpoint`` writes them with
+(``tensor_name``); each MoE expert stack (``QExperts``) the tensors its format's expert checkpoints
+hold (``jquant.checkpoint.experts.moe_stack_to_tensors``: gpt-oss MXFP4, DeepSeek-V3 block FP8; other
+formats are refused); each float leaf becomes one tensor. ``save_checkpoint`` writes them with
 ``safetensors_file.save_file``. ``save_hf_checkpoint`` and ``export_safetensors`` both call it, so a
 layout's tensor names are decided here and nowhere else.
 """
@@ -16,6 +18,7 @@ import jax
 import numpy as np
 
 from jquant.checkpoint.base import to_checkpoint
+from jquant.kernels.moe.experts import QExperts
 from jquant.qtensor import QTensor
 from jquant.schemes.qparam import QParam
 from jquant.schemes.scheme import Prepared
@@ -67,9 +70,18 @@ def checkpoint_tensors(params: Any, *, name_map: Callable[[str], str] | None = N
     float tensor per module), a Flax ``kernel`` ``[K, N]`` transposed to PyTorch's ``[N, K]``; without
     it a leaf keeps its orientation and is named ``name_map(path)`` of its whole path.
 
+    A ``QExperts`` at ``<module>/gate_up_proj`` or ``<module>/down_proj`` (a ``jquant.models.moe.MoE``
+    layer's stacks) is stored as ``moe_stack_to_tensors`` gives it in ``layout`` or its scheme's layout,
+    under ``name_map(module)`` (gpt-oss: ``<module>.gate_up_proj_blocks``; DeepSeek-V3:
+    ``<module>.<e>.gate_proj.weight``), its sibling bias (``gate_up_bias`` / ``down_bias``) with it (gpt-oss
+    interleaves it as it does the rows; DeepSeek-V3 holds none); ``layout_options`` do not apply to it.
+
     Raises ValueError for a QParam without a layout or with an input rotation, a bare QTensor, a kernel
-    layout (Prepared) and two leaves that would share one tensor name.
+    layout (Prepared), an expert stack in a layout no expert checkpoint uses, and two leaves that would
+    share one tensor name.
     """
+    from jquant.checkpoint.experts import LAYER_BIASES, moe_stack_to_tensors  # it imports this module
+
     name_map = name_map or _default_name
     tensors: dict[str, np.ndarray] = {}
 
@@ -79,10 +91,30 @@ def checkpoint_tensors(params: Any, *, name_map: Callable[[str], str] | None = N
         tensors[name] = value
 
     flat, _ = jax.tree_util.tree_flatten_with_path(
-        params, is_leaf=lambda l: isinstance(l, (QParam, QTensor, Prepared)))
-    for keys, leaf in flat:
-        path = path_str(keys)
+        params, is_leaf=lambda l: isinstance(l, (QParam, QExperts, QTensor, Prepared)))
+    flat = [(path_str(keys), leaf) for keys, leaf in flat]
+    # An expert stack's bias belongs to its tensors (gpt-oss interleaves it with the stack's rows), so it
+    # is written with the stack, never as a float leaf of its own.
+    leaves = dict(flat)
+
+    def stack_bias(path: str) -> str | None:
+        module, _, name = path.rpartition("/")
+        bias = LAYER_BIASES.get(name)
+        key = bias if bias is None or not module else f"{module}/{bias}"
+        return key if key in leaves else None
+
+    taken = {bias for path, leaf in flat if isinstance(leaf, QExperts) and (bias := stack_bias(path))}
+    for path, leaf in flat:
         module, _, leaf_name = path.rpartition("/")
+        if path in taken:
+            continue
+        if isinstance(leaf, QExperts):
+            bias = stack_bias(path)
+            lay = layout or leaf.scheme.checkpoint_layout
+            for name, t in moe_stack_to_tensors(leaf_name, leaf.weight, lay, name_map(module) if module else "",
+                                                bias=None if bias is None else leaves[bias], name=path).items():
+                put(name, np.ascontiguousarray(t), path)
+            continue
         module = module or path   # a top-level leaf is its own module
         if isinstance(leaf, QParam):
             if leaf.input_rotation is not None:

@@ -1,9 +1,10 @@
 """Saving and restoring quantized parameter trees.
 
 ``save_quantized`` writes an orbax checkpoint with two items: ``arrays`` (every array leaf, QTensor
-codes and scales included, under its path) and ``structure`` (JSON: where the QParams / QTensors are,
-their static metadata and their schemes), so ``restore_quantized`` rebuilds the tree without a target.
-``export_safetensors`` writes the vLLM checkpoint tensors of each quantized kernel instead.
+codes and scales included, under its path) and ``structure`` (JSON: where the QParams / QExperts /
+QTensors are, their static metadata and their schemes), so ``restore_quantized`` rebuilds the tree
+without a target. ``export_safetensors`` writes the vLLM checkpoint tensors of each quantized kernel
+(and of MoE expert stacks in the formats whose expert checkpoints jquant knows) instead.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jquant.checkpoint.experts import check_stack_arrays
+from jquant.kernels.moe.experts import QExperts
 from jquant.schemes.qparam import QParam
 from jquant.qtensor import QTensor
 from jquant.schemes.scheme import Scheme
@@ -74,7 +77,9 @@ def _path_key(path) -> str:
 
 
 def save_quantized(directory: str | os.PathLike, params: Any) -> None:
-    """Saves a tree of arrays, QTensors and QParams (whose weights hold QTensors) with orbax."""
+    """Saves a tree of arrays, QTensors, QParams (whose weights hold QTensors) and QExperts (MoE expert
+    stacks: codes, scales, per-expert global scales, scheme) with orbax; a stack whose arrays disagree
+    with its metadata (``check_stack_arrays``) is refused, naming the parameter."""
     import orbax.checkpoint as ocp
 
     arrays: dict[str, np.ndarray] = {}
@@ -82,7 +87,11 @@ def save_quantized(directory: str | os.PathLike, params: Any) -> None:
 
     def visit(path, leaf):
         key = _path_key(path)
-        if isinstance(leaf, QParam):
+        if isinstance(leaf, QExperts):
+            # A node of its own: unflattening QExperts with a path string for its stack would fail its checks.
+            check_stack_arrays(leaf.weight, f"parameter {key!r}")
+            nodes[key] = {"qexperts": _encode_qtensor(leaf.weight, key, arrays), "scheme": _scheme_json(leaf.scheme)}
+        elif isinstance(leaf, QParam):
             nodes[key] = {"qparam": _encode_qtensor(leaf.qtensor, key, arrays), "scheme": _scheme_json(leaf.scheme)}
             if leaf.input_scale is not None:
                 arrays[f"{key}.input_scale"] = np.asarray(leaf.input_scale)
@@ -96,7 +105,8 @@ def save_quantized(directory: str | os.PathLike, params: Any) -> None:
             nodes[key] = {"array": key}
         return None
 
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda l: isinstance(l, (QParam, QTensor)))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda l: isinstance(l, (QParam, QExperts, QTensor)))
     for path, leaf in flat:
         visit(path, leaf)
     skeleton = jax.tree_util.tree_unflatten(treedef, [_path_key(p) for p, _ in flat])
@@ -107,7 +117,9 @@ def save_quantized(directory: str | os.PathLike, params: Any) -> None:
 
 
 def restore_quantized(directory: str | os.PathLike, *, prepare: bool = True) -> Any:
-    """Rebuilds what ``save_quantized`` wrote; QParams are re-prepared for this device when ``prepare``."""
+    """Rebuilds what ``save_quantized`` wrote; QParams are re-prepared for this device when ``prepare``
+    (QExperts come back as saved: stacks have no prepared layout yet). A stored stack that no longer fits
+    its metadata or scheme raises a ValueError naming the parameter."""
     import orbax.checkpoint as ocp
 
     path = pathlib.Path(directory).absolute()
@@ -124,6 +136,12 @@ def restore_quantized(directory: str | os.PathLike, *, prepare: bool = True) -> 
             return jnp.asarray(arrays[node["array"]])
         if "qtensor" in node:
             return _decode_qtensor(node["qtensor"], arrays)
+        if "qexperts" in node:
+            try:
+                scheme = Scheme.from_dict({k: _from_json(v) for k, v in node["scheme"].items()})
+                return QExperts(check_stack_arrays(_decode_qtensor(node["qexperts"], arrays), "weight"), scheme)
+            except (ValueError, TypeError, KeyError) as e:
+                raise ValueError(f"checkpoint parameter {key!r} (expert stack): {e}") from e
         scheme = Scheme.from_dict({k: _from_json(v) for k, v in node["scheme"].items()})  # (older saves: flat)
         qt = _decode_qtensor(node["qparam"], arrays)
         input_scale = jnp.asarray(arrays[node["input_scale"]]) if "input_scale" in node else None

@@ -188,3 +188,16 @@ def test_export_errors():
     np.testing.assert_array_equal(stored, np.asarray(ue8m0.scale, np.float32))
     with pytest.raises(TypeError, match="QTensor"):
         jquant.to_checkpoint(np.ones(3), "fp8")
+
+
+def test_a_weight_of_exactly_one_block_stays_block_scaled():
+    """128 × 128 with 128 × 128 blocks: its block equals its shape, but it is block FP8, not per tensor."""
+    import jquant
+    w = np.random.default_rng().standard_normal((128, 128)).astype(np.float32)
+    qt = jquant.quantize(w, "fp8_e4m3", granularity="block", block_size=(128, 128))
+    for layout in ("fp8-block", "compressed-tensors/float-quantized"):
+        back = jquant.from_checkpoint(jquant.to_checkpoint(qt, layout), layout)
+        assert back.option("granularity") == "block"
+        np.testing.assert_array_equal(np.asarray(back.dequantize()), np.asarray(qt.dequantize()))
+    with pytest.raises(ValueError, match="stores block scales"):
+        jquant.to_checkpoint(jquant.quantize(w, "fp8_e4m3"), "fp8-block")   # per tensor: refused
