@@ -21,7 +21,7 @@ from jquant.kernels.w4a16.layout import PaddedNK, round_up
 class PackedFp8(PaddedNK):
     """An e4m3 weight for the FP8 GEMM: ``data`` ``[N_pad, K_pad]`` float8_e4m3fn (zero padded to
     multiples of 256 and 128), ``scale`` fp32 ``[blocks, N_pad]`` (blocks: 1, or ``K_pad / 128``
-    for block FP8), ``k``, ``n`` the true sizes.
+    for block FP8), ``k``, ``n`` the true sizes; MoE experts stack both (``[E, …]``).
 
     Examples:
       >>> import numpy as np, ml_dtypes
@@ -39,7 +39,7 @@ class PackedFp8(PaddedNK):
 
     @property
     def blocked(self) -> bool:
-        return self.scale.shape[0] > 1
+        return self.scale.shape[-2] > 1
 
 
 jax.tree_util.register_dataclass(PackedFp8, data_fields=["data", "scale"], meta_fields=["k", "n"])
@@ -85,7 +85,7 @@ def activation_operands(xq: jax.Array, x_scale: jax.Array, packed: PackedFp8, ro
     if k != packed.k or xq.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"xq must be float8_e4m3fn [M, K={packed.k}], got {xq.dtype} {tuple(xq.shape)}")
     s = jnp.asarray(x_scale, jnp.float32)
-    blocks = packed.scale.shape[0]
+    blocks = packed.scale.shape[-2]
     if s.size == 1:
         cols = jnp.broadcast_to(s.reshape(1, 1), (blocks, m))
     elif s.shape in ((m,), (m, 1)):

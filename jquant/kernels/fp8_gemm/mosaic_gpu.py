@@ -29,19 +29,25 @@ def _tiles(cols: int, bits: int):
 
 
 def fp8_gemm_mgpu(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8GemmConfig,
-                  interpret: bool = False) -> jax.Array:
+                  interpret: bool = False, slots=None) -> jax.Array:
     """``acc`` scaled: ``[A rows, B rows]`` (or transposed, ``swap_ab``: ``[B rows, A rows]``, so
     the result is always ``[M_pad, N_pad]``) in ``out_dtype``. ``a`` ``[Ra, K_pad]``, ``b`` ``[Rb,
     K_pad]`` e4m3 with rows multiples of the blocks; ``a_scale`` ``[blocks, Ra]``, ``b_scale``
     ``[blocks, Rb]`` fp32; ``bias`` ``[N_pad]`` fp32 or None (along the weight's rows: A's under
-    swap AB, else B's)."""
+    swap AB, else B's).
+
+    ``slots`` (MoE experts, A = x, not swap AB): int32 ``(expert_ids, counts)``, one entry per
+    ``block_a`` rows of ``a``; ``b``, ``b_scale`` and ``bias`` are stacked per expert (``[E, …]``)
+    and row tile ``i`` multiplies by expert ``expert_ids[i]``'s; a tile of count 0 does nothing."""
     cfg = config
+    if slots is not None and cfg.swap_ab:
+        raise ValueError("fp8 gemm: expert slots take x as A (Fp8GemmConfig.swap_ab=False)")
     ba, bb = cfg.block_a, cfg.block_b
     ra, k_pad = a.shape
-    rb = b.shape[0]
+    rb = b.shape[-2]
     blocks = a_scale.shape[0]
     steps = k_pad // BLOCK_K
-    if ra % ba or rb % bb or k_pad % BLOCK_K or b.shape[1] != k_pad or b_scale.shape[0] != blocks:
+    if ra % ba or rb % bb or k_pad % BLOCK_K or b.shape[-1] != k_pad or b_scale.shape[-2] != blocks:
         raise ValueError(f"fp8 gemm: a {a.shape} / b {b.shape} must tile by ({ba}, {BLOCK_K}) / ({bb}, "
                          f"{BLOCK_K}); scales {a_scale.shape} / {b_scale.shape} need the same blocks")
     if blocks not in (1, steps):
@@ -51,9 +57,22 @@ def fp8_gemm_mgpu(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8GemmCon
     out_tile = (bb, ba) if cfg.swap_ab else (ba, bb)
     has_bias = bias is not None
 
-    def kernel(a_gmem, as_gmem, b_gmem, bs_gmem, *rest):
-        bias_gmem = rest[0] if has_bias else None
-        out_gmem, vec_smem, vec_barrier, out_smem = rest[1 if has_bias else 0:]
+    n_in = 4 + int(has_bias) + (2 if slots is not None else 0)
+
+    def kernel(*refs):
+        a_gmem, as_gmem, b_gmem, bs_gmem = refs[:4]
+        bias_gmem = refs[4] if has_bias else None
+        rest = refs[n_in:]   # out_gmem, vec_smem, vec_barrier, out_smem
+        if slots is None:
+            return body(a_gmem, as_gmem, b_gmem, bs_gmem, bias_gmem, *rest)
+        ids_gmem, counts_gmem = refs[n_in - 2:n_in]
+        ia = jax.lax.axis_index("a")
+        e = ids_gmem[ia]   # this row tile's expert: its slice of every per-expert input
+        bias_e = None if bias_gmem is None else bias_gmem.at[e]
+        pl.when(counts_gmem[ia] > 0)(
+            lambda: body(a_gmem, as_gmem, b_gmem.at[e], bs_gmem.at[e], bias_e, *rest))
+
+    def body(a_gmem, as_gmem, b_gmem, bs_gmem, bias_gmem, out_gmem, vec_smem, vec_barrier, out_smem):
         ia, ib = jax.lax.axis_index("a"), jax.lax.axis_index("b")
 
         # The epilogue's per-row vectors: both sides' scales (one K block) and the bias.
@@ -128,7 +147,7 @@ def fp8_gemm_mgpu(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8GemmCon
                plgpu.SMEM(out_tile, out_dtype)]
     call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((out_rows, out_cols), out_dtype),
                         grid=(ra // ba, rb // bb), grid_names=("a", "b"), scratch_types=scratch)
-    args = [a, a_scale, b, b_scale] + ([bias] if has_bias else [])
+    args = [a, a_scale, b, b_scale] + ([bias] if has_bias else []) + (list(slots) if slots is not None else [])
     if interpret:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(uninitialized_memory="nan")):
             return call(*args)

@@ -16,8 +16,8 @@ past the L2:
 * ``bf16_ragged_dot``: the layer on bf16 experts, ``jax.lax.ragged_dot``;
 * ``dequant_ragged_dot``: the quantized experts dequantized to bf16 inside the program, then the bf16
   layer (what a kernel must beat without changing the format);
-* ``grouped_w4a16`` (4-bit formats, on Hopper): the same layer with the experts laid out for the grouped
-  W4A16 kernel (``W4A16Experts``, ``jquant.kernels.moe.grouped_w4a16``), forced;
+* ``grouped_kernel`` (on Hopper): the same layer with the experts laid out for their grouped Mosaic GPU
+  kernel (``kernel_params``: 4-bit experts ``W4A16Experts``, block FP8 ``Fp8Experts``), forced;
 * ``tokamax`` (int4 formats, when ``import tokamax`` works): the same layer with each grouped GEMM
   ``tokamax.ragged_dot`` on the same int4 codes and scales as a qwix ``QArray``. tokamax is not a
   dependency; a record says ``absent`` when it is not installed.
@@ -42,6 +42,7 @@ from jquant.bench.timing import (array_bytes, copies_for, measure_hbm_bandwidth,
                                  time_steadiest)
 from jquant.kernels.moe.api import choose_impl
 from jquant.kernels.moe.experts import EXPERT_PARAMS, QExperts
+from jquant.kernels.moe.grouped_fp8 import Fp8Experts
 from jquant.kernels.moe.grouped_w4a16 import W4A16Experts
 from jquant.models.moe import MoE, quantize_experts
 from jquant.qtensor import QTensor
@@ -307,11 +308,11 @@ def run(shapes: Iterable[MoEShape] = tuple(SHAPES.values()), tokens: Iterable[in
                 except Exception as e:  # recorded; the cell goes on without it
                     status = f"failed: {type(e).__name__}: {e}"[:200]
             kernel_copies = []
-            if dispatch.runs_mosaic_gpu() and get_scheme(scheme).weight.bits == 4:
-                try:   # the grouped W4A16 kernel on the same weights (Hopper)
-                    kernel_copies = [w4a16_params(q) for q in q_copies]
+            if dispatch.runs_mosaic_gpu():
+                try:   # the grouped kernel for the format on the same weights (Hopper)
+                    kernel_copies = [kernel_params(q) for q in q_copies]
                 except Exception as e:
-                    log(f"  grouped W4A16 kernel skipped for {shape.name} {scheme}: {type(e).__name__}: {e}")
+                    log(f"  grouped kernel skipped for {shape.name} {scheme}: {type(e).__name__}: {e}")
             for t in tokens:
                 try:
                     records.append(_cell(shape, model, scheme, t, xs[t], bf16_copies, q_copies, tok_copies,
@@ -325,10 +326,20 @@ def run(shapes: Iterable[MoEShape] = tuple(SHAPES.values()), tokens: Iterable[in
     return records
 
 
-def w4a16_params(params: dict) -> dict:
-    """``params`` with every 4-bit QExperts laid out for the grouped W4A16 kernel (``W4A16Experts``)."""
-    return jax.tree.map(lambda q: W4A16Experts.from_qexperts(q) if isinstance(q, QExperts) else q, params,
-                        is_leaf=lambda q: isinstance(q, QExperts))
+def kernel_params(params: dict, interpret: bool = False) -> dict:
+    """``params`` with every QExperts laid out for its grouped Mosaic GPU kernel: 4-bit weight-only
+    experts for the grouped W4A16 kernel (``W4A16Experts``), W8A8 FP8 experts for the grouped FP8 GEMM
+    (``Fp8Experts``); a ValueError for other formats."""
+    def swap(q):
+        if not isinstance(q, QExperts):
+            return q
+        if q.scheme.weight_only and q.scheme.weight.bits == 4:
+            return W4A16Experts.from_qexperts(q, interpret)
+        if not q.scheme.weight_only and q.scheme.weight.format == "fp8_e4m3":
+            return Fp8Experts.from_qexperts(q, interpret)
+        raise ValueError(f"no grouped kernel for {q.scheme.name!r} experts")
+
+    return jax.tree.map(swap, params, is_leaf=lambda q: isinstance(q, QExperts))
 
 
 def _cell(shape: MoEShape, model: MoE, scheme: str, t: int, x: jax.Array, bf16_copies: list, q_copies: list,
@@ -339,7 +350,7 @@ def _cell(shape: MoEShape, model: MoE, scheme: str, t: int, x: jax.Array, bf16_c
              "bf16_ragged_dot": (apply, [(p, x) for p in bf16_copies]),
              "dequant_ragged_dot": (lambda p, x: apply(dequantized(p), x), [(p, x) for p in q_copies])}
     if kernel_copies:
-        cands["grouped_w4a16"] = (apply, [(p, x) for p in kernel_copies])
+        cands["grouped_kernel"] = (apply, [(p, x) for p in kernel_copies])
     tokamax_impl = None
     for impl in ("mosaic", None) if tok_copies else ():  # its Mosaic GPU kernel, else its default chain
         copies = [tokamax_params(p, impl) for p in tok_copies]
@@ -366,7 +377,7 @@ def _cell(shape: MoEShape, model: MoE, scheme: str, t: int, x: jax.Array, bf16_c
     median = {name: timing.median_us for name, timing in times.items()}
     q = median.get("quantized")
     baselines = {name: round(median[name], 2)
-                 for name in ("bf16_ragged_dot", "dequant_ragged_dot", "tokamax", "grouped_w4a16") if name in median}
+                 for name in ("bf16_ragged_dot", "dequant_ragged_dot", "tokamax", "grouped_kernel") if name in median}
     ratio = lambda name: round(median[name] / q, 3) if q and name in median else None
     per_expert, rest = expert_bytes(qparams, shape.num_experts)
     floor = floor_us(qparams)
@@ -374,9 +385,9 @@ def _cell(shape: MoEShape, model: MoE, scheme: str, t: int, x: jax.Array, bf16_c
     record = dict(bench="moe", **shape.describe(), tokens=t, format=scheme, weight_fmt=weight.fmt,
                   impl=choose_impl(weight), time_us=None if q is None else round(q, 2), baselines=baselines,
                   speedup_vs_bf16=ratio("bf16_ragged_dot"), speedup_vs_dequant=ratio("dequant_ragged_dot"),
-                  grouped_w4a16_speedup_vs_bf16=(round(median["bf16_ragged_dot"] / median["grouped_w4a16"], 3)
-                                                 if "grouped_w4a16" in median and "bf16_ragged_dot" in median
-                                                 else None),
+                  grouped_kernel_speedup_vs_bf16=(round(median["bf16_ragged_dot"] / median["grouped_kernel"], 3)
+                                                  if "grouped_kernel" in median and "bf16_ragged_dot" in median
+                                                  else None),
                   tokamax=status, tokamax_impl=tokamax_impl, active_experts=active,
                   expert_bytes=round(per_expert), bytes_touched=round(active * per_expert + rest + io_bytes),
                   hbm_bytes_per_s=round(how.hbm_bytes_per_s), byte_floor_us=round(floor, 2),
@@ -400,7 +411,7 @@ def _us(value: float | None) -> str:
 def to_markdown(records: list[dict]) -> str:
     """The records as a table: one row per (shape, format, tokens)."""
     head = ("| shape | format | tokens | experts hit | µs | bf16 ragged_dot µs | dequant+ragged_dot µs | "
-            "tokamax µs | grouped W4A16 kernel µs | vs bf16 | byte floor µs | % of floor | spread % |\n"
+            "tokamax µs | grouped kernel µs | vs bf16 | byte floor µs | % of floor | spread % |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for r in records:
@@ -410,7 +421,7 @@ def to_markdown(records: list[dict]) -> str:
         cell = lambda v: "failed" if v is None else v
         rows.append(f"| {r['shape']} | {r['format']} | {r['tokens']} | {r['active_experts']}/{r['num_experts']} | "
                     f"{cell(r['time_us'])} | {cell(b.get('bf16_ragged_dot'))} | {cell(b.get('dequant_ragged_dot'))} | "
-                    f"{tokamax} | {b.get('grouped_w4a16', '')} | {cell(r['speedup_vs_bf16'])} | {r['byte_floor_us']} | "
+                    f"{tokamax} | {b.get('grouped_kernel', '')} | {cell(r['speedup_vs_bf16'])} | {r['byte_floor_us']} | "
                     f"{cell(r['pct_of_byte_floor'])} | {max(spreads, default='')} |")
     detail = "one MoE layer (router, top-k, grouped gate/up, activation, grouped down, combine), bf16 activations"
     return markdown_title("MoE layer benchmark", records, detail) + head + "\n".join(rows) + "\n"

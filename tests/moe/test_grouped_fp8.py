@@ -1,0 +1,86 @@
+"""The grouped FP8 W8A8 GEMM (the FP8 Mosaic GPU GEMM over expert slots): interpret mode against the
+experts' own XLA path (same W8A8 numerics), the MoE layer on it, sm_90 lowering on CPU, bad input."""
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import ON_GPU
+from cuda_lowering import lower_for_cuda
+from jquant.kernels.moe import QExperts, quantize_expert_weights
+from jquant.kernels.moe.grouped_fp8 import Fp8Experts, grouped_fp8, prepack_fp8_experts
+from jquant.models.moe import MoE, quantize_experts
+from jquant.schemes.scheme import get_scheme
+
+
+@pytest.mark.parametrize("name,sizes", [("fp8_e4m3_block128x128", [5, 0, 70, 1]),
+                                        ("fp8_e4m3_block128x128_ue8m0", [0, 76, 0, 0]),
+                                        ("fp8_e4m3_block128x128", [0, 0, 0, 0])])
+def test_kernel_matches_the_experts_xla_path(name, sizes, interpret):
+    """Groups past one 64-row slot, empty experts, rows past the groups; experts 100× apart in scale."""
+    scheme = get_scheme(name)
+    rng = np.random.default_rng()
+    w = rng.standard_normal((4, 256, 384)) * np.array([1e-2, 1.0, 3.0, 0.1])[:, None, None]
+    q = QExperts(quantize_expert_weights(w.astype(np.float32), scheme), scheme)
+    x = jnp.asarray(rng.standard_normal((80, 384)), jnp.bfloat16)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    y = grouped_fp8(x, prepack_fp8_experts(q.weight), sizes, scheme, interpret=interpret)
+    ref = np.asarray(q.apply(x, sizes), np.float32)
+    y = np.asarray(y, np.float32)
+    n = int(sizes.sum())
+    for r in range(n):
+        np.testing.assert_allclose(y[r], ref[r], atol=1e-2 * np.abs(ref[r]).max() + 1e-6, err_msg=f"row {r}")
+    assert not y[n:].any()
+
+
+def test_moe_layer_on_the_kernel(interpret):
+    model = MoE(num_experts=8, top_k=3, hidden=128, intermediate=128, scoring="sigmoid", n_group=4,
+                topk_group=2, routed_scaling_factor=2.5)
+    rng = np.random.default_rng()
+    params = {"router_weight": jnp.asarray(rng.standard_normal((8, 128)) * 0.1, jnp.float32),
+              "e_score_correction_bias": jnp.asarray(rng.standard_normal(8) * 0.1, jnp.float32),
+              "gate_up_proj": jnp.asarray(rng.standard_normal((8, 256, 128)) * 0.1, jnp.float32),
+              "down_proj": jnp.asarray(rng.standard_normal((8, 128, 128)) * 0.1, jnp.float32)}
+    qparams, _ = quantize_experts(params, "fp8_e4m3_block128x128")
+    fast = {k: Fp8Experts.from_qexperts(v, interpret=interpret) if isinstance(v, QExperts) else v
+            for k, v in qparams.items()}
+    x = jnp.asarray(rng.standard_normal((10, 128)), jnp.bfloat16)
+    ref = model.apply({"params": qparams}, x).astype(jnp.float32)
+    chex.assert_trees_all_close(model.apply({"params": fast}, x).astype(jnp.float32), ref,
+                                atol=2e-2 * float(jnp.abs(ref).max()))
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU run compiles for real")
+def test_lowers_for_sm90():
+    scheme = get_scheme("fp8_e4m3_block128x128")
+    rng = np.random.default_rng(0)
+    packed = prepack_fp8_experts(quantize_expert_weights(rng.standard_normal((4, 1024, 512)).astype(np.float32),
+                                                         scheme))
+    text = lower_for_cuda(lambda x, p, s: grouped_fp8(x, p, s, scheme), jnp.ones((100, 512), jnp.bfloat16), packed,
+                          jnp.array([30, 0, 60, 10], jnp.int32))
+    assert "mosaic_gpu" in text
+
+
+def test_bad_input_names_the_problem():
+    scheme = get_scheme("fp8_e4m3_block128x128")
+    packed = prepack_fp8_experts(quantize_expert_weights(np.ones((2, 128, 128), np.float32), scheme))
+    with pytest.raises(ValueError, match="runs W8A8 FP8 schemes"):
+        grouped_fp8(jnp.ones((2, 128), jnp.bfloat16), packed, jnp.array([1, 1]), get_scheme("int4_g32"))
+    with pytest.raises(ValueError, match=r"K=128"):
+        grouped_fp8(jnp.ones((2, 64), jnp.bfloat16), packed, jnp.array([1, 1]), scheme)
+    with pytest.raises(ValueError, match="no FP8 GEMM layout"):
+        prepack_fp8_experts(quantize_expert_weights(np.ones((2, 64, 64), np.float32), "int4_g32"))
+
+
+def test_bench_lays_out_each_format_for_its_kernel():
+    from jquant.kernels.moe import bench
+    from jquant.kernels.moe.grouped_w4a16 import W4A16Experts
+    rng = np.random.default_rng()
+    params = {"router_weight": jnp.ones((2, 128)), "gate_up_proj": jnp.asarray(rng.standard_normal((2, 256, 128))),
+              "down_proj": jnp.asarray(rng.standard_normal((2, 128, 128)))}
+    for fmt, kind in (("fp8_e4m3_block128x128", Fp8Experts), ("mxfp4", W4A16Experts)):
+        out = bench.kernel_params(quantize_experts(params, fmt)[0], interpret=True)
+        assert isinstance(out["gate_up_proj"], kind) and isinstance(out["down_proj"], kind)
+    with pytest.raises(ValueError, match="no grouped kernel"):
+        bench.kernel_params(quantize_experts(params, "int8_ch")[0])
