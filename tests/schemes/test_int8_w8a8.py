@@ -19,7 +19,7 @@ def _vllm_per_token(x):
     codes rint_sat(x · (127/amax)), NaN → 0."""
     x = np.asarray(x, np.float32)
     amax = np.max(np.where(np.isnan(x), np.float32(0), np.abs(x)), axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         q = np.rint(x * (np.float32(127) / amax))
     q = np.clip(np.nan_to_num(q, nan=0.0), -128, 127)
     return q.astype(np.int8), amax / np.float32(127)
