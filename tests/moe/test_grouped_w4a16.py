@@ -109,3 +109,17 @@ def test_bad_input_names_the_problem():
     with pytest.raises(ValueError, match="no W4A16 kernel layout"):
         prepack_experts(fp8)
     assert get_scheme("mxfp4").weight.bits == 4
+
+
+def test_grouped_matmul_runs_the_kernel_when_asked(interpret):
+    rng = np.random.default_rng()
+    stack = quantize_expert_weights(rng.standard_normal((3, 128, 128)).astype(np.float32), "nvfp4")
+    x = jnp.asarray(rng.standard_normal((7, 128)), jnp.bfloat16)
+    sizes = jnp.array([4, 0, 3], jnp.int32)
+    from jquant.kernels.moe import grouped_matmul
+    y = grouped_matmul(x, stack, sizes, impl="mgpu", interpret=interpret)
+    ref = grouped_matmul(x, stack, sizes, impl="xla")
+    chex.assert_trees_all_close(y.astype(jnp.float32), ref.astype(jnp.float32),
+                                atol=2e-2 * float(jnp.abs(ref.astype(jnp.float32)).max()))
+    with pytest.raises(ValueError, match="4-bit expert stacks"):
+        grouped_matmul(x, quantize_expert_weights(np.ones((3, 128, 128), np.float32), "int8_ch"), sizes, impl="mgpu")

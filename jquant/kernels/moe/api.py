@@ -16,7 +16,7 @@ from jquant.kernels.moe import reference
 from jquant.kernels.moe.experts import check_stack
 from jquant.qtensor import QTensor
 
-IMPLS = ("auto", "xla")
+IMPLS = ("auto", "xla", "mgpu")
 
 
 def choose_impl(experts: QTensor | jax.Array, device: jax.Device | None = None) -> str:
@@ -27,7 +27,7 @@ def choose_impl(experts: QTensor | jax.Array, device: jax.Device | None = None) 
       >>> import jax.numpy as jnp
       >>> from jquant.kernels.moe import IMPLS, choose_impl
       >>> choose_impl(jnp.zeros((2, 4, 8))), IMPLS
-      ('xla', ('auto', 'xla'))
+      ('xla', ('auto', 'xla', 'mgpu'))
     """
     del experts, device
     return "xla"
@@ -79,7 +79,7 @@ def check_group_sizes(group_sizes, num_experts: int, rows: int) -> jax.Array:
 
 
 def grouped_matmul(x: jax.Array, experts: QTensor | jax.Array, group_sizes: jax.Array, *,
-                   impl: str = "auto") -> jax.Array:
+                   impl: str = "auto", interpret: bool = False) -> jax.Array:
     """``y [T, N]`` with ``y[t] = W[e] @ x[t]`` for the rows of expert ``e``.
 
     Args:
@@ -88,7 +88,10 @@ def grouped_matmul(x: jax.Array, experts: QTensor | jax.Array, group_sizes: jax.
         loader) or a float array.
       group_sizes: int ``[E]``, rows per expert in order, each ``>= 0``, summing to at most T (rows past
         the sum come out as zeros). Values are checked when known; under jit only shape and dtype.
-      impl: ``"auto"`` (``choose_impl``) or ``"xla"`` (dequantize + ``jax.lax.ragged_dot``).
+      impl: ``"auto"`` (``choose_impl``), ``"xla"`` (dequantize + ``jax.lax.ragged_dot``) or ``"mgpu"``
+        (a 4-bit weight-only stack through the grouped W4A16 Mosaic GPU kernel, ``grouped_w4a16``, laid
+        out on every call: lay it out once with ``W4A16Experts`` in a model; Hopper, or ``interpret``).
+      interpret: run the kernel in Pallas interpret mode (any device).
 
     Returns:
       ``[T, N]`` in x's dtype, accumulated in float32.
@@ -127,4 +130,19 @@ def grouped_matmul(x: jax.Array, experts: QTensor | jax.Array, group_sizes: jax.
     impl = choose_impl(experts) if impl == "auto" else impl
     if impl == "xla":
         return reference.grouped_matmul_xla(x, experts, group_sizes)
-    raise AssertionError(f"no grouped GEMM implementation {impl!r}")
+    from jquant.kernels.moe.grouped_w4a16 import grouped_w4a16, prepack_experts
+    from jquant.kernels.w4a16.api import resolve_kernel_impl
+
+    if not isinstance(experts, QTensor) or get_scheme_bits(experts) != 4:
+        raise ValueError(f"grouped_matmul: impl='mgpu' runs 4-bit expert stacks (int4, MXFP4, NVFP4, NF4), got "
+                         f"{getattr(experts, 'fmt', type(experts).__name__)}")
+    if resolve_kernel_impl("mgpu", interpret, None, "grouped_w4a16") != "mgpu":
+        return reference.grouped_matmul_xla(x, experts, group_sizes)
+    y = grouped_w4a16(x if x.dtype in (jnp.bfloat16, jnp.float16) else x.astype(jnp.bfloat16),
+                      prepack_experts(experts), group_sizes, interpret=interpret)
+    return y.astype(x.dtype)
+
+
+def get_scheme_bits(experts: QTensor) -> int:
+    """Bits per code of a stacked expert QTensor's format (4 for int4 / uint4 / MXFP4 / NVFP4 / NF4 / FP4)."""
+    return 4 if experts.fmt in ("int4", "uint4", "mxfp4", "nvfp4", "nf4", "fp4_bnb") else 8
