@@ -18,11 +18,13 @@ class Fp8GemmConfig:
     block_a: A rows per CTA (a multiple of 64: wgmma's M).
     block_b: B rows per CTA (wgmma's N: a multiple of 8, at most 256).
     max_concurrent_steps: TMA pipeline depth (each step moves ``BLOCK_K`` of K).
+    compute_wgs: 1, or 2 compute warpgroups each owning ``block_a`` rows of a ``2 · block_a``-row x tile
+      plus a copy-issuing warpgroup (x as A, one scale block; ``mosaic_gpu_ws``).
 
     Examples:
       >>> from jquant.kernels.fp8_gemm import Fp8GemmConfig
       >>> Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8)
-      Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, max_concurrent_steps=4)
+      Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, max_concurrent_steps=4, compute_wgs=1)
       >>> Fp8GemmConfig(swap_ab=False, block_a=96, block_b=128)
       Traceback (most recent call last):
           ...
@@ -33,8 +35,12 @@ class Fp8GemmConfig:
     block_a: int
     block_b: int
     max_concurrent_steps: int = 4
+    compute_wgs: int = 1
 
     def __post_init__(self):
+        if self.compute_wgs not in (1, 2) or self.compute_wgs == 2 and self.swap_ab:
+            raise ValueError(f"Fp8GemmConfig.compute_wgs must be 1, or 2 with x as A (swap_ab=False), got "
+                             f"{self.compute_wgs!r}")
         if not isinstance(self.block_a, int) or self.block_a < 64 or self.block_a % 64:
             raise ValueError(f"Fp8GemmConfig.block_a must be a positive multiple of 64, got {self.block_a!r}")
         if not isinstance(self.block_b, int) or not 8 <= self.block_b <= 256 or self.block_b % 8:
@@ -47,19 +53,26 @@ def default_fp8_config(m: int, n_pad: int, blocked: bool = False) -> Fp8GemmConf
     """A launch for ``m`` rows of x and a weight of ``n_pad`` rows (a multiple of 256). Not yet
     tuned on a GPU: swap AB up to 64 rows (the weight's bytes bound the step, as in the W4A16
     kernel); above, 128 × 128 tiles 4 deep, whose fp32 accumulator takes 128 of a thread's 255
-    registers; with block scales (``blocked``) 64 × 128, since the promoted sum needs a second
-    accumulator.
+    registers; from M = 256, two compute warpgroups of 128 × 128 sharing each weight tile (3 deep:
+    208 KB of shared memory); with block scales (``blocked``) 64 × 128 and one warpgroup, since the
+    promoted sum needs a second accumulator.
 
     Examples:
       >>> from jquant.kernels.fp8_gemm import default_fp8_config
       >>> default_fp8_config(1, 4096)
-      Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, max_concurrent_steps=4)
-      >>> default_fp8_config(4096, 4096)
-      Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=4)
+      Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, max_concurrent_steps=4, compute_wgs=1)
+      >>> default_fp8_config(128, 4096)
+      Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=4, compute_wgs=1)
+      >>> default_fp8_config(4096, 4096).compute_wgs
+      2
       >>> default_fp8_config(4096, 4096, blocked=True).block_a
       64
     """
     del n_pad   # a multiple of 256: every block_b here divides it
     if m <= 64:
         return Fp8GemmConfig(swap_ab=True, block_a=64, block_b=max(8, -(-m // 8) * 8), max_concurrent_steps=4)
-    return Fp8GemmConfig(swap_ab=False, block_a=64 if blocked else 128, block_b=128, max_concurrent_steps=4)
+    if blocked:
+        return Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, max_concurrent_steps=4)
+    if m >= 256:
+        return Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=3, compute_wgs=2)
+    return Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=4)

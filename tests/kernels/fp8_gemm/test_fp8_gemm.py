@@ -44,7 +44,7 @@ def _float64(xq, xs, w, ws, blocks):
 
 
 @pytest.mark.parametrize("blocks", [False, True], ids=["token-channel", "block128"])
-@pytest.mark.parametrize("m,n,k", [(1, 256, 256), (9, 200, 300), (70, 256, 384), (130, 384, 128)])
+@pytest.mark.parametrize("m,n,k", [(1, 256, 256), (9, 200, 300), (70, 256, 384), (130, 384, 128), (300, 256, 384)])
 def test_kernel_matches_float64(blocks, m, n, k, interpret):
     rng = np.random.default_rng()
     w = (rng.standard_normal((n, k)) * 8).astype(ml_dtypes.float8_e4m3fn)
@@ -126,6 +126,9 @@ def test_dispatch_and_config():
     assert dispatch.fp8_gemm_impl(1, 90) == ("mgpu" if dispatch.FP8_GEMM_MGPU else "xla")
     assert dispatch.fp8_gemm_impl(1, 89) == "xla"
     assert default_fp8_config(64, 256).swap_ab and not default_fp8_config(65, 256).swap_ab
+    assert default_fp8_config(256, 256).compute_wgs == 2 and default_fp8_config(256, 256, blocked=True).compute_wgs == 1
+    with pytest.raises(ValueError, match="compute_wgs must be 1, or 2"):
+        Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, compute_wgs=2)
     with pytest.raises(ValueError, match="block_b must be a multiple of 8"):
         Fp8GemmConfig(swap_ab=True, block_a=64, block_b=4)
 
