@@ -3,12 +3,13 @@ per-channel (or per-tensor) scales or DeepSeek's 1 × 128 / 128 × 128 block sca
 device (``jquant.schemes.dispatch.fp8_gemm_impl``).
 
 Implementations (``impl``): ``"mgpu"`` (the Mosaic GPU kernel, Hopper), ``"pallas"`` (the kernel,
-nothing else), ``"xla"`` / ``"reference"`` (``reference_fp8``: per K block an fp32 dot of the codes,
-scaled and summed), ``"auto"``. ``interpret=True`` runs the kernel on any device.
+nothing else), ``"xla"`` (on a GPU with one K block XLA's FP8 dot, else as ``"reference"``),
+``"reference"`` (``reference_fp8``: per K block an fp32 dot of the codes, scaled and summed), ``"auto"``. ``interpret=True`` runs the kernel on any device.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jquant.kernels.fp8_gemm.config import Fp8GemmConfig, default_fp8_config
@@ -58,10 +59,24 @@ def fp8_gemm(xq, x_scale, packed: PackedFp8, *, bias=None, out_dtype=jnp.bfloat1
     if config is not None and not isinstance(config, Fp8GemmConfig):
         raise TypeError(f"config must be an Fp8GemmConfig, got {type(config).__name__}")
     m = xq.shape[0]
-    if resolve_fp8_impl(impl, m, interpret) != "mgpu":
+    kind = resolve_fp8_impl(impl, m, interpret)
+    if kind == "xla" and not packed.blocked and device_lib.native_fp8_dot():
+        return _xla_fp8_dot(xq, x_scale, packed, bias, out_dtype)
+    if kind != "mgpu":
         return reference_fp8(xq, x_scale, packed, bias, out_dtype)
     return run_kernel(xq, x_scale, packed, bias, out_dtype, config or default_fp8_config(m, packed.n_pad, packed.blocked),
                       interpret)
+
+
+def _xla_fp8_dot(xq, x_scale, packed: PackedFp8, bias, out_dtype):
+    """One K block on a GPU: XLA's FP8 dot (cuBLASLt) of the codes, then both sides' scales in fp32, as
+    the W8A8 schemes' XLA path runs it; not the fp32 twin."""
+    codes, cols = activation_operands(xq, x_scale, packed, xq.shape[0])
+    acc = jax.lax.dot_general(codes, packed.data, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    out = (acc * cols[0][:, None] * packed.scale[0][None, :])[:, :packed.n]
+    if bias is not None:
+        out = out + bias
+    return out.astype(out_dtype)
 
 
 def run_kernel(xq, x_scale, packed: PackedFp8, bias, out_dtype, cfg: Fp8GemmConfig, interpret: bool):

@@ -132,8 +132,9 @@ def grouped_matmul(x: jax.Array, experts: QTensor | jax.Array, group_sizes: jax.
         return reference.grouped_matmul_xla(x, experts, group_sizes)
     from jquant.kernels.moe.grouped_w4a16 import grouped_w4a16, prepack_experts
     from jquant.kernels.w4a16.api import resolve_kernel_impl
+    from jquant.kernels.w4a16.from_qtensor import W4_FORMATS
 
-    if not isinstance(experts, QTensor) or get_scheme_bits(experts) != 4:
+    if not isinstance(experts, QTensor) or experts.fmt not in W4_FORMATS:
         raise ValueError(f"grouped_matmul: impl='mgpu' runs 4-bit expert stacks (int4, MXFP4, NVFP4, NF4), got "
                          f"{getattr(experts, 'fmt', type(experts).__name__)}")
     if resolve_kernel_impl("mgpu", interpret, None, "grouped_w4a16") != "mgpu":
@@ -141,8 +142,3 @@ def grouped_matmul(x: jax.Array, experts: QTensor | jax.Array, group_sizes: jax.
     y = grouped_w4a16(x if x.dtype in (jnp.bfloat16, jnp.float16) else x.astype(jnp.bfloat16),
                       prepack_experts(experts), group_sizes, interpret=interpret)
     return y.astype(x.dtype)
-
-
-def get_scheme_bits(experts: QTensor) -> int:
-    """Bits per code of a stacked expert QTensor's format (4 for int4 / uint4 / MXFP4 / NVFP4 / NF4 / FP4)."""
-    return 4 if experts.fmt in ("int4", "uint4", "mxfp4", "nvfp4", "nf4", "fp4_bnb") else 8

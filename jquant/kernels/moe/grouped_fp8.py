@@ -18,8 +18,7 @@ import jax.numpy as jnp
 from jquant.kernels.fp8_gemm.config import Fp8GemmConfig
 from jquant.kernels.fp8_gemm.from_qtensor import pack_fp8_qtensor
 from jquant.kernels.fp8_gemm.layout import PackedFp8, activation_operands
-from jquant.kernels.moe.experts import check_stack, expert
-from jquant.kernels.moe.grouped_w4a16 import slot_table
+from jquant.kernels.moe.grouped_w4a16 import pack_each_expert, slot_table
 from jquant.qtensor import QTensor
 from jquant.schemes.scheme import Scheme
 
@@ -38,12 +37,8 @@ def prepack_fp8_experts(experts: QTensor) -> PackedFp8:
       >>> packed.data.shape, packed.scale.shape
       ((2, 256, 384), (2, 3, 256))
     """
-    check_stack(experts, "experts")
-    parts = [pack_fp8_qtensor(expert(experts, e)) for e in range(experts.shape[0])]
-    if any(p is None for p in parts):
-        raise ValueError(f"prepack_fp8_experts: {experts.fmt} experts of shape {experts.shape} and block "
-                         f"{experts.block} have no FP8 GEMM layout (e4m3 per tensor, channel or 128 × 128 blocks)")
-    return jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *parts)
+    return pack_each_expert(experts, pack_fp8_qtensor, "prepack_fp8_experts",
+                            "FP8 GEMM layout (e4m3 per tensor, channel or 128 × 128 blocks)")
 
 
 def grouped_fp8(x: jax.Array, packed: PackedFp8, group_sizes: jax.Array, scheme: Scheme, *,

@@ -41,18 +41,26 @@ def prepack_experts(experts: QTensor) -> PackedW4NK:
       >>> packed.data.shape, packed.scale.shape, packed.n, packed.k
       ((3, 128, 64), (3, 2, 128), 8, 64)
     """
-    check_stack(experts, "experts")
-    parts = []
-    for e in range(experts.shape[0]):
-        args = unified_w4(expert(experts, e))
+    def pack(one):
+        args = unified_w4(one)
         packed = None if args is None else prepack_for_kernels(args)
-        if packed is None:
-            raise ValueError(f"prepack_experts: {experts.fmt} experts of shape {experts.shape} and block "
-                             f"{experts.block} have no W4A16 kernel layout (4-bit codes in groups of 16, 32 or "
-                             "64·j along K, or per channel)")
-        if packed.perm is not None:   # act-order would permute x's columns per expert
+        if packed is not None and packed.perm is not None:   # act-order would permute x's columns per expert
             raise ValueError("prepack_experts: act-order (g_idx) experts are not supported")
-        parts.append(packed)
+        return packed
+
+    return pack_each_expert(experts, pack, "prepack_experts", "W4A16 kernel layout (4-bit codes in groups of "
+                            "16, 32 or 64·j along K, or per channel)")
+
+
+def pack_each_expert(experts: QTensor, pack, who: str, layout: str):
+    """``pack`` (a 2-D ``[N, K]`` QTensor → a kernel layout, or None) of every expert of a stack, the
+    layouts' arrays stacked along a new leading axis; a ValueError from ``who`` naming ``layout`` where
+    ``pack`` gives None."""
+    check_stack(experts, "experts")
+    parts = [pack(expert(experts, e)) for e in range(experts.shape[0])]
+    if any(part is None for part in parts):
+        raise ValueError(f"{who}: {experts.fmt} experts of shape {experts.shape} and block {experts.block} have "
+                         f"no {layout}")
     return jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *parts)
 
 

@@ -23,6 +23,7 @@ from jquant.schemes.scheme import Impl, Scheme, register_impl
 
 _LUT = {"int4": "int4", "uint4": "int4", "mxfp4": "e2m1", "nvfp4": "e2m1", "nf4": "nf4",
         "fp4_bnb": "fp4_bnb"}
+W4_FORMATS = tuple(_LUT)   # the QTensor formats the W4A16 kernel decodes
 
 
 def unified_w4(qt: QTensor) -> dict | None:

@@ -148,3 +148,25 @@ def test_bad_input_names_the_problem():
         fp8_gemm(jnp.ones((2, 256), jnp.float8_e4m3fn), jnp.ones((2, 1)), p, bias=jnp.ones(3))
     with pytest.raises(TypeError, match="PackedFp8"):
         fp8_gemm(jnp.ones((2, 256), jnp.float8_e4m3fn), jnp.ones((2, 1)), w)
+
+
+def test_xla_path_uses_the_fp8_dot_where_there_is_one(monkeypatch):
+    """On a GPU, one K block: XLA's FP8 dot of the codes (as the W8A8 schemes run it), equal to the twin;
+    block scales keep the twin."""
+    rng = np.random.default_rng()
+    w = rng.standard_normal((200, 300)).astype(ml_dtypes.float8_e4m3fn)
+    xq = jnp.asarray(rng.standard_normal((5, 300)), jnp.float8_e4m3fn)
+    xs = jnp.asarray(rng.uniform(0.5, 2, (5, 1)), jnp.float32)
+    packed, bias = prepack_fp8(w, rng.uniform(0.5, 2, 200).astype(np.float32)), jnp.ones(200)
+    monkeypatch.setattr(dispatch, "native_fp8_dot", lambda device=None: True)
+    def dot_operands(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield tuple(v.aval.dtype for v in eqn.invars)
+            for v in eqn.params.values():
+                yield from dot_operands(getattr(v, "jaxpr", v)) if hasattr(getattr(v, "jaxpr", v), "eqns") else ()
+
+    jaxpr = jax.make_jaxpr(lambda a, s: fp8_gemm(a, s, packed, bias=bias, impl="xla"))(xq, xs).jaxpr
+    assert list(dot_operands(jaxpr)) == [(jnp.dtype(jnp.float8_e4m3fn),) * 2]
+    y = fp8_gemm(xq, xs, packed, bias=bias, impl="xla", out_dtype=jnp.float32)
+    chex.assert_trees_all_close(y, reference_fp8(xq, xs, packed, bias, jnp.float32), rtol=1e-5, atol=1e-4)
