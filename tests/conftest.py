@@ -27,3 +27,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not ON_GPU:
             item.add_marker(skip)
+
+
+if ON_GPU:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(item, call):
+        """A CUDA fault (misaligned address, illegal access) poisons the process's context, so every
+        later test in it would fail for no fault of its own: after reporting the one that hit it, the
+        worker exits, and pytest-xdist starts a fresh one (run GPU tests with ``-n``)."""
+        outcome = yield
+        report = outcome.get_result()
+        if report.failed and call.excinfo is not None and "CUDA_ERROR_" in str(call.excinfo.value):
+            import sys
+            sys.stderr.write(f"\nCUDA fault in {item.nodeid}: {str(call.excinfo.value)[:300]}\n")
+            sys.stderr.flush()
+            os._exit(3)

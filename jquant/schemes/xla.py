@@ -59,6 +59,40 @@ def _row_scales(qt: QTensor) -> jax.Array | None:
     return None
 
 
+# Largest fp32 [K blocks, M, N] partials the blockwise FP8 dot keeps; past it, dequantize and dot.
+BLOCKWISE_FP8_MAX_BYTES = 2**28
+
+
+def _fp8_blocks(xq: QTensor, qw: QTensor) -> tuple[int, int] | None:
+    """(K group, weight rows per block) where block-scaled FP8 (1 × G activation groups, Bn × G weight
+    blocks) can run as one batched FP8 dot per K group on this device, else None."""
+    if not (dispatch.native_fp8_dot() and xq.fmt in FP8_FORMATS and qw.fmt in FP8_FORMATS):
+        return None
+    if any(isinstance(t.scale, QTensor) or t.global_scale is not None or t.zero is not None for t in (xq, qw)):
+        return None
+    (m, k), (n, _) = xq.shape, qw.shape
+    g = xq.block[-1]
+    if xq.block[0] != 1 or qw.block[-1] != g or g >= k or k % g or qw.group_index is not None:
+        return None
+    if (k // g) * m * n * 4 > BLOCKWISE_FP8_MAX_BYTES:
+        return None
+    return g, qw.block[0]
+
+
+def _blockwise_fp8_dot(xq: QTensor, qw: QTensor, g: int, rows: int) -> jax.Array:
+    """``Σ_b sx[:, b] · sw[:, b] · (xq_b · wq_bᵀ)``: FP8 codes into XLA's dot per K group (cuBLASLt on a
+    GPU), the block scales applied to each group's fp32 sum, as block-FP8 kernels promote them.
+    Dequantizing the weight to fp32 instead wrote 4 bytes a weight every call: 544 µs for a
+    28672 × 8192 weight at M = 1 on the H200, against 116 µs for its bf16 dot."""
+    (m, k), n = xq.shape, qw.shape[0]
+    b = k // g
+    parts = jax.lax.dot_general(xq.data.reshape(m, b, g), qw.data.reshape(n, b, g),
+                                (((2,), (2,)), ((1,), (1,))), preferred_element_type=jnp.float32)  # [b, m, n]
+    sx = xq.scale.astype(jnp.float32).T                                      # [b, m]
+    sw = jnp.repeat(qw.scale.astype(jnp.float32), rows, axis=0)[:n].T       # [b, n]
+    return jnp.sum(parts * sx[:, :, None] * sw[:, None, :], axis=0)
+
+
 def xla_apply(scheme: Scheme, x: jax.Array, qweight: QTensor, bias: jax.Array | None,
               input_scale: jax.Array | None = None) -> jax.Array:
     if scheme.weight_only:
@@ -76,6 +110,8 @@ def xla_apply(scheme: Scheme, x: jax.Array, qweight: QTensor, bias: jax.Array | 
             y = acc.astype(jnp.float32) * xs * ws.T
         elif native:
             y = _contract_last(xq.data, qweight.data) * xs * ws.T
+        elif (blocks := _fp8_blocks(xq, qweight)) is not None:
+            y = _blockwise_fp8_dot(xq, qweight, *blocks)
         else:
             y = _contract_last(xq.dequantize(jnp.float32), qweight.dequantize(jnp.float32))
         y = y.reshape(*lead, -1)

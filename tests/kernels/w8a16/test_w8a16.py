@@ -143,6 +143,18 @@ def test_lowers_for_sm90_every_default_launch(fmt, options):
             assert "mosaic_gpu" in text, (n, k, m, cfg)
 
 
+@pytest.mark.parametrize("n", [200, 130, 320])
+def test_lowers_for_sm90_with_ragged_n(n):
+    """N not a multiple of the tiles: the output's TMA store must lower (seen failing on the H200
+    for N = 200, whose bf16 rows meet the 16-byte rule but not the 64-column copy tiling)."""
+    rng = np.random.default_rng(0)
+    packed = pack_w8_qtensor(jquant.quantize(rng.standard_normal((n, 320)).astype(np.float32), "int8"))
+    cfg = default_w8_config(3, packed)
+    text = lower_for_cuda(lambda x, p: w4a16_mgpu_matmul(x, p, config=cfg), jnp.ones((3, 320), jnp.float16),
+                          packed)
+    assert "mosaic_gpu" in text
+
+
 # ---- layout, reference, dispatch ------------------------------------------------------------------
 @settings(max_examples=8)
 @given(k=st.integers(1, 300), n=st.integers(1, 150), kind=st.sampled_from(["int8", "uint8", "e4m3"]),
