@@ -204,12 +204,15 @@ def _gemm8(parser, args) -> int:
     if _no_gpu(args):
         return 1
     shapes = args.shapes or (bench.DEEPSEEK_SHAPES if args.deepseek else bench.SHAPES)
-    meta, records = run_meta(), []
-    for shape in shapes:   # rewrite the files after every shape: a run cut short keeps its rows
-        records += bench.run((shape,), args.ms or bench.MS, names, reps=args.reps, interpret=args.interpret,
-                             meta=meta)
-        js, md = write_records(records, args.out, "gemm8", bench.to_markdown)
-    print(f"wrote {js} and {md}")
+    meta, done, written = run_meta(), [], []
+
+    def write(shape_records):   # after every M: a run cut short keeps its rows
+        written[:] = write_records(done + shape_records, args.out, "gemm8", bench.to_markdown)
+
+    for shape in shapes:
+        done += bench.run((shape,), args.ms or bench.MS, names, reps=args.reps, interpret=args.interpret,
+                          meta=meta, on_records=write)
+    print(f"wrote {written[0]} and {written[1]}" if written else "no records")
     return 0
 
 

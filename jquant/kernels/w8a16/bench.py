@@ -68,9 +68,11 @@ def _weight(scheme: jquant.Scheme, w: jax.Array, max_copies: int) -> _Weight:
 def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
         names: Iterable[str] | None = None, reps: int = 9, interpret: bool = False,
         hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S, meta: dict | None = None,
-        log: Callable[[str], None] = print, max_copies: int = 64) -> list[dict]:
+        log: Callable[[str], None] = print, max_copies: int = 64,
+        on_records: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Times every (shape, M, scheme) cell with its XLA bf16 baseline, interleaved. ``interpret``
-    runs the kernel in interpret mode (CPU plumbing check; its timings mean nothing)."""
+    runs the kernel in interpret mode (CPU plumbing check; its timings mean nothing).
+    ``on_records`` gets the records so far after every M (a run cut short keeps its rows)."""
     table = schemes()
     names = tuple(names or table)
     unknown = [n for n in names if n not in table]
@@ -124,6 +126,8 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                 records.append(rec)
                 log(f"  {name:24s} {n}x{k} M={m:<5d} {impl:6s} {rec['time_us']:9.1f} us  bf16 {bf16:9.1f}"
                     f"  x{rec['speedup_vs_bf16']:.2f}  {rec['tflop_per_s']:.0f} TFLOP/s")
+            if on_records is not None:
+                on_records(records)
     return records
 
 
