@@ -11,7 +11,8 @@ Policy per architecture:
   the Triton-backend Pallas kernels run decode attention (Triton's bf16 dot needs sm_80's mma).
 * CUDA GPUs below 8.0: XLA for everything.
   The 8-bit weight-only GEMM (``w8a16_impl``) runs the same pipeline with 8-bit tiles up to
-  ``W8A16_MGPU_MAX_M`` rows on Hopper.
+  ``W8A16_MGPU_MAX_M`` rows on Hopper; 4-bit MoE experts, laid out by ``prepare_experts``, the
+  grouped W4A16 kernel (``moe_experts_impl``).
 * Every GPU: W8A8 FP8 schemes use XLA's native FP8 dot (``native_fp8_dot``; block scales: one
   batched FP8 dot per K group); the Mosaic GPU FP8 GEMM (``fp8_gemm_impl``) is off by default
   (``FP8_GEMM_MGPU``).
@@ -45,6 +46,12 @@ W8A16_MGPU_MAX_M = 1024
 # faulted (misaligned address) on ragged shapes, and XLA's FP8 dot already reaches 1090 TFLOP/s
 # with per-token × per-channel scales at 1024×28672×8192 (docs/design/gemm8.md).
 FP8_GEMM_MGPU = False
+
+# 4-bit MoE experts run the grouped W4A16 kernel on Hopper once laid out (``prepare_experts``): on the
+# H200 the gpt-oss-20b layer took 609 / 533 / 13198 µs at 1 / 64 / 4096 tokens against 2858 / 3387 /
+# 37413 µs dequantizing the experts into ragged_dot (bench/results/h200/moe.md). Block-FP8 experts
+# stay on XLA: their grouped kernel shares the FP8 GEMM's off switch (``FP8_GEMM_MGPU``).
+MOE_W4A16_MGPU = True
 
 TRITON_MIN_CAPABILITY = 80
 
@@ -141,6 +148,15 @@ def w8a16_impl(m: int, capability: int) -> str:
     if capability == 0:
         return w4a16_fallback(capability)
     return "mgpu" if has_wgmma(capability) and m <= W8A16_MGPU_MAX_M else "xla"
+
+
+def moe_experts_impl(weight_only: bool, bits: int, capability: int) -> str:
+    """What runs a stack of experts of a scheme (``weight_only``, weight ``bits``) on a device of
+    ``capability``: ``"mgpu"`` (4-bit weight-only on Hopper, the grouped W4A16 kernel) or ``"xla"``
+    (dequantize + ``jax.lax.ragged_dot``)."""
+    if MOE_W4A16_MGPU and has_wgmma(capability) and weight_only and bits == 4:
+        return "mgpu"
+    return "xla"
 
 
 def fp8_gemm_impl(m: int, capability: int) -> str:

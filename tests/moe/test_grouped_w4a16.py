@@ -123,3 +123,27 @@ def test_grouped_matmul_runs_the_kernel_when_asked(interpret):
                                 atol=2e-2 * float(jnp.abs(ref.astype(jnp.float32)).max()))
     with pytest.raises(ValueError, match="4-bit expert stacks"):
         grouped_matmul(x, quantize_expert_weights(np.ones((3, 128, 128), np.float32), "int8_ch"), sizes, impl="mgpu")
+
+
+def test_prepare_experts_lays_out_4bit_stacks_for_hopper_only():
+    """On Hopper 4-bit weight-only experts become W4A16Experts (the grouped kernel); block FP8 experts,
+    float leaves and any stack on other devices are left as they are."""
+    from jquant.kernels.moe import prepare_experts
+    from jquant.schemes import dispatch
+
+    hopper = type("Dev", (), {"platform": "gpu", "device_kind": "H200", "compute_capability": "9.0"})()
+    ampere = type("Dev", (), {"platform": "gpu", "device_kind": "A100", "compute_capability": "8.0"})()
+    rng = np.random.default_rng()
+    w = rng.standard_normal((2, 256, 256)).astype(np.float32)
+    params = {"mx": QExperts(quantize_expert_weights(w, "mxfp4"), get_scheme("mxfp4")),
+              "fp8": QExperts(quantize_expert_weights(w, "fp8_e4m3_block128x128"),
+                              get_scheme("fp8_e4m3_block128x128")),
+              "router": jnp.ones((4, 2))}
+    on_hopper = prepare_experts(params, hopper)
+    assert isinstance(on_hopper["mx"], W4A16Experts)
+    assert on_hopper["fp8"] is params["fp8"] and on_hopper["router"] is params["router"]
+    for device in (ampere, None):   # None: this host's CPU
+        assert all(prepare_experts(params, device)[k] is params[k] for k in params)
+    assert dispatch.moe_experts_impl(True, 4, 90) == "mgpu"
+    assert dispatch.moe_experts_impl(True, 8, 90) == dispatch.moe_experts_impl(False, 4, 90) == "xla"
+    assert dispatch.moe_experts_impl(True, 4, 80) == "xla"

@@ -64,7 +64,7 @@ def fp8_gemm(xq, x_scale, packed: PackedFp8, *, bias=None, out_dtype=jnp.bfloat1
         return _xla_fp8_dot(xq, x_scale, packed, bias, out_dtype)
     if kind != "mgpu":
         return reference_fp8(xq, x_scale, packed, bias, out_dtype)
-    return run_kernel(xq, x_scale, packed, bias, out_dtype, config or default_fp8_config(m, packed.n_pad, packed.blocked),
+    return run_kernel(xq, x_scale, packed, bias, out_dtype, config or default_fp8_config(m, packed.n_pad, packed.blocked, jnp.dtype(out_dtype).itemsize),
                       interpret)
 
 

@@ -49,28 +49,42 @@ class Fp8GemmConfig:
             raise ValueError(f"Fp8GemmConfig.max_concurrent_steps must be ≥ 2, got {self.max_concurrent_steps!r}")
 
 
-def default_fp8_config(m: int, n_pad: int, blocked: bool = False) -> Fp8GemmConfig:
-    """A launch for ``m`` rows of x and a weight of ``n_pad`` rows (a multiple of 256). Not yet
-    tuned on a GPU: swap AB up to 64 rows (the weight's bytes bound the step, as in the W4A16
-    kernel); above, 128 × 128 tiles 4 deep, whose fp32 accumulator takes 128 of a thread's 255
-    registers; from M = 256, two compute warpgroups of 128 × 128 sharing each weight tile (3 deep:
-    208 KB of shared memory); with block scales (``blocked``) 64 × 128 and one warpgroup, since the
-    promoted sum needs a second accumulator.
+# Fewest x rows of a tile whose per-K-step scale row (fp32) one TMA copy can land: each pipeline
+# stage's smem slot must start 128-byte aligned, and 8- or 16-row slots (32, 64 bytes) faulted with a
+# misaligned address on the H200.
+MIN_SCALE_ROWS = 32
+
+
+def default_fp8_config(m: int, n_pad: int, blocked: bool = False, out_bytes: int = 2) -> Fp8GemmConfig:
+    """A launch for ``m`` rows of x, a weight of ``n_pad`` rows (a multiple of 256) and an output of
+    ``out_bytes`` per value. Not yet tuned on a GPU: swap AB up to 64 rows (the weight's bytes bound
+    the step, as in the W4A16 kernel; with block scales at least ``MIN_SCALE_ROWS`` x rows); above,
+    128 × 128 tiles 4 deep, whose fp32 accumulator takes 128 of a thread's 255 registers; from M =
+    256, two compute warpgroups of 128 × 128 sharing each weight tile (3 deep: 208 KB of shared
+    memory); with block scales (``blocked``) 64 × 128 and one warpgroup, since the promoted sum
+    needs a second accumulator. An fp32 output (``out_bytes=4``) takes x as A with one warpgroup: its
+    transposed store does not lower and its tiles overflow the two-warpgroup launch's shared memory.
 
     Examples:
       >>> from jquant.kernels.fp8_gemm import default_fp8_config
       >>> default_fp8_config(1, 4096)
       Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, max_concurrent_steps=4, compute_wgs=1)
+      >>> default_fp8_config(1, 4096, blocked=True).block_b
+      32
       >>> default_fp8_config(128, 4096)
       Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=4, compute_wgs=1)
-      >>> default_fp8_config(4096, 4096).compute_wgs
-      2
+      >>> default_fp8_config(4096, 4096).compute_wgs, default_fp8_config(4096, 4096, out_bytes=4).compute_wgs
+      (2, 1)
       >>> default_fp8_config(4096, 4096, blocked=True).block_a
       64
     """
     del n_pad   # a multiple of 256: every block_b here divides it
+    if out_bytes == 4:
+        return Fp8GemmConfig(swap_ab=False, block_a=64 if blocked or m <= 64 else 128, block_b=128,
+                             max_concurrent_steps=4)
     if m <= 64:
-        return Fp8GemmConfig(swap_ab=True, block_a=64, block_b=max(8, -(-m // 8) * 8), max_concurrent_steps=4)
+        rows = max(MIN_SCALE_ROWS if blocked else 8, -(-m // 8) * 8)
+        return Fp8GemmConfig(swap_ab=True, block_a=64, block_b=rows, max_concurrent_steps=4)
     if blocked:
         return Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, max_concurrent_steps=4)
     if m >= 256:

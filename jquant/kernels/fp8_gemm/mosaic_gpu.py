@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jquant.kernels.fp8_gemm.config import BLOCK_K, Fp8GemmConfig
+from jquant.kernels.fp8_gemm.config import BLOCK_K, MIN_SCALE_ROWS, Fp8GemmConfig
 
 
 def _tiles(cols: int, bits: int):
@@ -40,6 +40,12 @@ def fp8_gemm_mgpu(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8GemmCon
     ``block_a`` rows of ``a``; ``b``, ``b_scale`` and ``bias`` are stacked per expert (``[E, …]``)
     and row tile ``i`` multiplies by expert ``expert_ids[i]``'s; a tile of count 0 does nothing."""
     cfg = config
+    if jnp.dtype(out_dtype).itemsize > 2 and (cfg.swap_ab or cfg.compute_wgs > 1):
+        raise ValueError(f"fp8 gemm: a {jnp.dtype(out_dtype).name} output needs x as A and one compute warpgroup "
+                         f"(swap_ab=False, compute_wgs=1), got {cfg}")
+    if a_scale.shape[0] > 1 and min(cfg.block_a, cfg.block_b) < MIN_SCALE_ROWS:
+        raise ValueError(f"fp8 gemm: block scales need tiles of at least {MIN_SCALE_ROWS} rows on each side (a "
+                         f"scale row's TMA copy must land 128-byte aligned), got {cfg}")
     if cfg.compute_wgs > 1:
         if slots is not None:
             raise ValueError("fp8 gemm: expert slots run with one compute warpgroup")

@@ -33,6 +33,43 @@ def choose_impl(experts: QTensor | jax.Array, device: jax.Device | None = None) 
     return "xla"
 
 
+def prepare_experts(params, device: jax.Device | None = None):
+    """``params`` (any pytree) with every ``QExperts`` laid out for the kernel this device runs it
+    with (``jquant.schemes.dispatch.moe_experts_impl``): on Hopper a 4-bit weight-only stack becomes
+    ``W4A16Experts`` (the grouped W4A16 kernel); anything else is returned as it is. ``MoE`` runs
+    either the same way. Call it once after loading, as ``Scheme.process_weights_after_loading``.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jquant.kernels.moe import QExperts, prepare_experts, quantize_expert_weights
+      >>> from jquant.schemes.scheme import get_scheme
+      >>> rng = np.random.default_rng(0)
+      >>> q = QExperts(quantize_expert_weights(rng.standard_normal((2, 8, 64)).astype(np.float32), "mxfp4"),
+      ...              get_scheme("mxfp4"))
+      >>> type(prepare_experts({"w": q})["w"]).__name__  # on a CPU: unchanged
+      'QExperts'
+    """
+    from jquant.kernels.moe.experts import QExperts
+    from jquant.kernels.moe.grouped_w4a16 import W4A16Experts
+    from jquant.schemes import dispatch
+
+    capability = dispatch.compute_capability(device)
+
+    def lay_out(q):
+        if (isinstance(q, QExperts) and q.weight.fmt in _four_bit_formats()
+                and dispatch.moe_experts_impl(q.scheme.weight_only, q.scheme.weight.bits, capability) == "mgpu"):
+            return W4A16Experts.from_qexperts(q)
+        return q
+
+    return jax.tree.map(lay_out, params, is_leaf=lambda q: isinstance(q, QExperts))
+
+
+def _four_bit_formats() -> tuple[str, ...]:
+    from jquant.kernels.w4a16.from_qtensor import W4_FORMATS
+
+    return W4_FORMATS
+
+
 def _is_traced(value) -> bool:
     return isinstance(value, jax.core.Tracer)
 

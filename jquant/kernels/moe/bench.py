@@ -12,7 +12,8 @@ spreads tokens about evenly (a served model's routing is more skewed).
 Candidates of a cell, timed interleaved (``time_interleaved``) on copies of the parameters rotated
 past the L2:
 
-* ``quantized``: the layer on ``QExperts`` (``grouped_matmul(impl="auto")``, the record's ``impl``);
+* ``quantized``: the layer as a user runs it: ``QExperts`` laid out by ``prepare_experts`` for this
+  device (the record's ``impl``: ``mgpu``, the grouped kernel, or ``xla``);
 * ``bf16_ragged_dot``: the layer on bf16 experts, ``jax.lax.ragged_dot``;
 * ``dequant_ragged_dot``: the quantized experts dequantized to bf16 inside the program, then the bf16
   layer (what a kernel must beat without changing the format);
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 from jquant.bench.records import markdown_title, run_meta
 from jquant.bench.timing import (array_bytes, copies_for, measure_hbm_bandwidth, spread_pct, time_interleaved,
                                  time_steadiest)
-from jquant.kernels.moe.api import choose_impl
+from jquant.kernels.moe.api import choose_impl, prepare_experts
 from jquant.kernels.moe.experts import EXPERT_PARAMS, QExperts
 from jquant.kernels.moe.grouped_fp8 import Fp8Experts
 from jquant.kernels.moe.grouped_w4a16 import W4A16Experts
@@ -313,10 +314,11 @@ def run(shapes: Iterable[MoEShape] = tuple(SHAPES.values()), tokens: Iterable[in
                     kernel_copies = [kernel_params(q) for q in q_copies]
                 except Exception as e:
                     log(f"  grouped kernel skipped for {shape.name} {scheme}: {type(e).__name__}: {e}")
+            user_copies = [prepare_experts(q) for q in q_copies]
             for t in tokens:
                 try:
                     records.append(_cell(shape, model, scheme, t, xs[t], bf16_copies, q_copies, tok_copies,
-                                         status, how, kernel_copies))
+                                         status, how, kernel_copies, user_copies))
                 except Exception as e:  # one failing cell must not end the run
                     log(f"  FAILED {shape.name} {scheme} T={t}: {type(e).__name__}: {e}")
                     continue
@@ -343,10 +345,12 @@ def kernel_params(params: dict, interpret: bool = False) -> dict:
 
 
 def _cell(shape: MoEShape, model: MoE, scheme: str, t: int, x: jax.Array, bf16_copies: list, q_copies: list,
-          tok_copies: list, status: str, how: _How, kernel_copies: list = ()) -> dict:
-    """Times one (shape, format, tokens) cell: the quantized layer and its baselines, interleaved."""
+          tok_copies: list, status: str, how: _How, kernel_copies: list = (), user_copies: list = ()) -> dict:
+    """Times one (shape, format, tokens) cell: the quantized layer and its baselines, interleaved.
+    ``user_copies``: the parameters as ``prepare_experts`` lays them out (default ``q_copies``)."""
     apply = lambda p, x: model.apply({"params": p}, x)
-    cands = {"quantized": (apply, [(p, x) for p in q_copies]),
+    user_copies = list(user_copies) or q_copies
+    cands = {"quantized": (apply, [(p, x) for p in user_copies]),
              "bf16_ragged_dot": (apply, [(p, x) for p in bf16_copies]),
              "dequant_ragged_dot": (lambda p, x: apply(dequantized(p), x), [(p, x) for p in q_copies])}
     if kernel_copies:
@@ -383,7 +387,7 @@ def _cell(shape: MoEShape, model: MoE, scheme: str, t: int, x: jax.Array, bf16_c
     floor = floor_us(qparams)
     weight = qparams[EXPERT_PARAMS[0]].weight
     record = dict(bench="moe", **shape.describe(), tokens=t, format=scheme, weight_fmt=weight.fmt,
-                  impl=choose_impl(weight), time_us=None if q is None else round(q, 2), baselines=baselines,
+                  impl=("mgpu" if isinstance(user_copies[0][EXPERT_PARAMS[0]], W4A16Experts) else choose_impl(weight)), time_us=None if q is None else round(q, 2), baselines=baselines,
                   speedup_vs_bf16=ratio("bf16_ragged_dot"), speedup_vs_dequant=ratio("dequant_ragged_dot"),
                   grouped_kernel_speedup_vs_bf16=(round(median["bf16_ragged_dot"] / median["grouped_kernel"], 3)
                                                   if "grouped_kernel" in median and "bf16_ragged_dot" in median

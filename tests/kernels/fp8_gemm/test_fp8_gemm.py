@@ -76,7 +76,11 @@ def test_kernel_keeps_the_scheme_numerics(name, m, interpret):
     xs = xq.scale.astype(jnp.float32)
     y = fp8_gemm(xq.data, xs, pack_fp8_qtensor(qw), out_dtype=jnp.float32, impl=_impl(interpret),
                  interpret=interpret)
-    chex.assert_trees_all_close(y, xla_apply(scheme, x, qw, None), rtol=1e-4, atol=1e-3)
+    ref = xla_apply(scheme, x, qw, None)
+    # On a GPU both sides sum FP8 products in the tensor cores' reduced-precision accumulator (the
+    # kernel's wgmma, XLA's cuBLASLt): they agree to the accumulator's precision, not to fp32's.
+    atol = 2e-3 * float(jnp.abs(ref).max()) if ON_GPU else 1e-3
+    chex.assert_trees_all_close(y, ref, rtol=1e-4, atol=atol)
 
 
 def test_nan_and_zero_rows(interpret):
@@ -98,12 +102,25 @@ def test_nan_and_zero_rows(interpret):
 def test_lowers_for_sm90_every_default_launch(blocks):
     n, k = 2048, 1024
     p = prepack_fp8(jnp.ones((n, k), jnp.float8_e4m3fn), jnp.ones((n // 128, k // 128)) if blocks else jnp.ones(n))
-    for m in (1, 64, 256):
-        cfg = default_fp8_config(m, p.n_pad, blocks)
+    # fp32 outputs too: a swap-AB fp32 store failed layout inference and a two-warpgroup fp32 launch
+    # overflowed shared memory (seen first on the H200; both lower on CPU as well).
+    for m, out in [(1, jnp.bfloat16), (64, jnp.bfloat16), (256, jnp.bfloat16), (3, jnp.float32),
+                   (96, jnp.float32), (300, jnp.float32)]:
+        cfg = default_fp8_config(m, p.n_pad, blocks, jnp.dtype(out).itemsize)
         xs = jnp.ones((m, k // 128) if blocks else (m, 1))
-        text = lower_for_cuda(lambda a, s, w, b, cfg=cfg: run_kernel(a, s, w, b, jnp.bfloat16, cfg, False),
+        text = lower_for_cuda(lambda a, s, w, b, cfg=cfg, out=out: run_kernel(a, s, w, b, out, cfg, False),
                               jnp.ones((m, k), jnp.float8_e4m3fn), xs, p, jnp.ones(n))
         assert "mosaic_gpu" in text, (m, cfg)
+
+
+def test_launches_the_kernel_cannot_run_are_refused():
+    p = prepack_fp8(jnp.ones((256, 256), jnp.float8_e4m3fn), jnp.ones((2, 2)))
+    xq, xs = jnp.ones((1, 256), jnp.float8_e4m3fn), jnp.ones((1, 2))
+    with pytest.raises(ValueError, match="block scales need tiles of at least 32 rows"):
+        run_kernel(xq, xs, p, None, jnp.bfloat16, Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8), True)
+    with pytest.raises(ValueError, match="float32 output needs x as A"):
+        run_kernel(xq, xs, p, None, jnp.float32, Fp8GemmConfig(swap_ab=True, block_a=64, block_b=32), True)
+    assert default_fp8_config(9, 256, blocked=True).block_b == 32
 
 
 def test_scheme_runs_the_kernel_on_hopper_once_enabled(monkeypatch):
@@ -118,7 +135,8 @@ def test_scheme_runs_the_kernel_on_hopper_once_enabled(monkeypatch):
     impl = candidate_impls(scheme, hopper)[0]
     x = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.float32)
     y = impl.run(scheme, x, impl.prepare(scheme, qw), None)
-    chex.assert_trees_all_close(y, xla_apply(scheme, x, qw, None), rtol=1e-4, atol=1e-3)
+    ref = xla_apply(scheme, x, qw, None)
+    chex.assert_trees_all_close(y, ref, rtol=1e-4, atol=2e-3 * float(jnp.abs(ref).max()) if ON_GPU else 1e-3)
 
 
 def test_dispatch_and_config():
