@@ -20,8 +20,9 @@ IMPLS = ("auto", "xla", "mgpu")
 
 
 def choose_impl(experts: QTensor | jax.Array, device: jax.Device | None = None) -> str:
-    """The implementation ``impl="auto"`` runs for ``experts`` on ``device``: ``"xla"`` everywhere (the
-    grouped W4A16 kernel runs through ``W4A16Experts`` until it is timed on a GPU).
+    """The implementation ``impl="auto"`` runs for ``experts`` on ``device``: ``"xla"`` everywhere. A
+    bare stack would be laid out for the grouped kernel on every call, costing what the kernel saves;
+    ``prepare_experts`` lays a model's stacks out once, and ``MoE`` then runs the kernel.
 
     Examples:
       >>> import jax.numpy as jnp
