@@ -54,7 +54,10 @@ def _row_scales(qt: QTensor) -> jax.Array | None:
     """The scale as one value per row (shape ``[rows, 1]``), if the QTensor has that granularity."""
     if isinstance(qt.scale, QTensor) or qt.global_scale is not None or qt.zero is not None:
         return None
-    if all(b == s for b, s in zip(qt.block[-1:], qt.shape[-1:])):
+    # One scale per row: blocks span the whole last axis and one row each, or the whole tensor. A
+    # 128 × 128 block weight with K = 128 spans the last axis but not one row.
+    whole_rows = qt.block[-1:] == qt.shape[-1:] and all(b == 1 for b in qt.block[:-1])
+    if whole_rows or tuple(qt.block) == tuple(qt.shape):
         return jnp.broadcast_to(qt.scale.astype(jnp.float32).reshape(-1, 1), (qt.size // qt.shape[-1], 1))
     return None
 
@@ -72,7 +75,7 @@ def _fp8_blocks(xq: QTensor, qw: QTensor) -> tuple[int, int] | None:
         return None
     (m, k), (n, _) = xq.shape, qw.shape
     g = xq.block[-1]
-    if xq.block[0] != 1 or qw.block[-1] != g or g >= k or k % g or qw.group_index is not None:
+    if xq.block[0] != 1 or qw.block[-1] != g or k % g or qw.group_index is not None:
         return None
     if (k // g) * m * n * 4 > BLOCKWISE_FP8_MAX_BYTES:
         return None

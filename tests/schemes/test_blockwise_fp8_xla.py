@@ -17,11 +17,11 @@ def _run(scheme, x, qw, native: bool, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3_block128x128", "fp8_e4m3_block128x128_ue8m0"])
-@pytest.mark.parametrize("m,n", [(1, 256), (7, 200), (33, 384)])
-def test_blockwise_dot_equals_dequantize_then_dot(name, m, n, monkeypatch):
+@pytest.mark.parametrize("m,n,k", [(1, 256, 384), (7, 200, 384), (33, 384, 384), (5, 256, 128)])
+def test_blockwise_dot_equals_dequantize_then_dot(name, m, n, k, monkeypatch):
+    """K = 128 (one K block, N > 128) once crashed the GPU path: its scales were taken as per-row."""
     rng = np.random.default_rng()
     scheme = jquant.get_scheme(name)
-    k = 384
     qw = scheme.quantize_weight(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32))
     x = rng.standard_normal((m, k)) * 3
     x[0] = 0.0                                          # a zero row: scale 0 must give 0, not NaN
