@@ -62,8 +62,9 @@ def show_table(headers, rows):
 
 
 RECORDS = {path.stem: json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))}
+# Records name their op; the gptq and moe files of record name their benchmark under `bench`.
 show_table(["file", "op", "records", "device", "commit", "date (UTC)", "JAX", "XLA_FLAGS"],
-           [[f"`{stem}.json`", ", ".join(sorted({r["op"] for r in recs})), len(recs),
+           [[f"`{stem}.json`", ", ".join(sorted({r.get("op", r.get("bench")) for r in recs})), len(recs),
              ", ".join(sorted({r["device"] for r in recs})), ", ".join(sorted({r["commit"] for r in recs})),
              " … ".join(sorted({min(r["date"][:16] for r in recs), max(r["date"][:16] for r in recs)})),
              ", ".join(sorted({r["jax_version"] for r in recs})),

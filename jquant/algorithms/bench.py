@@ -77,7 +77,7 @@ def run(shape: LayerShape = LLAMA3_8B, *, rows: int = 128, seq_len: int = 2048, 
 
     once()
     hessian_s, per = once()
-    return dict(meta or {}, bench="gptq_layer", scheme=scheme, act_order=act_order, rows=rows, seq_len=seq_len,
+    return dict(meta or {}, op="gptq_layer", bench="gptq_layer", scheme=scheme, act_order=act_order, rows=rows, seq_len=seq_len,
                 batch_rows=batch_rows, shapes={n: list(s) for n, s in shape.projections.items()},
                 hessian_s=round(hessian_s, 3), gptq_s=round(sum(per.values()), 3),
                 total_s=round(hessian_s + sum(per.values()), 3), per_projection_s={n: round(v, 3) for n, v in per.items()})
