@@ -33,12 +33,17 @@ if ON_GPU:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(item, call):
         """A CUDA fault (misaligned address, illegal access) poisons the process's context, so every
-        later test in it would fail for no fault of its own: after reporting the one that hit it, the
-        worker exits, and pytest-xdist starts a fresh one (run GPU tests with ``-n``)."""
+        later test in it would fail for no fault of its own. Under pytest-xdist (``-n``) the worker
+        exits after naming the test that hit it, and a fresh worker takes the rest; without it the
+        run stops there, with its summary."""
         outcome = yield
         report = outcome.get_result()
-        if report.failed and call.excinfo is not None and "CUDA_ERROR_" in str(call.excinfo.value):
+        if not (report.failed and call.excinfo is not None and "CUDA_ERROR_" in str(call.excinfo.value)):
+            return
+        message = f"CUDA fault in {item.nodeid}: {str(call.excinfo.value)[:300]}"
+        if os.environ.get("PYTEST_XDIST_WORKER"):
             import sys
-            sys.stderr.write(f"\nCUDA fault in {item.nodeid}: {str(call.excinfo.value)[:300]}\n")
+            sys.stderr.write(f"\n{message}\n")
             sys.stderr.flush()
             os._exit(3)
+        item.session.shouldstop = message
