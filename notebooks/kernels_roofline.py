@@ -147,6 +147,37 @@ print(f"XLA bf16 GEMM at M = 1 streams its weight at up to {bf16_m1:.2f} TB/s "
 # 8192×8192).
 
 # %% [markdown]
+# ## 8-bit GEMMs (`gemm8.json`) and the MoE layer (`moe.json`)
+#
+# `gemm8.json`: each 8-bit scheme as `Scheme.apply` runs it (`scheme`), the W8A16 kernel forced
+# (`mgpu`) and XLA's path for the same math (`xla`), with XLA bf16 in the same run; `pct_of_byte_floor`
+# is the scheme's bytes (codes, scales, x, y) at 4.18 TB/s over its time. `moe.json`: one gpt-oss-20b
+# MoE layer, the grouped W4A16 kernel against bf16 `ragged_dot` and the dequantize + `ragged_dot`
+# reference; the byte floor counts the experts the routing hits.
+
+# %%
+g8 = RECORDS["gemm8"]
+show_table(["scheme", "N×K", "M", "impl", "µs", "XLA bf16 µs", "vs bf16", "% byte floor", "TFLOP/s"],
+           [[r["scheme"], f"{r['N']}×{r['K']}", r["M"], r["impl"], r["time_us"], r["baselines"]["xla_bf16"],
+             r["speedup_vs_bf16"], r["pct_of_byte_floor"], r["tflop_per_s"]]
+            for r in sorted(g8, key=lambda r: (-r["N"] * r["K"], r["M"], r["scheme"], r["impl"]))
+            if r["impl"] != "scheme" or r["w8a8"]])
+
+moe = RECORDS["moe"]
+show_table(["format", "tokens", "experts hit", "grouped kernel µs", "dequant + ragged_dot µs",
+            "bf16 ragged_dot µs", "kernel vs bf16", "byte floor µs"],
+           [[r["format"], r["tokens"], r["active_experts"], r["baselines"].get("grouped_kernel"),
+             r["baselines"]["dequant_ragged_dot"], r["baselines"]["bf16_ragged_dot"],
+             r["grouped_kernel_speedup_vs_bf16"], r["byte_floor_us"]] for r in moe])
+
+# %% [markdown]
+# At M = 1 the W8A16 kernel reads its 8-bit weight at about 80 % of the byte floor, 1.6× XLA bf16 (the
+# floor allows about 2×); XLA's own path for the same weight dequantizes to bf16 first and is 6× slower.
+# The W8A8 FP8 schemes run XLA's FP8 dot; block FP8 is fast at small M (one FP8 dot per K group) and
+# falls back to dequantize + dot at 8192³. The MoE kernel is far from its floor at one token and 2.7×
+# bf16 `ragged_dot` from 64 tokens (`docs/design/gemm8.md`, `docs/design/moe.md`).
+
+# %% [markdown]
 # ## Paged decode attention (`attention.json`, `attention_sweep.json`)
 #
 # One query token per sequence, B = 8, ctx = 32k, 32 query / 8 KV heads of 128, page 16. Each bar is
