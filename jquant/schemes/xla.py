@@ -71,7 +71,8 @@ def _fp8_blocks(xq: QTensor, qw: QTensor) -> tuple[int, int] | None:
     blocks) can run as one batched FP8 dot per K group on this device, else None."""
     if not (dispatch.native_fp8_dot() and xq.fmt in FP8_FORMATS and qw.fmt in FP8_FORMATS):
         return None
-    if any(isinstance(t.scale, QTensor) or t.global_scale is not None or t.zero is not None for t in (xq, qw)):
+    if any(isinstance(t.scale, QTensor) or t.global_scale is not None or t.zero is not None or t.ndim != 2
+           for t in (xq, qw)):
         return None
     (m, k), (n, _) = xq.shape, qw.shape
     g = xq.block[-1]
