@@ -98,17 +98,23 @@ def test_weight_must_be_2d():
 
 # Weight-only error ‖W' − Q(W')‖ vs ‖W − Q(W)‖ (equal to the error in the original basis: H is
 # orthonormal). Rotation lowers it for MXFP4 (power-of-two scales shared by 32) and int4 g32
-# (uniform grid), 0.60-0.84 and 0.53-0.61 of the unrotated error over 25 seeds. NVFP4 goes the other
-# way (1.31-1.61): its 16-element blocks with FP8 scales already isolate an outlier column, which
-# FP4 then represents almost exactly while the small entries cost little in absolute terms; the
-# rotation spreads the outlier's energy over the block, where every entry pays FP4's relative error.
+# (uniform grid): medians 0.70-0.75 and 0.50-0.57 of the unrotated error over 150 weights per block.
+# NVFP4 goes the other way (medians 1.38-1.46): its 16-element blocks with FP8 scales already isolate
+# an outlier column, which FP4 then represents almost exactly while the small entries cost little in
+# absolute terms; the rotation spreads the outlier's energy over the block, where every entry pays
+# FP4's relative error. The claim is on the median of 7 fresh weights: one weight alone crosses the
+# MXFP4 bound about once in 100 (a t(3) extreme in an outlier column, 2666 against a typical 200,
+# that the rotation spreads over its block; ratio up to 1.83 over 200 seeds at block 128).
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("fmt, lo, hi", [("mxfp4", 0.0, 0.92), ("int4_g32", 0.0, 0.75), ("nvfp4", 1.05, 2.5)])
 def test_rotation_changes_quantization_error_on_outlier_columns(fmt, lo, hi, block):
-    seed = fresh_seed()
-    w = heavy_tailed_weight(seed)
+    seeds = [fresh_seed() for _ in range(7)]
     qdq = QDQ[fmt]
-    rotated = rotate_linear(w, block)
-    ratio = float(np.linalg.norm(rotated - qdq(rotated)) / np.linalg.norm(w - qdq(w)))
-    print(f"{fmt} block {block}: rotated / unrotated weight error = {ratio:.3f}")
-    assert lo < ratio < hi, f"seed {seed}: {fmt} rotated/unrotated error ratio {ratio:.3f}"
+    ratios = []
+    for seed in seeds:
+        w = heavy_tailed_weight(seed)
+        rotated = rotate_linear(w, block)
+        ratios.append(float(np.linalg.norm(rotated - qdq(rotated)) / np.linalg.norm(w - qdq(w))))
+    median = float(np.median(ratios))
+    print(f"{fmt} block {block}: rotated / unrotated weight error, median {median:.3f} of {np.round(ratios, 3)}")
+    assert lo < median < hi, f"seeds {seeds}: {fmt} rotated/unrotated error ratios {np.round(ratios, 3)}"
