@@ -52,23 +52,18 @@ def prepare_experts(params, device: jax.Device | None = None):
     """
     from jquant.kernels.moe.experts import QExperts
     from jquant.kernels.moe.grouped_w4a16 import W4A16Experts
+    from jquant.kernels.w4a16.from_qtensor import W4_FORMATS
     from jquant.schemes import dispatch
 
     capability = dispatch.compute_capability(device)
 
     def lay_out(q):
-        if (isinstance(q, QExperts) and q.weight.fmt in _four_bit_formats()
+        if (isinstance(q, QExperts) and q.weight.fmt in W4_FORMATS
                 and dispatch.moe_experts_impl(q.scheme.weight_only, q.scheme.weight.bits, capability) == "mgpu"):
             return W4A16Experts.from_qexperts(q)
         return q
 
     return jax.tree.map(lay_out, params, is_leaf=lambda q: isinstance(q, QExperts))
-
-
-def _four_bit_formats() -> tuple[str, ...]:
-    from jquant.kernels.w4a16.from_qtensor import W4_FORMATS
-
-    return W4_FORMATS
 
 
 def _is_traced(value) -> bool:
