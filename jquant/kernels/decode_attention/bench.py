@@ -26,11 +26,13 @@ from jquant.kv.paged import PagedKVCache, allocate
 
 KV_DTYPES = ("bf16", "fp8_e4m3", "fp8_per_token_head", "int8_per_token_head", "turboquant_3bit_nc")
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-# ``jquant bench attention --sweep``: launches timed beside the default in each cell. The block /
-# warps / stages grid found nothing better than the default (bench/results/h200/attention_sweep.md); an
-# ncu profile of the fp8 kernel (B=8, ctx 32k: 576 programs of 4 warps, DRAM 31 %, issue slots 38 %
-# busy) says it is latency-bound, so the sweep now varies how many programs share the context.
-SWEEP = tuple(TuningConfig(block_tokens=b, num_splits=s) for b in (64, 128) for s in (16, 32, 64, 128))
+# ``jquant bench attention --sweep``: launches timed beside the default in each cell. Neither the block /
+# warps / stages grid nor 16-128 splits beat the default beyond the cells' noise
+# (bench/results/h200/attention_sweep.md); an ncu profile of the fp8 kernel (B=8, ctx 32k: 576 programs
+# of 4 warps, DRAM 31 %, issue slots 38 % busy) says it is latency-bound, so the sweep now puts several
+# KV heads in a program (more bytes in flight per step, no padded q rows). TurboQuant cells time the
+# launches of one head per program only.
+SWEEP = tuple(TuningConfig(block_tokens=b, kv_heads_per_program=h) for h in (1, 2, 4) for b in (64, 128))
 
 
 def random_pages(layer: PagedKVCache, key) -> PagedKVCache:
@@ -109,7 +111,9 @@ def run(batches: Iterable[int] = (8,), ctxs: Iterable[int] = (32768,), kv_dtypes
                 copies = [layer] + [jax.tree.map(jnp.copy, layer) for _ in range(n_copies - 1)]
                 impl = "xla" if interpret else "auto"
                 cands = dict(base)
-                for i, cfg in enumerate(configs):
+                cell_configs = [c for c in configs if c is None or c.kv_heads_per_program == 1
+                                or layer.spec.kind != "turboquant"]
+                for i, cfg in enumerate(cell_configs):
                     ours = jax.jit(functools.partial(cache_decode_attention, impl=impl, config=cfg))
                     cands[f"kernel:{i}"] = (ours, [(q, c, tables, lengths) for c in copies])
                 cands["xla"] = (jax.jit(functools.partial(cache_decode_attention, impl="xla")),
@@ -119,7 +123,7 @@ def run(batches: Iterable[int] = (8,), ctxs: Iterable[int] = (32768,), kv_dtypes
                     25.0, 0 if interpret else 1)
                 nbytes = kv_bytes(layer, batch, ctx)
                 baselines = {b: round(times[b].median_us, 2) for b in times if not b.startswith("kernel:")}
-                for i, cfg in enumerate(configs):
+                for i, cfg in enumerate(cell_configs):
                     t = times[f"kernel:{i}"]
                     records.append(_record(name, batch, ctx, page_size, cfg, t, times, baselines, attempts,
                                            nbytes, hbm_bytes_per_s, meta))

@@ -19,6 +19,13 @@ class TuningConfig:
     num_splits: programs per (sequence, KV head) along the context (split-K); None picks enough to
       fill the chip (``splits_for``).
     num_warps, num_stages: Triton's warps per program and software-pipelining depth.
+    kv_heads_per_program: KV heads one program attends together (a power of two dividing the KV
+      heads). With more than one, q is block-diagonal over the heads (``heads × group`` rows ×
+      ``heads × head_dim`` columns), so the 16-row dot carries several GQA groups instead of
+      padding (Llama-3's group of 4: 4 heads fill the 16 rows that now hold 12 rows of zeros),
+      each token's heads are read as one contiguous run, and a program has that many times more
+      bytes in flight per step. A non-finite K or V value of one head then also reaches the
+      sibling heads of its program (NaN in, NaN out: o_proj mixes all heads anyway).
 
     Examples:
       >>> from jquant.kernels.decode_attention import TuningConfig
@@ -35,6 +42,7 @@ class TuningConfig:
     num_splits: int | None = None
     num_warps: int = 4
     num_stages: int = 2
+    kv_heads_per_program: int = 1
 
     def __post_init__(self):
         if self.block_tokens < 16 or self.block_tokens & (self.block_tokens - 1):
@@ -45,6 +53,9 @@ class TuningConfig:
             raise ValueError(f"num_warps must be a power of two ≤ 16, got {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be ≥ 1, got {self.num_stages}")
+        h = self.kv_heads_per_program
+        if not isinstance(h, int) or h < 1 or h & (h - 1):
+            raise ValueError(f"kv_heads_per_program must be a power of two ≥ 1, got {h!r}")
 
 
 # Programs wanted in flight: 132 SMs × 4, so every SM holds several loads at once.

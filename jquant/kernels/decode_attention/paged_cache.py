@@ -48,8 +48,10 @@ def cache_decode_attention(q: jax.Array, layer: PagedKVCache, block_tables: jax.
         check_tables(block_tables, lengths, q.shape[0], layer.num_pages, layer.page_size)
         if impl == "auto":
             # 3-bit values: the kernel failed its reference test on the H200 (tests/kernels/decode_attention/
-            # test_turboquant_kernel.py under JQUANT_TEST_GPU=1, 2 of 2 cases) while passing in interpret
-            # mode, so they stay on the XLA path until that is understood.
+            # test_turboquant_kernel.py under JQUANT_TEST_GPU=1, 2 of 2 cases, 16-token steps) while passing
+            # in interpret mode. The likely cause, a join-built value operand that Triton's MMA layout pass
+            # gives too wide a kWidth for K = 16, is gone (triton_turboquant's docstring); they stay on the
+            # XLA path until that test passes on a GPU.
             fits = triton_turboquant.supports(layer.spec, layer.head_dim) and layer.spec.value_bits != 3
             impl = dispatch.decode_attention_impl() if fits else "xla"
         if impl == "xla":

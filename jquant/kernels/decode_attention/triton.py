@@ -1,7 +1,8 @@
 """Paged decode attention as a Triton-backend Pallas kernel: split-K partials, XLA combine.
 
-Grid (batch, kv_head, split). A program owns the query heads of one KV head (the GQA group,
-padded to 16 rows for Triton's dot) and one contiguous run of the context. Each loop step gathers
+Grid (batch, kv_head block, split). A program owns the query heads of ``kv_heads_per_program`` KV
+heads (their GQA groups, padded to 16 rows for Triton's dot; with several heads q is block-diagonal,
+see ``TuningConfig``) and one contiguous run of the context. Each loop step gathers
 ``block_tokens`` rows of K and V straight from the page pool (row = slot * kv_heads + head of the
 flattened ``[slots * kv_heads, head_dim]`` view: one contiguous head_dim run per token), widens the
 codes to bf16 in registers, and folds the per-(token, head) scales into the logits (K) and the
@@ -34,7 +35,9 @@ def pool_rows(bt_ref, b, h, tok, *, page_size, kv_heads, max_pages, num_pages):
 
 
 def _kernel(lengths_ref, bt_ref, q_ref, k_ref, v_ref, *rest, page_size, kv_heads, max_pages,
-            num_pages, block_tokens, split_tokens, sm_scale, per_token):
+            num_pages, block_tokens, split_tokens, sm_scale, per_token, heads, group):
+    """``kv_heads``: head blocks of the pool view (KV heads / ``heads``); ``heads`` KV heads of
+    ``group`` query heads each per program (q rows ``r`` of head ``r // group``)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -48,9 +51,20 @@ def _kernel(lengths_ref, bt_ref, q_ref, k_ref, v_ref, *rest, page_size, kv_heads
     end = jnp.minimum(length, start + split_tokens)
     n_steps = lax.div(jnp.maximum(end - start, 0) + (block_tokens - 1), block_tokens)
 
-    q = q_ref[...].astype(jnp.bfloat16)                       # [G16, D]
+    q = q_ref[...].astype(jnp.bfloat16)                       # [G16, heads · D]
     g16, d = q.shape
     iota = lax.iota(jnp.int32, block_tokens)
+    if heads > 1:
+        # own[r, j]: q row r belongs to head j of the block (rows past heads · group: none).
+        own = (lax.broadcasted_iota(jnp.int32, (g16, heads), 0) // group
+               == lax.broadcasted_iota(jnp.int32, (g16, heads), 1))
+
+    def per_row(scales):
+        """Per-(token, head) scales ``[T]`` (one head) or ``[T, heads]`` as ``[G16, T]``, each q row
+        taking its own head's (a select, so another head's NaN scale stays in its rows)."""
+        if heads == 1:
+            return scales[None, :]
+        return jnp.sum(jnp.where(own[:, None, :], scales[None, :, :], 0.0), axis=2)
 
     def step(i, carry):
         acc, m, l = carry
@@ -58,17 +72,17 @@ def _kernel(lengths_ref, bt_ref, q_ref, k_ref, v_ref, *rest, page_size, kv_heads
         valid = tok < length
         row = pool_rows(bt_ref, b, h, tok, page_size=page_size, kv_heads=kv_heads, max_pages=max_pages,
                         num_pages=num_pages)
-        k = k_ref[row, :].astype(jnp.bfloat16)                # [T, D]
+        k = k_ref[row, :].astype(jnp.bfloat16)                # [T, heads · D]
         logits = plt.dot(q, k, trans_b=True)                  # [G16, T] f32
         if per_token:
-            logits = logits * ks_ref[row][None, :]
+            logits = logits * per_row(ks_ref[row])
         logits = jnp.where(valid[None, :], logits * sm_scale, _MASK)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[:, None])
         l_new = alpha * l + jnp.sum(p, axis=1)
         if per_token:
-            p = p * vs_ref[row][None, :]
+            p = p * per_row(vs_ref[row])
         # Rows past the length may hold anything (NaN in a never-written page): zero them, since
         # 0 * NaN would leak into the sum.
         p = jnp.where(valid[None, :], p, 0.0)
@@ -79,6 +93,9 @@ def _kernel(lengths_ref, bt_ref, q_ref, k_ref, v_ref, *rest, page_size, kv_heads
     init = (jnp.zeros((g16, d), jnp.float32), jnp.full((g16,), _MASK, jnp.float32),
             jnp.zeros((g16,), jnp.float32))
     acc, m, l = lax.fori_loop(0, n_steps, step, init)
+    if heads > 1:   # row r's own head's columns of the block-diagonal product
+        dh = d // heads
+        acc = jnp.sum(jnp.where(own[:, :, None], acc.reshape(g16, heads, dh), 0.0), axis=1)
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -86,8 +103,8 @@ def _kernel(lengths_ref, bt_ref, q_ref, k_ref, v_ref, *rest, page_size, kv_heads
 
 def partials(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, sm_scale: float,
              config: TuningConfig, interpret: bool):
-    """Per-split unnormalised outputs ``[S, B, Hkv, G16, D]`` and running max / sum
-    ``[S, B, Hkv, G16]`` (float32). ``k_scale``/``v_scale``: per-(token, head) arrays or None."""
+    """Per-split unnormalised outputs ``[S, B, Hkv, G, D]`` and running max / sum
+    ``[S, B, Hkv, G]`` (float32; G query heads per KV head). ``k_scale``/``v_scale``: per-(token, head) arrays or None."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -95,47 +112,67 @@ def partials(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, sm
     num_pages, page_size, hkv, _ = k_pages.shape
     max_pages = block_tables.shape[1]
     group = hq // hkv
-    g16 = -(-group // 16) * 16
+    heads = config.kv_heads_per_program
+    if hkv % heads:
+        raise ValueError(f"kv_heads_per_program={heads} must divide the KV heads ({hkv})")
+    blocks = hkv // heads
+    rows = heads * group
+    g16 = -(-rows // 16) * 16
     block = config.block_tokens
-    splits, split_tokens = split_plan(batch, hkv, max_pages * page_size, config)
+    splits, split_tokens = split_plan(batch, blocks, max_pages * page_size, config)
 
-    qg = q.reshape(batch, hkv, group, d)
-    if g16 != group:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, g16 - group), (0, 0)))
+    qg = q.reshape(batch, blocks, heads, group, d)
+    if heads > 1:   # block-diagonal: row (j, g) holds q in head j's columns, zeros elsewhere
+        eye = jnp.eye(heads, dtype=bool)[None, None, :, None, :, None]
+        qg = jnp.where(eye, qg[:, :, :, :, None, :], jnp.zeros((), q.dtype))
+    qg = qg.reshape(batch, blocks, rows, heads * d)
+    if g16 != rows:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, g16 - rows), (0, 0)))
     per_token = k_scale is not None
+    # Pool views of one row per (slot, head block): a token's ``heads`` heads are contiguous.
     args = [lengths.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1), qg,
-            k_pages.reshape(-1, d), v_pages.reshape(-1, d)]
+            k_pages.reshape(-1, heads * d), v_pages.reshape(-1, heads * d)]
     if per_token:
-        args += [k_scale.astype(jnp.float32).reshape(-1), v_scale.astype(jnp.float32).reshape(-1)]
+        scale_rows = (-1,) if heads == 1 else (-1, heads)
+        args += [k_scale.astype(jnp.float32).reshape(scale_rows),
+                 v_scale.astype(jnp.float32).reshape(scale_rows)]
     whole = lambda a: pl.BlockSpec(a.shape, lambda b, h, s, n=a.ndim: (0,) * n)
     in_specs = [whole(args[0]), whole(args[1]),
-                pl.BlockSpec((None, None, g16, d), lambda b, h, s: (b, h, 0, 0))]
+                pl.BlockSpec((None, None, g16, heads * d), lambda b, h, s: (b, h, 0, 0))]
     in_specs += [whole(a) for a in args[3:]]
     kernel = functools.partial(
-        _kernel, page_size=page_size, kv_heads=hkv, max_pages=max_pages, num_pages=num_pages,
+        _kernel, page_size=page_size, kv_heads=blocks, max_pages=max_pages, num_pages=num_pages,
         block_tokens=block, split_tokens=split_tokens, sm_scale=float(sm_scale),
-        per_token=per_token)
-    out_shape = [jax.ShapeDtypeStruct((splits, batch, hkv, g16, d), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, batch, hkv, g16), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, batch, hkv, g16), jnp.float32)]
+        per_token=per_token, heads=heads, group=group)
+    out_shape = [jax.ShapeDtypeStruct((splits, batch, blocks, g16, d), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, batch, blocks, g16), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, batch, blocks, g16), jnp.float32)]
     out_specs = [pl.BlockSpec((None, None, None, g16, d), lambda b, h, s: (s, b, h, 0, 0)),
                  pl.BlockSpec((None, None, None, g16), lambda b, h, s: (s, b, h, 0)),
                  pl.BlockSpec((None, None, None, g16), lambda b, h, s: (s, b, h, 0))]
     o, m, l = pl.pallas_call(
-        kernel, grid=(batch, hkv, splits), in_specs=in_specs, out_specs=out_specs,
+        kernel, grid=(batch, blocks, splits), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=config.num_warps,
                                            num_stages=config.num_stages),
         name=f"jquant_decode_attention_{k_pages.dtype.name}",
     )(*args)
-    return o[:, :, :, :group], m[:, :, :, :group], l[:, :, :, :group]
+    heads_of = lambda a: a[:, :, :, :rows].reshape(splits, batch, hkv, group, *a.shape[4:])
+    return heads_of(o), heads_of(m), heads_of(l)
 
 
 def combine(o, m, l):
     """Log-sum-exp merge of the splits: ``[B, Hkv, G, D]`` float32; zero where no token was seen
-    (length 0), never NaN from the merge itself."""
+    (length 0), never NaN from the merge itself, NaN where the partials hold one."""
     m_all = jnp.max(m, axis=0)
-    w = jnp.exp(m - m_all[None])
+    # A split that saw no token (l = 0, m the mask) weighs nothing. Not left to exp: where XLA
+    # contracts a scaled m (the TurboQuant kernel's m · ln 2) into an FMA, mask − mask is the
+    # product's rounding residual (up to ~4e22 at 7e29), not 0, and exp of it inf, inf · 0 NaN
+    # (a length-0 sequence came out NaN under jit on the CPU).
+    w = jnp.where(l == 0, 0.0, jnp.exp(m - m_all[None]))
     den = jnp.sum(w * l, axis=0)
     num = jnp.sum(w[..., None] * o, axis=0)
-    return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    # den is ≥ 1 once a split saw a token (its max term is exp(0)) and 0 only when none did; keyed
+    # on den == 0, not den > 0, so a NaN from the cache (a NaN K scale: den NaN) shows as NaN.
+    empty = den == 0
+    return jnp.where(empty[..., None], 0.0, num / jnp.where(empty, 1.0, den)[..., None])

@@ -19,7 +19,12 @@ value reaches HBM. The loop is ALU-bound, so each step is counted in instruction
   bf16 p * scale the dot saw, so the offset cancels exactly.
 * A 4-bit row stays two dot operands, its low nibbles (dims 2i) and high nibbles (2i + 1); q's columns
   are permuted to match and the output's permuted back. A 3-bit row is eight fields per 24-bit group
-  (dims 8i + j), read by three stride-3 byte loads and joined back into dim order.
+  (dims 8i + j), read by three stride-3 byte loads. Keys join the fields back into dim order; values
+  broadcast each group to its 8 dims and shift each dim by its own amount instead (``_codes3``):
+  Triton's MMA layout pass halves the assumed bit width of a dot operand with a join behind it
+  (AccelerateMatmul, kWidth 8 for these 8-bit loads), which needs K ≥ 32, and the value dot's K is
+  the step's tokens (16 in the tests, where 3-bit values came out wrong on the H200 while the
+  same code passed interpreted). The keys' joins run along the key dot's K (head_dim ≥ 64).
 """
 
 from __future__ import annotations
@@ -117,6 +122,16 @@ def _parts(fields):
     return fields
 
 
+def _codes3(ref, row, head_dim: int):
+    """``[T, head_dim]`` 3-bit codes in dim order without a join (see the module docstring): each
+    24-bit group broadcast to its 8 dims, dim d shifted right by 3 (d mod 8)."""
+    words = _words(ref, row, 3, head_dim)                                    # [T, D / 8]
+    t = words.shape[0]
+    words = jnp.broadcast_to(words[:, :, None], (t, head_dim // 8, 8)).reshape(t, head_dim)
+    shift = 3 * (lax.iota(jnp.uint32, head_dim) % 8)
+    return (words >> shift[None, :]) & jnp.uint32(7)
+
+
 def _dots(q, parts):
     """sum_p q[p] @ parts[p]^T: ``[G16, T]`` float32."""
     from jax.experimental.pallas import triton as plt
@@ -181,9 +196,10 @@ def _kernel(lengths_ref, bt_ref, q_ref, qs_ref, k_ref, *refs, page_size, kv_head
         ps = ps.astype(jnp.bfloat16)
         pm = jnp.where(valid[None, :], p * vm_ref[row].astype(jnp.float32)[None, :], 0.0)
         off = alpha * off + jnp.sum(pm - 128.0 * ps.astype(jnp.float32), axis=1)
-        codes = _fields(_words(v_ref, row, value_bits, head_dim), value_bits, 0)
-        vals = _parts([lax.bitcast_convert_type((c | jnp.uint32(_BF16_128)).astype(jnp.uint16), jnp.bfloat16)
-                       for c in codes])
+        codes = ([_codes3(v_ref, row, head_dim)] if value_bits == 3
+                 else _fields(_words(v_ref, row, value_bits, head_dim), value_bits, 0))
+        vals = [lax.bitcast_convert_type((c | jnp.uint32(_BF16_128)).astype(jnp.uint16), jnp.bfloat16)
+                for c in codes]
         accs = tuple(alpha[:, None] * a + plt.dot(ps, v) for a, v in zip(accs, vals))
         return accs, off, m_new, l_new
 
@@ -211,6 +227,9 @@ def turboquant_decode_attention(q, layer: PagedKVCache, block_tables, lengths, *
         raise ValueError(f"needs a TurboQuant layer, q [B, Hq, {d}] with Hq a multiple of {hkv} and "
                          f"dot operands ≥ 16 wide; got {spec.name}, q {q.shape}")
     config = config or TuningConfig()
+    if config.kv_heads_per_program != 1:
+        raise ValueError("the TurboQuant kernel attends one KV head per program "
+                         f"(kv_heads_per_program=1), got {config.kv_heads_per_program}")
     key_bits = _key_bits(spec)
     num_pages, page_size = layer.num_pages, layer.page_size
     max_pages = block_tables.shape[1]

@@ -119,6 +119,66 @@ def test_split_and_block_shapes_agree(block_tokens, num_splits, interpret):
     assert _rel(out, ref) < 2e-2
 
 
+@pytest.mark.parametrize("kind", ["bf16", "fp8_tok", "int8_tok", "fp8_tensor"])
+@pytest.mark.parametrize("case,heads", [(0, 2), (1, 4), (1, 2), (2, 4), (2, 8)])
+def test_kv_heads_per_program_matches_dense(kind, case, heads, interpret):
+    """Several KV heads per program (block-diagonal q): the same attention, every GQA group
+    padded or not (case 2: 4 heads × 4 fill the 16 rows exactly; 8 × 4 take 32)."""
+    lengths, page_size, hq, hkv, d = CASES[case]
+    rng = np.random.default_rng()
+    q, k, v, bt, ln, ks, vs, kf, vf = _cache(rng, batch=len(lengths), hq=hq, hkv=hkv, d=d,
+                                             page_size=page_size, lengths=lengths, kind=kind)
+    ref = _dense(q, kf, vf, bt, ln, page_size, 1 / math.sqrt(d))
+    config = TuningConfig(block_tokens=32, num_splits=2, kv_heads_per_program=heads)
+    out = decode_attention(*map(jnp.asarray, (q, k, v, bt, ln)),
+                           k_scale=None if ks is None else jnp.asarray(ks),
+                           v_scale=None if vs is None else jnp.asarray(vs), impl="pallas",
+                           config=config, interpret=interpret)
+    assert _rel(out, ref) < 2e-2
+    assert (np.asarray(out, np.float32)[ln == 0] == 0).all()
+
+
+def test_a_nan_scale_stays_in_its_head(interpret):
+    """Per-(token, head) scales reach each q row by a select: a NaN K scale of head 0 in a used
+    token makes head 0's rows NaN and leaves its sibling head in the program finite."""
+    rng = np.random.default_rng()
+    q, k, v, bt, ln, ks, vs, kf, vf = _cache(rng, batch=1, hq=8, hkv=2, d=32, page_size=4,
+                                             lengths=(9,), kind="fp8_tok")
+    ks[bt[0, 1], 2, 0] = np.nan
+    out = np.asarray(decode_attention(
+        *map(jnp.asarray, (q, k, v, bt, ln)), k_scale=jnp.asarray(ks), v_scale=jnp.asarray(vs),
+        impl="pallas", config=TuningConfig(block_tokens=16, kv_heads_per_program=2),
+        interpret=interpret), np.float32)
+    assert np.isnan(out[0, :4]).all() and np.isfinite(out[0, 4:]).all()
+
+
+def test_kv_heads_per_program_must_divide_the_kv_heads():
+    a = _args()   # 2 KV heads
+    with pytest.raises(ValueError, match="must divide the KV heads"):
+        decode_attention(a["q"], a["k"], a["v"], a["bt"], a["ln"], impl="pallas", interpret=True,
+                         config=TuningConfig(kv_heads_per_program=4))
+    with pytest.raises(ValueError, match="power of two"):
+        TuningConfig(kv_heads_per_program=3)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8_per_token_head", "int8_per_token_head"])
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_lowers_for_cuda(kind, heads):
+    """Llama-3-8B heads (32 / 8, d = 128), page 16, the heads per program the bench sweeps: the
+    Triton lowering (3-D selects and reshapes of the block-diagonal path included) runs here."""
+    from cuda_lowering import join_kwidth_hazards, triton_modules
+    from jquant.kernels.decode_attention.paged_cache import cache_decode_attention
+    from jquant.kv.paged import allocate
+
+    layer = allocate(kind, 64, 16, 8, 128, k_scale=0.02, v_scale=0.02)
+    bt = jnp.arange(64, dtype=jnp.int32).reshape(2, 32)
+    q, ln = jnp.zeros((2, 32, 128), jnp.bfloat16), jnp.full((2,), 500, jnp.int32)
+    config = TuningConfig(kv_heads_per_program=heads)
+    [ttir] = triton_modules(lambda *a: cache_decode_attention(*a, impl="pallas", config=config),
+                            q, layer, bt, ln)
+    assert join_kwidth_hazards(ttir) == []
+
+
 def test_custom_scale_and_jit(interpret):
     rng = np.random.default_rng()
     q, k, v, bt, ln, ks, vs, kf, vf = _cache(rng, batch=2, hq=4, hkv=1, d=16, page_size=16,
@@ -128,13 +188,24 @@ def test_custom_scale_and_jit(interpret):
     assert _rel(f(*map(jnp.asarray, (q, k, v, bt, ln))), ref) < 2e-2
 
 
-def test_nan_in_a_used_token_is_not_hidden():
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("where", ["v", "k", "k_scale"])
+def test_nan_in_a_used_token_is_not_hidden(impl, where, interpret):
     rng = np.random.default_rng()
-    q, k, v, bt, ln, *_ = _cache(rng, batch=1, hq=2, hkv=1, d=16, page_size=4, lengths=(6,),
-                                 kind="bf16")
-    v[bt[0, 1], 1, 0, 3] = np.nan
-    out = decode_attention(*map(jnp.asarray, (q, k, v, bt, ln)), impl="xla")
-    assert np.isnan(np.asarray(out, np.float32)[0, :, 3]).all()
+    kind = "fp8_tok" if where == "k_scale" else "bf16"
+    q, k, v, bt, ln, ks, vs, *_ = _cache(rng, batch=1, hq=2, hkv=1, d=16, page_size=4, lengths=(6,),
+                                         kind=kind)
+    if where == "v":
+        v[bt[0, 1], 1, 0, 3] = np.nan
+    elif where == "k":
+        k[bt[0, 1], 1, 0, 3] = np.nan
+    else:
+        ks[bt[0, 1], 1, 0] = np.nan
+    scales = {} if ks is None else dict(k_scale=jnp.asarray(ks), v_scale=jnp.asarray(vs))
+    out = np.asarray(decode_attention(*map(jnp.asarray, (q, k, v, bt, ln)), **scales, impl=impl,
+                                      config=TuningConfig(block_tokens=16, num_splits=2),
+                                      interpret=interpret), np.float32)
+    assert np.isnan(out[0, :, 3] if where == "v" else out[0]).all()
 
 
 def _args(**over):

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ON_GPU
-from cuda_lowering import lower_for_cuda
+from cuda_lowering import join_kwidth_hazards, lower_for_cuda, triton_modules
 from jquant.kernels.decode_attention import cache_decode_attention
 from jquant.kernels.decode_attention.config import TuningConfig
 from jquant.kernels.decode_attention.triton_turboquant import (centroid_poly, centroids, supports,
@@ -52,10 +51,7 @@ def _reference(q, layer, bt, ln):
     return np.asarray(jax.jit(attention_reference)(q, layer, bt, ln))
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(ON_GPU, reason="3-bit values fail on the H200; auto dispatch "
-                                            "keeps them on XLA", strict=False))
-    if n == "turboquant_3bit_nc" else n for n in PRESETS])
+@pytest.mark.parametrize("name", PRESETS)
 @pytest.mark.parametrize("case", CASES)
 def test_matches_reference(name, case, interpret):
     page_size, group, head_dim = case
@@ -103,6 +99,32 @@ def test_lowers_for_cuda(name, block_tokens):
     config = TuningConfig(block_tokens=block_tokens)
     text = lower_for_cuda(lambda *a: turboquant_decode_attention(*a, config=config), *_realistic(name))
     assert "triton" in text
+
+
+@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("block_tokens", [16, 32, 128])
+def test_no_dot_operand_gets_a_kwidth_its_k_cannot_hold(name, block_tokens):
+    """Triton's MMA layout pass widens a dot operand built through a join (8-bit loads: kWidth 8,
+    K ≥ 32); the value dot's K is the step's tokens, so 3-bit values are built without joins."""
+    config = TuningConfig(block_tokens=block_tokens, num_splits=1)
+    for ttir in triton_modules(lambda *a: turboquant_decode_attention(*a, config=config), *_realistic(name)):
+        assert join_kwidth_hazards(ttir) == []
+
+
+def test_the_kwidth_check_sees_a_join_behind_a_short_k():
+    """The check itself: a value tile joined from two 8-bit halves along N, with K = 16 tokens."""
+    from jax.experimental import pallas as pl
+
+    def kernel(p_ref, v_ref, o_ref):
+        lo, hi = (v_ref[:, pl.ds(j, 16, stride=2)].astype(jnp.uint32) for j in range(2))
+        v = jnp.stack([lo, hi], axis=-1).reshape(16, 32).astype(jnp.float16)
+        o_ref[...] = jax.experimental.pallas.triton.dot(p_ref[...], v)
+
+    def fn(p, v):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16, 32), jnp.float32))(p, v)
+
+    [ttir] = triton_modules(fn, jnp.zeros((16, 16), jnp.float16), jnp.zeros((16, 32), jnp.uint8))
+    assert len(join_kwidth_hazards(ttir)) == 1
 
 
 def _has_kernel(fn, *args) -> bool:
@@ -155,3 +177,10 @@ def test_bad_tables_and_lengths_are_refused_before_the_kernel():
         cache_decode_attention(q, layer, bt, ln.at[0].set(-1))
     with pytest.raises(ValueError, match=r"lengths must be \["):
         cache_decode_attention(q, layer, bt, ln[:1])
+
+
+def test_one_kv_head_per_program():
+    q, layer, bt, ln = _realistic("turboquant_4bit_nc", ctx_pages=2)
+    with pytest.raises(ValueError, match="one KV head per program"):
+        turboquant_decode_attention(q, layer, bt, jnp.full((2,), 20, jnp.int32), interpret=True,
+                                    config=TuningConfig(kv_heads_per_program=2))
