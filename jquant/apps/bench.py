@@ -126,6 +126,9 @@ def _moe_parser(sub) -> None:
                      help="comma list of registered schemes for every shape (default each shape's own: "
                           "gpt-oss-20b mxfp4,int4_g32; deepseek-v3 fp8_e4m3_block128x128,int4_g128,mxfp4)")
     moe.add_argument("--reps", type=int, default=9)
+    moe.add_argument("--profile", default=None, metavar="DIR",
+                     help="also write a jax.profiler trace of a few calls of the quantized layer and of the "
+                          "grouped kernel of every cell under DIR")
     moe.add_argument("--shrink", action="store_true", help="tiny layers of the same kinds (a plumbing check)")
     moe.add_argument("--allow-cpu", action="store_true", help="run without a GPU (timings are the CPU's)")
 
@@ -166,6 +169,7 @@ def _moe(parser, args) -> int:
     shapes = [bench.SHAPES[n].tiny() if args.shrink else bench.SHAPES[n] for n in names]
     written = []   # the files are rewritten after every cell: a run cut short keeps its rows
     records = bench.run(shapes, tokens, formats, reps=args.reps, cpu=not dispatch.is_gpu(),
+                        profile_dir=args.profile,
                         on_records=lambda recs: written.append(write_records(recs, args.out, "moe",
                                                                              bench.to_markdown)))
     if not records:

@@ -1,4 +1,5 @@
-"""Where a traced program's device time goes: a summary of a ``jax.profiler`` trace's GPU kernels."""
+"""Where a traced program's device time goes: a ``jax.profiler`` trace of a few steps, and a summary of
+its GPU kernels."""
 
 from __future__ import annotations
 
@@ -6,6 +7,18 @@ import collections
 import gzip
 import json
 import pathlib
+from typing import Any, Callable
+
+import jax
+
+
+def trace_steps(folder: str | pathlib.Path, run: Callable[[], Any], steps: int) -> dict:
+    """``summarize_trace`` of a ``jax.profiler`` trace written into ``folder`` while ``run()`` dispatches
+    ``steps`` steps of compiled programs (compile them first: a trace of compilation says nothing of a
+    step) and its result is waited for."""
+    with jax.profiler.trace(str(folder)):
+        jax.block_until_ready(run())
+    return summarize_trace(folder, steps)
 
 
 def summarize_trace(folder: str | pathlib.Path, steps: int, top: int = 12) -> dict:

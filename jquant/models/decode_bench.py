@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jquant.bench.profile import summarize_trace
+from jquant.bench.profile import trace_steps
 from jquant.bench.records import markdown_title
 from jquant.bench.timing import array_bytes, measure_hbm_bandwidth
 from jquant.checkpoint.hf_checkpoint import PROJECTIONS
@@ -123,11 +123,13 @@ def _trace(folder: str, model, variables, cache, batch: int, ctx: int, steps: in
     """Traces ``steps`` decode steps into ``folder``; returns ``summarize_trace`` of it."""
     token = jnp.ones((batch, 1), jnp.int32)
     cache = _at_ctx(cache, ctx)
-    with jax.profiler.trace(folder):
+
+    def run():
+        c = cache
         for _ in range(steps):
-            logits, cache = decode_step(model, variables, token, cache)
-        logits.block_until_ready()
-    return summarize_trace(folder, steps)
+            logits, c = decode_step(model, variables, token, c)
+        return logits
+    return trace_steps(folder, run, steps)
 
 
 def run(num_layers: int = 8, batches: Iterable[int] = (1, 16), ctxs: Iterable[int] = (1024, 8192),

@@ -142,3 +142,13 @@ def test_a_candidate_that_fails_is_recorded_and_the_rest_timed():
     assert failed == {"tokamax": "RuntimeError: RESOURCE_EXHAUSTED: out of memory"}
     assert bench._time_cell({"quantized": (out_of_memory, [(x,)])}, how) == ({}, [], {  # nothing left to time
         "quantized": "RuntimeError: RESOURCE_EXHAUSTED: out of memory"})
+
+
+def test_profile_traces_the_quantized_layer_of_every_cell(tmp_path):
+    assert bench_cli.main(["moe", "--shrink", "--allow-cpu", "--shapes", "gpt-oss-20b", "--tokens", "1",
+                           "--formats", "int4_g32", "--reps", "1", "--out", str(tmp_path / "out"),
+                           "--profile", str(tmp_path / "traces")]) == 0
+    (record,) = json.loads((tmp_path / "out" / "moe.json").read_text())
+    assert isinstance(record["profile"]["quantized"], dict)   # empty on CPU: its trace holds no GPU kernels
+    traced = tmp_path / "traces" / "gpt-oss-20b-tiny_int4_g32_t1_quantized"
+    assert list(traced.rglob("*.trace.json.gz"))   # what summarize_trace reads

@@ -52,13 +52,17 @@ def _prepare(scheme: Scheme, qweight: QTensor) -> PackedFp8 | None:
     return pack_fp8_qtensor(qweight)
 
 
-def _run(scheme: Scheme, x: jax.Array, packed: PackedFp8, bias: jax.Array | None,
-         input_scale: jax.Array | None = None) -> jax.Array:
+def fp8_scheme_gemm(scheme: Scheme, x: jax.Array, packed: PackedFp8, bias: jax.Array | None = None,
+                    input_scale: jax.Array | None = None, *, impl: str = "auto",
+                    interpret: bool = False) -> jax.Array:
+    """``x [..., K]`` times the packed weight as the W8A8 FP8 ``scheme`` computes it: x quantized as the
+    scheme says, then ``fp8_gemm`` (``impl``, ``interpret`` as its)."""
     lead = x.shape[:-1]
     xq = quantize_activation(scheme, x.reshape(-1, x.shape[-1]), input_scale)
     scale = xq.scale if not isinstance(xq.scale, QTensor) else xq.scale.dequantize(jnp.float32)
-    y = fp8_gemm(xq.data, scale.astype(jnp.float32), packed, bias=bias, out_dtype=x.dtype)
+    y = fp8_gemm(xq.data, scale.astype(jnp.float32), packed, bias=bias, out_dtype=x.dtype, impl=impl,
+                 interpret=interpret)
     return y.reshape(*lead, packed.n)
 
 
-register_impl(Impl(name="pallas_fp8", supports=_supports, prepare=_prepare, run=_run, priority=10))
+register_impl(Impl(name="pallas_fp8", supports=_supports, prepare=_prepare, run=fp8_scheme_gemm, priority=10))

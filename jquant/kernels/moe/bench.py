@@ -26,18 +26,22 @@ past the L2:
 The byte floor of a cell is the bytes it must read at least once: the experts the routing activates
 at this token count (counted from the routing of the cell's x), the router, x and y, at the HBM rate
 measured in the same run. A record holds the run's ``device``, ``jax_version``, ``commit`` and
-``date`` (``run_meta``), the shape, tokens, format, µs, speedup vs bf16 ragged_dot and the floor.
+``date`` (``run_meta``), the shape, tokens, format, µs, speedup vs bf16 ragged_dot and the floor; with
+``profile_dir``, also ``profile``: a summary of a ``jax.profiler`` trace of a few calls of ``quantized``
+and ``grouped_kernel`` (``summarize_trace``), to see where a call's time goes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from jquant.bench.profile import trace_steps
 from jquant.bench.records import markdown_title, run_meta
 from jquant.bench.timing import (array_bytes, copies_for, measure_hbm_bandwidth, spread_pct, time_interleaved,
                                  time_steadiest)
@@ -58,6 +62,10 @@ TOKENS = (1, 8, 64, 512, 4096)
 MAX_COPY_BYTES = 8 * 2**30
 # Parameters with a leading expert axis: their bytes count once per activated expert.
 _PER_EXPERT = EXPERT_PARAMS + ("gate_up_bias", "down_bias")
+# Calls traced per candidate with ``profile_dir``, and the candidates traced: the layer as a user runs
+# it and the grouped kernel forced (the baselines' kernels are XLA's, already understood).
+PROFILE_STEPS = 5
+_PROFILED = ("quantized", "grouped_kernel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +249,7 @@ class _How:
     hbm_bytes_per_s: float
     meta: dict
     log: Callable[[str], None]
+    profile_dir: str | None = None
 
 
 def _copies(tree, max_copies: int) -> list:
@@ -276,18 +285,39 @@ def _time_cell(cands: dict, how: _How) -> tuple[dict, list, dict]:
         return (*once(rest), failed) if rest else ({}, [], failed)
 
 
+def _profile(cands: dict, timed: Iterable[str], prefix: str, log: Callable[[str], None]) -> dict:
+    """``{candidate: summarize_trace}`` of ``PROFILE_STEPS`` calls of each timed candidate of
+    ``_PROFILED`` (on its parameter copies in turn, as timed), traced into ``{prefix}_{candidate}``."""
+    out = {}
+    for name in (n for n in _PROFILED if n in timed):
+        fn, args = cands[name]
+        call = jax.jit(fn)
+        try:
+            jax.block_until_ready(call(*args[0]))   # compiled before the trace
+            out[name] = trace_steps(f"{prefix}_{name}", lambda: [call(*args[i % len(args)])
+                                                                 for i in range(PROFILE_STEPS)], PROFILE_STEPS)
+        except Exception as e:  # the cell's timings stand without it
+            log(f"  profile {name} FAILED: {type(e).__name__}: {e}")
+            continue
+        log(f"  profile {name}: " + json.dumps(out[name]))
+    return out
+
+
 def run(shapes: Iterable[MoEShape] = tuple(SHAPES.values()), tokens: Iterable[int] = TOKENS,
         formats: Sequence[str] | None = None, *, reps: int = 9, cpu: bool = False,
-        log: Callable[[str], None] = print, on_records: Callable[[list[dict]], Any] | None = None) -> list[dict]:
+        log: Callable[[str], None] = print, on_records: Callable[[list[dict]], Any] | None = None,
+        profile_dir: str | None = None) -> list[dict]:
     """Times every (shape, format, tokens) cell; returns the records (``on_records`` gets them all after
     every cell, so a run cut short keeps its rows).
 
     ``formats``: registered scheme names for every shape (default: each shape's ``formats``). ``cpu``: a
-    plumbing check (one warm-up, no copies, no re-timing; the timings mean nothing).
+    plumbing check (one warm-up, no copies, no re-timing; the timings mean nothing). ``profile_dir``:
+    also trace a few calls of ``quantized`` and ``grouped_kernel`` of each cell there (one folder each).
     """
     how = _How(reps=reps, warmup=1 if cpu else 3, retries=0 if cpu else 1, max_spread_pct=25.0,
                min_batch_s=1e-3 if cpu else 10e-3, max_copies=1 if cpu else 64,
-               hbm_bytes_per_s=measure_hbm_bandwidth(2**22 if cpu else 2**30), meta=run_meta(), log=log)
+               hbm_bytes_per_s=measure_hbm_bandwidth(2**22 if cpu else 2**30), meta=run_meta(), log=log,
+               profile_dir=profile_dir)
     records: list[dict] = []
     key = jax.random.key(0)
     for shape in shapes:
@@ -366,6 +396,8 @@ def _cell(shape: MoEShape, model: MoE, scheme: str, t: int, x: jax.Array, bf16_c
         cands["tokamax"], tokamax_impl, status = (apply, [(p, x) for p in copies]), impl or "default", "ok"
         break
     times, attempts, failed = _time_cell(cands, how)
+    profile = (_profile(cands, times, f"{how.profile_dir}/{shape.name}_{scheme}_t{t}", how.log)
+               if how.profile_dir else None)
 
     indices = model.apply({"params": bf16_copies[0]}, x, method=MoE.routing).indices
     active = int(jnp.unique(indices).size)
@@ -402,6 +434,8 @@ def _cell(shape: MoEShape, model: MoE, scheme: str, t: int, x: jax.Array, bf16_c
                   attempt_spreads_pct=attempts, copies=len(q_copies), **how.meta)
     if failed:
         record["failed"] = failed
+    if profile is not None:
+        record["profile"] = profile
     how.log(f"  {shape.name:16s} {scheme:22s} T={t:<5d} {_us(q):>10s} us  bf16 "
             f"{_us(median.get('bf16_ragged_dot')):>10s}  x{record['speedup_vs_bf16']}  experts {active:3d}  "
             f"floor {record['byte_floor_us']:.1f} us" + (f"  FAILED {sorted(failed)}" if failed else ""))

@@ -6,8 +6,11 @@ Per shape and M, every scheme's weight comes from the public API (``quantize_wei
 schemes (``int8_ch``, FP8 e4m3 per channel with bf16 activations) through their dispatch, plus the
 W8A16 kernel forced (``mgpu``) and XLA's dequantize + dot for the same math (``xla``); the W8A8 FP8
 schemes (per tensor, per token × channel, 128×128 blocks) and INT8 W8A8 through theirs (XLA's FP8
-dot, or dequantize + dot for blocks; XLA's int8 × int8 → int32 dot). Records: op, scheme, impl, M, N, K, µs, the XLA bf16 baseline of the
-same run, TB/s, TFLOP/s, % of the byte floor, the speedup over bf16, device, JAX version, commit.
+dot, or dequantize + dot for blocks; XLA's int8 × int8 → int32 dot), plus for the W8A8 FP8 schemes
+the FP8 GEMM kernel forced (``mgpu``: activations quantized as the scheme says; the dispatch keeps
+it off until it is timed, ``dispatch.FP8_GEMM_MGPU``). Records: op, scheme, impl, M, N, K, µs, the
+XLA bf16 baseline of the same run, TB/s, TFLOP/s, % of the byte floor, the speedup over bf16, the
+kernel's launch (``config``, for ``mgpu``), device, JAX version, commit.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import jquant
 from jquant.bench.records import markdown_title
 from jquant.bench.timing import (H200_HBM_BYTES_PER_S, array_bytes, copies_for, roofline, spread_pct,
                                  time_interleaved)
+from jquant.kernels.fp8_gemm.config import default_fp8_config
+from jquant.kernels.fp8_gemm.from_qtensor import fp8_scheme_gemm, pack_fp8_qtensor
+from jquant.kernels.fp8_gemm.layout import PackedFp8
 from jquant.kernels.w8a16.api import default_w8_config, w8a16_matmul
 from jquant.kernels.w8a16.from_qtensor import unified_w8
 from jquant.kernels.w8a16.layout import prepack_w8
@@ -52,17 +58,36 @@ class _Weight:
     scheme: jquant.Scheme
     prepared: list           # process_weights_after_loading and copies
     qweight: list            # the QTensor and copies (XLA's path for the same math)
-    packed: list | None      # the W8A16 kernel's layout (weight-only schemes)
+    packed: list | None      # the layout of the kernel forced (``mgpu``), None without one
 
 
-def _weight(scheme: jquant.Scheme, w: jax.Array, max_copies: int) -> _Weight:
-    qw = jax.jit(scheme.quantize_weight)(w)
-    packed = None
+def _kernel_layout(scheme: jquant.Scheme, qw):
+    """``qw`` laid out for the kernel of the scheme's math: the W8A16 kernel's (weight-only), the FP8
+    GEMM's (W8A8 FP8); None for others or a layout the kernel does not take."""
     if scheme.weight_only:
         args = unified_w8(qw)
-        packed = None if args is None else _copies(prepack_w8(**args), max_copies)
+        return None if args is None else prepack_w8(**args)
+    if scheme.weight.format == "fp8_e4m3" and scheme.activation.format == "fp8_e4m3":
+        return pack_fp8_qtensor(qw)
+    return None
+
+
+def _weight(scheme: jquant.Scheme, w: jax.Array, max_copies: int, log: Callable[[str], None]) -> _Weight:
+    qw = jax.jit(scheme.quantize_weight)(w)
+    try:
+        packed = _kernel_layout(scheme, qw)
+    except Exception as e:   # the scheme's other candidates are still timed
+        log(f"  mgpu skipped for {scheme.name} {w.shape[0]}x{w.shape[1]}: layout: {type(e).__name__}: {e}")
+        packed = None
     return _Weight(scheme, _copies(scheme.process_weights_after_loading(qw), max_copies),
-                   _copies(qw, max_copies), packed)
+                   _copies(qw, max_copies), None if packed is None else _copies(packed, max_copies))
+
+
+def _launch(m: int, packed):
+    """The launch the kernel forced runs at ``m`` rows: its default for ``packed`` and a bf16 output."""
+    if isinstance(packed, PackedFp8):
+        return default_fp8_config(m, packed.n_pad, packed.blocked)
+    return default_w8_config(m, packed)
 
 
 def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
@@ -89,7 +114,7 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
         weights = {}
         for name in names:
             try:
-                weights[name] = _weight(table[name], w, max_copies)
+                weights[name] = _weight(table[name], w, max_copies, log)
             except Exception as e:   # one failing scheme must not end the run
                 log(f"  FAILED {name} {n}x{k}: quantize/prepare: {type(e).__name__}: {e}")
         for m in ms:
@@ -114,7 +139,7 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                 t = times[label]
                 nbytes = array_bytes(one, xs[0]) + m * n * 2
                 roof = roofline(t.median_us, nbytes, 2 * m * n * k, hbm_bytes_per_s)
-                cfg = default_w8_config(m, one) if impl == "mgpu" else None
+                cfg = _launch(m, one) if impl == "mgpu" else None
                 rec = dict(op="gemm8", scheme=name, impl=impl, M=m, N=n, K=k,
                            w8a8=not table[name].weight_only, time_us=round(t.median_us, 2),
                            baselines={"xla_bf16": round(bf16, 2)},
@@ -132,11 +157,14 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
 
 
 def _candidates(wt: _Weight, m: int, interpret: bool):
-    """(impl, fn, weight copies): the scheme as a model runs it; for weight-only schemes also the
-    kernel forced and XLA's dequantize + dot of the same QTensor."""
+    """(impl, fn, weight copies): the scheme as a model runs it; the kernel of its math forced (the
+    W8A16 kernel, or the FP8 GEMM on the activations quantized as the scheme says); XLA's path for the
+    same QTensor."""
     scheme = wt.scheme
     out = [("scheme", jax.jit(lambda x, p, s=scheme: s.apply(x, p)), wt.prepared)]
-    if wt.packed is not None:
+    if wt.packed is not None and isinstance(wt.packed[0], PackedFp8):
+        out.append(("mgpu", jax.jit(lambda x, p, s=scheme: fp8_scheme_gemm(s, x, p, impl="mgpu", interpret=interpret)), wt.packed))
+    elif wt.packed is not None:
         out.append(("mgpu", jax.jit(lambda x, p: w8a16_matmul(x, p, impl="mgpu", interpret=interpret)),
                     wt.packed))
     out.append(("xla", jax.jit(lambda x, q, s=scheme: xla_apply(s, x, q, None)), wt.qweight))
@@ -151,6 +179,7 @@ def to_markdown(records: list[dict]) -> str:
             f"{r['tflop_per_s']} | {r['pct_of_byte_floor']} | {max(r['spread_pct'], r['baseline_spread_pct'])} |"
             for r in records]
     return (markdown_title("8-bit GEMM benchmark", records,
-                           "impl: scheme = Scheme.apply (the dispatch), mgpu = the W8A16 kernel, xla = XLA's path "
-                           "for the same math") + head + "\n".join(rows) + "\n")
+                           "impl: scheme = Scheme.apply (the dispatch), mgpu = the W8A16 kernel (weight-only) or "
+                           "the FP8 GEMM kernel (W8A8 FP8) forced, xla = XLA's path for the same math")
+            + head + "\n".join(rows) + "\n")
 

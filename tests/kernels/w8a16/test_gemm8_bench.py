@@ -1,11 +1,16 @@
-"""``jquant bench gemm8`` on CPU: tiny shapes, the kernel in interpret mode; the plumbing and the
-record fields, not the timings."""
+"""``jquant bench gemm8`` on CPU: tiny shapes, the kernels in interpret mode; the plumbing, the record
+fields and the math of the FP8 kernel forced, not the timings."""
 
+import dataclasses
 import json
 
+import chex
+import jax
+import jax.numpy as jnp
 import pytest
 
 from jquant.apps import bench as cli
+from jquant.kernels.fp8_gemm import default_fp8_config
 from jquant.kernels.w8a16 import bench
 
 
@@ -16,10 +21,12 @@ def test_gemm8_bench_writes_records_for_every_scheme_and_impl(tmp_path, capsys):
     records = json.loads((tmp_path / "gemm8.json").read_text())
     cells = {(r["scheme"], r["impl"], r["M"]) for r in records}
     for m in (1, 9):
-        for name in ("int8_ch", "fp8_e4m3_channel_w_only"):
+        for name in ("int8_ch", "fp8_e4m3_channel_w_only", "fp8_e4m3_block128x128"):
             assert {(name, "scheme", m), (name, "mgpu", m), (name, "xla", m)} <= cells
-        assert {("fp8_e4m3_block128x128", "scheme", m), ("fp8_e4m3_block128x128", "xla", m)} <= cells
-        assert ("fp8_e4m3_block128x128", "mgpu", m) not in cells   # W8A8 never runs the W8A16 kernel
+    # W8A8 FP8 forces the FP8 GEMM kernel, not the W8A16 one: its launch is the record's
+    launches = {r["M"]: r["config"] for r in records
+                if r["scheme"] == "fp8_e4m3_block128x128" and r["impl"] == "mgpu"}
+    assert launches == {m: dataclasses.asdict(default_fp8_config(m, 256, blocked=True)) for m in (1, 9)}
     for r in records:
         assert r["device"].startswith("cpu") and r["N"] == 128 and r["K"] == 256 and r["time_us"] > 0
         assert r["baselines"]["xla_bf16"] > 0 and "commit" in r and "jax_version" in r
@@ -36,3 +43,13 @@ def test_gemm8_bench_refuses_unknown_schemes_and_cpu_without_interpret(tmp_path,
     assert "no GPU present" in capsys.readouterr().err and not list(tmp_path.iterdir())
     with pytest.raises(ValueError, match="unknown 8-bit schemes"):
         bench.run(names=["nf4"])
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3_tensor", "fp8_e4m3_block128x128"])
+def test_the_fp8_kernel_forced_computes_the_schemes_math(name):
+    w = jax.random.normal(jax.random.key(0), (128, 256), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (9, 256), jnp.bfloat16)
+    cands = {impl: fn(x, copies[0]) for impl, fn, copies in
+             bench._candidates(bench._weight(bench.schemes()[name], w, 1, print), 9, interpret=True)}
+    chex.assert_trees_all_close(cands["mgpu"].astype(jnp.float32), cands["scheme"].astype(jnp.float32),
+                                rtol=2e-2, atol=2e-2)
