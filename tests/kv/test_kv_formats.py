@@ -169,3 +169,13 @@ def test_jit_out_of_range_slot_dropped_and_nan_is_loud():
         o = np.asarray(attention_reference(jnp.ones((2, 1, 8)), cache, np.asarray([[0], [1]]),
                                            np.asarray([1, 1])))
         assert np.isnan(o[0]).any() and np.isfinite(o[1]).all(), name
+
+
+@pytest.mark.parametrize("name", ["turboquant_3bit_nc", "turboquant_4bit_nc", "fp8_per_token_head"])
+def test_the_insert_has_no_while_loop(name):
+    """The decode step inserts every layer's new token: a while loop there (the default
+    ``jnp.searchsorted`` over the Lloyd-Max boundaries is one) costs GPU launches per layer."""
+    layer = allocate(name, 4, 16, 2, 64)
+    kv = jnp.ones((3, 2, 64), jnp.float32)
+    text = jax.jit(insert_reference).lower(layer, kv, kv, jnp.arange(3, dtype=jnp.int32)).as_text()
+    assert "stablehlo.while" not in text
