@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from conftest import ON_GPU
 from cuda_lowering import lower_for_cuda
 from jquant.kernels.moe import QExperts, quantize_expert_weights
-from jquant.kernels.moe.grouped_w4a16 import (W4A16Experts, default_grouped_config, grouped_w4a16,
-                                              prepack_experts, slot_table)
+from jquant.kernels.moe.grouped_w4a16 import (W4A16Experts, default_block_m, default_grouped_config,
+                                              grouped_w4a16, prepack_experts, slot_table)
 from jquant.models.moe import MoE, quantize_experts
 from jquant.schemes.scheme import get_scheme
 
@@ -69,6 +69,20 @@ def test_kernel_matches_ragged_dot(fmt, sizes, interpret):
     assert not np.asarray(y[int(sizes.sum()):], np.float32).any()
 
 
+def test_prefill_rows_take_wide_slots(interpret):
+    """Hundreds of rows an expert (prefill) run in 128-row slots by default, ragged groups included
+    (an empty expert, one past a slot boundary, rows past the groups)."""
+    rng = np.random.default_rng()
+    stack = quantize_expert_weights(rng.standard_normal((4, 64, 128)).astype(np.float32), "int4_g32")
+    sizes = jnp.array([300, 0, 129, 60], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((500, 128)), jnp.bfloat16)
+    assert default_block_m(500, 4) == 128
+    y = np.asarray(grouped_w4a16(x, prepack_experts(stack), sizes, interpret=interpret), np.float32)
+    ref = _ragged_ref(x, stack, sizes)
+    np.testing.assert_allclose(y[:489], ref[:489], atol=2e-2 * np.abs(ref).max())
+    assert not y[489:].any()
+
+
 def test_moe_layer_on_the_kernel_equals_the_quantized_layer(interpret):
     model = MoE(num_experts=8, top_k=2, hidden=128, intermediate=64)
     rng = np.random.default_rng()
@@ -90,7 +104,7 @@ def test_lowers_for_sm90():
     stack = quantize_expert_weights(rng.standard_normal((8, 2048, 1024)).astype(np.float32), "int4_g128_asym")
     packed = prepack_experts(stack)
     sizes = jnp.array([5, 0, 11, 1, 0, 0, 20, 3], jnp.int32)
-    for block_m in (8, 64):
+    for block_m in (8, 64, 128):
         cfg = default_grouped_config(block_m, packed)
         text = lower_for_cuda(lambda x, p, s: grouped_w4a16(x, p, s, block_m=block_m, config=cfg),
                               jnp.ones((40, 1024), jnp.bfloat16), packed, sizes)

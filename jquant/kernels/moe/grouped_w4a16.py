@@ -9,8 +9,9 @@ hold rows are read, once per slot); empty slots do nothing; XLA gathers each row
 
 ``S`` is static: at most one slot per row, and at most ``ceil(T / block_m) + E − 1`` (one partial slot
 per expert), so decode (few rows per expert) pays a small gather of x, not the weight bytes of idle
-experts. Prefill, with many rows per expert, wants a kernel that streams its groups: this one is for
-decode.
+experts. Prefill, with many rows per expert, takes slots as wide as an expert's share
+(``default_block_m``, up to 128 rows), so an expert's weight is read once per slot of up to 128 rows;
+a kernel that streams its groups would read it once.
 """
 
 from __future__ import annotations
@@ -102,6 +103,25 @@ def slot_table(group_sizes: jax.Array, rows: int, block_m: int):
     return ids, counts, first, jnp.where(r < ends[-1], where, -1).astype(jnp.int32)
 
 
+def default_block_m(rows: int, num_experts: int) -> int:
+    """Rows per slot for ``rows`` sorted rows over ``num_experts``: the power of two (8 to 128) that
+    holds an expert's share under even routing. Decode (≤ 8 rows an expert) keeps 8-row slots, the
+    launch timed on the H200; prefill takes wider slots, because every slot reads its expert's whole
+    weight: gpt-oss-20b at 4096 tokens (512 rows an expert) made 2079 slots of 8 rows, ~26 GB of
+    weight reads, and took 13.2 ms on the H200 (bench/results/h200/moe.md); 128-row slots make 159.
+
+    Examples:
+      >>> from jquant.kernels.moe.grouped_w4a16 import default_block_m
+      >>> default_block_m(4, 32), default_block_m(256, 32), default_block_m(2048, 32), default_block_m(16384, 32)
+      (8, 8, 64, 128)
+    """
+    per_expert = -(-rows // max(num_experts, 1))
+    block_m = 8
+    while block_m < min(per_expert, 128):
+        block_m *= 2
+    return block_m
+
+
 def default_grouped_config(block_m: int, packed: PackedW4NK) -> MgpuConfig:
     """The dense kernel's launch for ``block_m`` rows (``default_mgpu_config``), one compute
     warpgroup (the slot's row tile is the CTA's whole x)."""
@@ -112,9 +132,11 @@ def default_grouped_config(block_m: int, packed: PackedW4NK) -> MgpuConfig:
 
 
 def grouped_w4a16(x: jax.Array, packed: PackedW4NK, group_sizes: jax.Array, *, bias=None,
-                  block_m: int = 8, config: MgpuConfig | None = None, interpret: bool = False) -> jax.Array:
+                  block_m: int | None = None, config: MgpuConfig | None = None,
+                  interpret: bool = False) -> jax.Array:
     """``y [T, N]``, ``y[t] = W[e] @ x[t] (+ bias[e])`` for the rows of expert e (x sorted by expert, bf16
-    or fp16), with the W4A16 kernel over expert slots of ``block_m`` rows; rows past the groups are 0.
+    or fp16), with the W4A16 kernel over expert slots of ``block_m`` rows (None: ``default_block_m``);
+    rows past the groups are 0.
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -134,6 +156,8 @@ def grouped_w4a16(x: jax.Array, packed: PackedW4NK, group_sizes: jax.Array, *, b
     if x.dtype not in (jnp.bfloat16, jnp.float16) or x.ndim != 2 or x.shape[1] != packed.k:
         raise ValueError(f"grouped_w4a16: x must be bf16 or fp16 rows [T, K={packed.k}], got {x.dtype} "
                          f"{tuple(x.shape)}")
+    if block_m is None:
+        block_m = default_block_m(x.shape[0], packed.data.shape[0])
     if block_m % 8 or not 8 <= block_m <= 128:
         raise ValueError(f"grouped_w4a16: block_m must be a multiple of 8 in [8, 128], got {block_m}")
     rows = x.shape[0]
