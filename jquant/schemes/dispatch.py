@@ -39,8 +39,9 @@ MGPU_MAX_M_SMALL_WEIGHT = 128
 MGPU_LARGE_WEIGHT = 8192 * 8192
 
 # The W8A16 kernel runs by default up to this M on Hopper: on the H200 it beat XLA's dequantize +
-# dot of the same weight at every M timed, 1 to 1024 (28672×8192: 71 vs 415 µs at M = 1, 924 vs
-# 1025 µs at M = 1024; bench/results/h200/gemm8.md); larger M has not been timed.
+# dot of the same weight at every M timed from 1 to 1024 (28672×8192: 71 vs 415 µs at M = 1, 924 vs
+# 1025 µs at M = 1024) and lost at M = 8192 (8192³: 2886 vs 1700 µs; bench/results/h200/gemm8.md);
+# M between 1024 and 8192 has not been timed.
 W8A16_MGPU_MAX_M = 1024
 # The FP8 W8A8 GEMM kernel (per-token × per-channel and block scales) stays off: on the H200 it
 # faulted (misaligned address) on ragged shapes, and XLA's FP8 dot already reaches 1090 TFLOP/s

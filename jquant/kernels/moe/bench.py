@@ -418,8 +418,9 @@ def _cell(shape: MoEShape, model: MoE, scheme: str, t: int, x: jax.Array, bf16_c
     per_expert, rest = expert_bytes(qparams, shape.num_experts)
     floor = floor_us(qparams)
     weight = qparams[EXPERT_PARAMS[0]].weight
+    impl = "mgpu" if isinstance(user_copies[0][EXPERT_PARAMS[0]], W4A16Experts) else choose_impl(weight)
     record = dict(op="moe", bench="moe", **shape.describe(), tokens=t, format=scheme, weight_fmt=weight.fmt,
-                  impl=("mgpu" if isinstance(user_copies[0][EXPERT_PARAMS[0]], W4A16Experts) else choose_impl(weight)), time_us=None if q is None else round(q, 2), baselines=baselines,
+                  impl=impl, time_us=None if q is None else round(q, 2), baselines=baselines,
                   speedup_vs_bf16=ratio("bf16_ragged_dot"), speedup_vs_dequant=ratio("dequant_ragged_dot"),
                   grouped_kernel_speedup_vs_bf16=(round(median["bf16_ragged_dot"] / median["grouped_kernel"], 3)
                                                   if "grouped_kernel" in median and "bf16_ragged_dot" in median

@@ -162,11 +162,12 @@ def _candidates(wt: _Weight, m: int, interpret: bool):
     same QTensor."""
     scheme = wt.scheme
     out = [("scheme", jax.jit(lambda x, p, s=scheme: s.apply(x, p)), wt.prepared)]
-    if wt.packed is not None and isinstance(wt.packed[0], PackedFp8):
-        out.append(("mgpu", jax.jit(lambda x, p, s=scheme: fp8_scheme_gemm(s, x, p, impl="mgpu", interpret=interpret)), wt.packed))
-    elif wt.packed is not None:
-        out.append(("mgpu", jax.jit(lambda x, p: w8a16_matmul(x, p, impl="mgpu", interpret=interpret)),
-                    wt.packed))
+    if wt.packed is not None:
+        if isinstance(wt.packed[0], PackedFp8):
+            forced = lambda x, p, s=scheme: fp8_scheme_gemm(s, x, p, impl="mgpu", interpret=interpret)
+        else:
+            forced = lambda x, p: w8a16_matmul(x, p, impl="mgpu", interpret=interpret)
+        out.append(("mgpu", jax.jit(forced), wt.packed))
     out.append(("xla", jax.jit(lambda x, q, s=scheme: xla_apply(s, x, q, None)), wt.qweight))
     return out
 
