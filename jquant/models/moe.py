@@ -42,7 +42,8 @@ from jquant.checkpoint.experts import ExpertWeights
 from jquant.checkpoint.writer import path_str
 from jquant.kernels.moe.api import grouped_matmul
 from jquant.kernels.moe.experts import EXPERT_PARAMS, QExperts, concat_rows, is_expert_stack, quantize_expert_weights
-from jquant.kernels.moe.routing import Routing, check_routing, combine, gather_rows, route, sort_by_expert
+from jquant.kernels.moe.routing import (Routing, check_routing, combine, gather_rows, route, sort_by_expert,
+                                        sort_local_experts)
 from jquant.schemes.scheme import Scheme, get_scheme
 
 ACTIVATIONS = ("swiglu", "gptoss_swiglu")
@@ -92,6 +93,12 @@ class MoE(nn.Module):
     ``scoring``, ``n_group``, ``topk_group``, ``group_score``, ``normalize_weights`` and
     ``routed_scaling_factor`` are ``jquant.kernels.moe.route``'s options. ``dtype``: the computation
     dtype (None: x's); routing runs in float32. ``impl``: the grouped GEMM's (``grouped_matmul``).
+
+    ``expert_axis``: inside ``jax.shard_map``, the mesh axis the experts are split over (expert
+    parallelism, ``jquant.parallel.moe``): the expert stacks and biases hold device i's
+    ``num_experts / n`` experts ``[i·E/n, (i+1)·E/n)`` of the axis's n devices, routing still chooses among
+    all E, and the output is this device's part of the sum (its experts' pairs, weighted), which the
+    caller sums over the axis.
     """
 
     num_experts: int
@@ -112,6 +119,7 @@ class MoE(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     impl: str = "auto"
+    expert_axis: str | None = None
 
     def _param(self, name: str, shape: tuple[int, ...], init, what: str):
         """A parameter that may hold a QExperts (read as stored) or a float array, shape-checked."""
@@ -159,6 +167,13 @@ class MoE(nn.Module):
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if x.shape[-1] != h:
             raise ValueError(f"MoE: x has shape {tuple(x.shape)}, but hidden={h} (the last axis of x)")
+        local_e = e
+        if self.expert_axis is not None:
+            devices = jax.lax.axis_size(self.expert_axis)
+            if e % devices:
+                raise ValueError(f"MoE: num_experts={e} does not split over the {devices} devices of axis "
+                                 f"{self.expert_axis!r}")
+            local_e = e // devices
         dtype = self.dtype or x.dtype
         lead = x.shape[:-1]
         x2 = x.reshape(-1, h)
@@ -169,22 +184,33 @@ class MoE(nn.Module):
         router_weight = self._param("router_weight", (e, h), nn.initializers.lecun_normal(), "[E, H]")
         router_bias = self._param("router_bias", (e,), zeros, "[E]") if self.router_bias else None
         correction = self._param("e_score_correction_bias", (e,), zeros, "[E]") if self.scoring == "sigmoid" else None
-        gate_up_w = self._param("gate_up_proj", (e, 2 * i, h), experts_init, "[E, 2I, H]")
-        down_w = self._param("down_proj", (e, h, i), experts_init, "[E, H, I]")
-        gate_up_b = self._param("gate_up_bias", (e, 2 * i), zeros, "[E, 2I]") if self.expert_bias else None
-        down_b = self._param("down_bias", (e, h), zeros, "[E, H]") if self.expert_bias else None
+        gate_up_w = self._param("gate_up_proj", (local_e, 2 * i, h), experts_init, "[E, 2I, H]")
+        down_w = self._param("down_proj", (local_e, h, i), experts_init, "[E, H, I]")
+        gate_up_b = self._param("gate_up_bias", (local_e, 2 * i), zeros, "[E, 2I]") if self.expert_bias else None
+        down_b = self._param("down_bias", (local_e, h), zeros, "[E, H]") if self.expert_bias else None
 
         routing = self._route(x2, router_weight, router_bias, correction)
-        dispatch = sort_by_expert(routing.indices, e)
+        weights = routing.weights
+        if local_e == e:
+            dispatch = sort_by_expert(routing.indices, e)
+        else:  # another device's pairs sort past this device's groups (expert id local_e)
+            first = jax.lax.axis_index(self.expert_axis) * local_e
+            dispatch = sort_local_experts(routing.indices, first, local_e)
+            local = (routing.indices >= first) & (routing.indices < first + local_e)
+            weights = jnp.where(local, weights, 0.0)
         rows = gather_rows(x2.astype(dtype), dispatch)
         gate_up = self._project(gate_up_w, rows, dispatch.group_sizes)
         if gate_up_b is not None:
-            gate_up = gate_up + jnp.take(jnp.asarray(gate_up_b, dtype), dispatch.experts, axis=0)
+            gate_up = gate_up + jnp.take(jnp.asarray(gate_up_b, dtype), dispatch.experts, axis=0, mode="clip")
+        if local_e != e:  # another device's rows: zero (not the clipped bias), so no activation scale sees them
+            gate_up = jnp.where((dispatch.experts < local_e)[:, None], gate_up, jnp.zeros((), gate_up.dtype))
         hidden = activate(self.activation, gate_up[:, :i], gate_up[:, i:]).astype(dtype)
         out = self._project(down_w, hidden, dispatch.group_sizes)
         if down_b is not None:
-            out = out + jnp.take(jnp.asarray(down_b, dtype), dispatch.experts, axis=0)
-        y = combine(out, dispatch, routing.weights)
+            out = out + jnp.take(jnp.asarray(down_b, dtype), dispatch.experts, axis=0, mode="clip")
+        if local_e != e:  # zero, not weight 0: another device's rows hold a clipped bias (0·inf would be NaN)
+            out = jnp.where((dispatch.experts < local_e)[:, None], out, jnp.zeros((), out.dtype))
+        y = combine(out, dispatch, weights)
         if self.shared_expert:
             shared = SharedExpert(h, self.shared_intermediate or i, dtype=dtype, param_dtype=self.param_dtype,
                                   name="shared_expert")

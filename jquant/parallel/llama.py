@@ -170,13 +170,18 @@ def tensor_parallel(model: LlamaForCausalLM, tp: int, *, devices=None, **options
           ...
       ValueError: tensor parallelism ... needs ... devices; there are ...
     """
+    return TensorParallel(model, tp_mesh(tp, devices), **options)
+
+
+def tp_mesh(tp: int, devices=None) -> Mesh:
+    """A mesh of the one axis ``"tp"`` over the first ``tp`` of ``devices`` (default ``jax.devices()``)."""
     devices = jax.devices() if devices is None else list(devices)
     if not isinstance(tp, (int, np.integer)) or tp < 1:
         raise ValueError(f"tp must be a positive int, got {tp!r}")
     if tp > len(devices):
         raise ValueError(f"tensor parallelism {tp} needs {tp} devices; there are {len(devices)} "
                          f"({devices[0].platform})")
-    return TensorParallel(model, Mesh(np.array(devices[:tp]), ("tp",)), **options)
+    return Mesh(np.array(devices[:tp]), ("tp",))
 
 
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("cache",))

@@ -87,7 +87,15 @@ def _split_axes(leaf, axis: str) -> tuple[bool, ...]:
 def _local_metadata(path: str, leaf, split: tuple[bool, ...], tp: int):
     """The placed QParam with its QTensor's shape and blocks those of one device's piece (checked here,
     on the whole parameter; applied to the pieces inside the shard_map body)."""
-    qt = leaf.qtensor
+    return local_qtensor_metadata(path, leaf.qtensor, split, tp, leaf.scheme)
+
+
+def local_qtensor_metadata(path: str, qt: QTensor, split: tuple[bool, ...], tp: int, scheme=None):
+    """``(shape, block)`` of one device's piece of ``qt`` (quantized under ``scheme``) when the axes
+    marked in ``split`` are cut into ``tp`` parts; a split the pieces cannot carry is a ValueError naming
+    ``path``: through act-order groups, nested scales, or the scheme's activation groups along K (a
+    weight block cut in two keeps its scale whole on both sides, which is exact; an activation group
+    cut in two would need a scale no device has)."""
     if isinstance(qt.scale, QTensor):
         raise ValueError(f"parameter {path!r}: {qt.fmt} with double-quantized scales cannot be split "
                          "across devices; quantize without nested scales")
@@ -95,6 +103,12 @@ def _local_metadata(path: str, leaf, split: tuple[bool, ...], tp: int):
         raise ValueError(f"parameter {path!r}: act-order g_idx indexes groups across the whole input axis, "
                          "which row parallelism splits; quantize it without act-order")
     shape = tuple(s // tp if cut else s for s, cut in zip(qt.shape, split))
+    k_axis = qt.ndim - 1 if qt.k_axis is None else qt.k_axis
+    if (scheme is not None and scheme.activation.mode == "dynamic_per_token_group" and split[k_axis]
+            and shape[k_axis] % scheme.activation.group_size):
+        raise ValueError(f"parameter {path!r}: scheme {scheme.name!r} quantizes activations in groups of "
+                         f"{scheme.activation.group_size} along K, but each of {tp} devices holds "
+                         f"K = {shape[k_axis]} of {qt.shape[k_axis]}")
     # A block spanning the split axis (per tensor, per channel) spans the piece's part of it.
     block = tuple(min(b, s) for b, s in zip(qt.block, shape)) if len(qt.block) == qt.ndim else qt.block
     return shape, block
@@ -115,16 +129,22 @@ def _piece_specs(tree, axis: str):
     return jax.tree.map(lambda a: P(axis) if a.ndim else P(), tree)
 
 
-def _prepare(leaf, mesh, axis: str):
-    """A Sharded QParam laid out per device for that device's kernel (``process_weights_after_loading``);
-    where that is the XLA layout (the QTensor itself) the arrays are the same ones, nothing is computed."""
-    if not isinstance(leaf.pieces, QParam):
-        return leaf
+def _lay_out_qparam(param: QParam, device) -> QParam:
+    return dataclasses.replace(param, weight=param.scheme.process_weights_after_loading(param.weight, device))
+
+
+def _prepare(leaf, mesh, axis: str, lay_out=None):
+    """A Sharded parameter laid out per device for that device's kernel: ``lay_out(piece, device)``
+    (default: a QParam's ``process_weights_after_loading``; other leaves stay as they are). Where that is
+    the XLA layout (the QTensor itself) the arrays are the same ones, nothing is computed."""
+    if lay_out is None:
+        if not isinstance(leaf.pieces, QParam):
+            return leaf
+        lay_out = _lay_out_qparam
     param = leaf.pieces
     devices = list(mesh.devices.flat)
     on = lambda a, d: next(s.data for s in a.addressable_shards if s.device == d)
-    prepared = [param.scheme.process_weights_after_loading(jax.tree.map(lambda a: on(a, d), param.weight), d)
-                for d in devices]
+    prepared = [lay_out(jax.tree.map(lambda a: on(a, d), param), d) for d in devices]
     if len({jax.tree.structure(p) for p in prepared}) != 1:
         raise ValueError("the devices' layouts of one parameter differ (devices of different kinds?)")
 
@@ -133,7 +153,7 @@ def _prepare(leaf, mesh, axis: str):
             return jax.make_array_from_single_device_arrays((), NamedSharding(mesh, P()), list(pieces))
         return jax.make_array_from_single_device_arrays((len(pieces) * pieces[0].shape[0], *pieces[0].shape[1:]),
                                                         NamedSharding(mesh, P(axis)), list(pieces))
-    return Sharded(dataclasses.replace(param, weight=jax.tree.map(join, *prepared)))
+    return Sharded(jax.tree.map(join, *prepared))
 
 
 def shard_params(plan: TensorParallel, variables: dict) -> dict:

@@ -107,8 +107,12 @@ def quantize_expert_weights(w: Any, scheme: str | Scheme, *, name: str = "w") ->
     return qt if qt.k_axis == 2 else qt.replace(k_axis=2)
 
 
-def check_stack(qt: Any, name: str = "experts") -> QTensor:
-    """Raises unless ``qt`` is a stacked expert QTensor ``[E, N, K]`` with K (if recorded) on axis 2."""
+def check_stack(qt: Any, name: str = "experts", *, pieces: bool = False) -> QTensor:
+    """Raises unless ``qt`` is a stacked expert QTensor ``[E, N, K]`` with K (if recorded) on axis 2.
+
+    ``pieces``: the leaves may hold several devices' pieces one after the other along the expert axis
+    while the metadata describes one piece (``jquant.parallel``'s ``Sharded``), so a per-expert global
+    scale is checked as ``[*, 1, 1]``."""
     if not isinstance(qt, QTensor):
         raise TypeError(f"{name} must be a stacked expert QTensor [E, N, K], got {type(qt).__name__}")
     if qt.ndim != 3:
@@ -117,7 +121,8 @@ def check_stack(qt: Any, name: str = "experts") -> QTensor:
         raise ValueError(f"{name} records K on axis {qt.k_axis} of {qt.shape}; stacked experts are [E, N, K] "
                          "with K on axis 2 (quantize with quantize_expert_weights)")
     gs = qt.global_scale
-    if gs is not None and tuple(gs.shape) not in ((), (qt.shape[0], 1, 1)):
+    # Only arrays are checked: a tree of shardings or specs shaped like a stack passes through.
+    if hasattr(gs, "shape") and tuple(gs.shape) not in ((), (gs.shape[0] if pieces and gs.ndim == 3 else qt.shape[0], 1, 1)):
         raise ValueError(f"{name} has a global scale of shape {tuple(gs.shape)}; a stack holds one per expert, "
                          f"{(qt.shape[0], 1, 1)} (or one shared, 0-d)")
     return qt
@@ -255,16 +260,9 @@ def concat_rows(parts: Sequence[QTensor]) -> QTensor:
       >>> bool(jnp.array_equal(gate_up.dequantize()[:, 8:], up.dequantize()))
       True
     """
-    parts = list(parts)
-    if not parts:
-        raise ValueError("concat_rows: parts is empty (at least one stack)")
+    parts = _check_row_parts(parts, "concat_rows")
     first = parts[0]
     for i, part in enumerate(parts):
-        _row_blocks(part, f"concat_rows: parts[{i}]")
-        key = lambda q: (q.fmt, q.shape[0], q.shape[2], q.block, q.pack_axis, q.options, q.dtype)
-        if key(part) != key(first) or jax.tree.structure(part) != jax.tree.structure(first):
-            raise ValueError(f"concat_rows: parts[{i}] (fmt {part.fmt!r}, shape {part.shape}, block {part.block}) "
-                             f"does not match parts[0] (fmt {first.fmt!r}, shape {first.shape}, block {first.block})")
         if part.global_scale is not None and not bool(jnp.all(part.global_scale == first.global_scale)):
             # One global scale per expert covers all its rows: gate and up must share it (vLLM's fused
             # w13 likewise keeps one, after warning when a ModelOpt checkpoint's two differ).
@@ -272,6 +270,29 @@ def concat_rows(parts: Sequence[QTensor]) -> QTensor:
                                                   (first.shape[0], 1, 1)).reshape(-1))[0]
             raise ValueError(f"concat_rows: parts[{i}] has other per-tensor global scales than parts[0] (experts "
                              f"{differ[:8].tolist()}); the rows of one expert share one global scale")
+    return join_rows(parts)
+
+
+def _check_row_parts(parts: Sequence[QTensor], what: str) -> list[QTensor]:
+    parts = list(parts)
+    if not parts:
+        raise ValueError(f"{what}: parts is empty (at least one stack)")
+    first = parts[0]
+    for i, part in enumerate(parts):
+        _row_blocks(part, f"{what}: parts[{i}]")
+        key = lambda q: (q.fmt, q.shape[0], q.shape[2], q.block, q.pack_axis, q.options, q.dtype)
+        if key(part) != key(first) or jax.tree.structure(part) != jax.tree.structure(first):
+            raise ValueError(f"{what}: parts[{i}] (fmt {part.fmt!r}, shape {part.shape}, block {part.block}) "
+                             f"does not match parts[0] (fmt {first.fmt!r}, shape {first.shape}, block {first.block})")
+    return parts
+
+
+def join_rows(parts: Sequence[QTensor]) -> QTensor:
+    """``concat_rows`` without comparing the parts' global scales (so it traces, under jit or inside
+    ``shard_map``): the stack keeps ``parts[0]``'s, so the caller vouches that they agree, as for pieces
+    cut from one stack (``jquant.parallel.moe`` joins a device's gate and up rows so)."""
+    parts = _check_row_parts(parts, "join_rows")
+    first = parts[0]
 
     def cat(field):
         return None if getattr(first, field) is None else jnp.concatenate([getattr(p, field) for p in parts], 1)
@@ -337,7 +358,7 @@ class QExperts:
     scheme: Scheme
 
     def __post_init__(self):
-        check_stack(self.weight, "QExperts.weight")
+        check_stack(self.weight, "QExperts.weight", pieces=True)  # a Sharded parameter's pieces: see check_stack
         if not isinstance(self.scheme, Scheme):
             raise TypeError(f"QExperts.scheme must be a Scheme, got {type(self.scheme).__name__}")
         if self.weight.fmt != self.scheme.weight.format:

@@ -248,6 +248,29 @@ def sort_by_expert(indices: jax.Array, num_experts: int) -> Dispatch:
     return Dispatch(order=order, group_sizes=group_sizes, experts=flat[order], top_k=indices.shape[1])
 
 
+@functools.partial(jax.jit, static_argnames=("num_local",))
+def sort_local_experts(indices: jax.Array, first: jax.Array | int, num_local: int) -> Dispatch:
+    """``sort_by_expert`` for a device that holds experts ``[first, first + num_local)`` only (expert
+    parallelism): pairs of those experts are sorted by local id (``expert - first``) into
+    ``group_sizes [num_local]``; every other pair sorts after them with local id ``num_local``, rows past
+    the groups' sum that ``grouped_matmul`` leaves at zero. ``first`` may be traced (a device's index
+    times ``num_local`` inside ``shard_map``).
+
+    Examples:
+      Experts 2 and 3 of 4 on this device: token 0 chose 2 and 0, token 1 chose 3 and 2:
+
+      >>> import jax.numpy as jnp
+      >>> from jquant.kernels.moe import sort_local_experts
+      >>> d = sort_local_experts(jnp.array([[2, 0], [3, 2]]), 2, 2)
+      >>> d.group_sizes.tolist(), d.experts.tolist(), d.tokens.tolist()  # local ids; 2 marks another device's
+      ([2, 1], [0, 0, 1, 2], [0, 1, 1, 0])
+    """
+    local = indices.astype(jnp.int32) - first
+    mine = (local >= 0) & (local < num_local)
+    d = sort_by_expert(jnp.where(mine, local, num_local), num_local + 1)
+    return Dispatch(order=d.order, group_sizes=d.group_sizes[:num_local], experts=d.experts, top_k=d.top_k)
+
+
 @jax.jit
 def gather_rows(x: jax.Array, dispatch: Dispatch) -> jax.Array:
     """``x [T, H]`` → ``[T·k, H]``: each sorted pair's token row.
