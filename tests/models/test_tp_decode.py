@@ -151,3 +151,13 @@ def test_bad_plans_and_params_are_refused(weights):
     int4_g64, _ = quantize_params(weights["bf16"]["params"], [(r".*o_proj/kernel", "int4_g64")], prepare=False)
     with pytest.raises(ValueError, match=r"layers_0/o_proj/kernel.*cut a block"):
         shard_params(tensor_parallel(MODEL, 8), {"params": int4_g64})
+
+
+def test_a_row_split_through_block_fp8_activation_groups_is_refused():
+    # down_proj's 128 inputs over 2 devices: 64 each. The weight's one 128 × 128 block cut in two keeps
+    # its scale on both sides (exact), but a token's group of 128 inputs cannot be cut.
+    model = LlamaForCausalLM(dataclasses.replace(CONFIG, intermediate_size=128, num_layers=1))
+    params = model.init(jax.random.key(0, impl="rbg"), jnp.zeros((1, 1), jnp.int32))["params"]
+    fp8, _ = quantize_params(params, [(r".*down_proj/kernel", "fp8_e4m3_block128x128")], prepare=False)
+    with pytest.raises(ValueError, match=r"layers_0/down_proj/kernel.*groups of 128 along K.*K = 64 of 128"):
+        shard_params(tensor_parallel(model, 2), {"params": fp8})
