@@ -131,6 +131,14 @@ def _moe_parser(sub) -> None:
                           "grouped kernel of every cell under DIR")
     moe.add_argument("--shrink", action="store_true", help="tiny layers of the same kinds (a plumbing check)")
     moe.add_argument("--allow-cpu", action="store_true", help="run without a GPU (timings are the CPU's)")
+    moe.add_argument("--tp", type=_ints, default=None, metavar="N,...",
+                     help="device counts, e.g. 1,2,4,8: the layer split over that many devices "
+                          "(jquant.parallel.moe) against one device, collective time broken out; writes "
+                          "moe_tp.{json,md}")
+    moe.add_argument("--tp-modes", default="expert,tensor",
+                     help="with --tp: comma list of expert (E/n experts a device), tensor (I/n of each expert)")
+    moe.add_argument("--fp8-collectives", action="store_true",
+                     help="with --tp: also time the all-reduce in FP8 (else bf16 psum only)")
 
 
 def main(argv=None) -> int:
@@ -164,9 +172,12 @@ def _moe(parser, args) -> int:
         parser.error(f"--formats: unknown {unknown}; registered schemes: {', '.join(registered())}")
     if any(t < 1 for t in tokens) or args.reps < 1:
         parser.error("--tokens and --reps must be positive")
+    _check_tp(parser, args)
     if not args.allow_cpu and _no_gpu(args):
         return 1
     shapes = [bench.SHAPES[n].tiny() if args.shrink else bench.SHAPES[n] for n in names]
+    if args.tp:
+        return _moe_split(args, shapes, tokens, formats)
     written = []   # the files are rewritten after every cell: a run cut short keeps its rows
     records = bench.run(shapes, tokens, formats, reps=args.reps, cpu=not dispatch.is_gpu(),
                         profile_dir=args.profile,
@@ -174,6 +185,40 @@ def _moe(parser, args) -> int:
                                                                              bench.to_markdown)))
     if not records:
         print("jquant bench moe: no cell ran (see the FAILED lines above)", file=sys.stderr)
+        return 1
+    js, md = written[-1]
+    print(f"wrote {js} and {md}")
+    return 0
+
+
+def _check_tp(parser, args) -> None:
+    """``--tp`` and its companions (``decode``, ``moe``): no more devices than JAX sees."""
+    if args.fp8_collectives and not args.tp:
+        parser.error("--fp8-collectives needs --tp")
+    modes = getattr(args, "tp_modes", "expert").split(",")
+    if any(m not in ("expert", "tensor") for m in modes):
+        parser.error(f"--tp-modes: each of expert, tensor; got {','.join(modes)}")
+    if args.tp:
+        import jax
+        bad = [n for n in args.tp if n < 1 or n > jax.device_count()]
+        if bad:
+            parser.error(f"--tp {','.join(map(str, bad))}: each must lie in 1..{jax.device_count()}, the "
+                         f"devices JAX sees ({jax.default_backend()})")
+
+
+def _moe_split(args, shapes, tokens, formats) -> int:
+    from jquant.bench.records import write_records
+    from jquant.kernels.moe import bench_split
+    from jquant.schemes import dispatch
+
+    written = []
+    records = bench_split.run_split(
+        shapes, tokens, formats, tps=args.tp, modes=tuple(args.tp_modes.split(",")),
+        collectives=("psum", "fp8") if args.fp8_collectives else ("psum",), reps=args.reps,
+        cpu=not dispatch.is_gpu(),
+        on_records=lambda recs: written.append(write_records(recs, args.out, "moe_tp", bench_split.to_markdown)))
+    if not records:
+        print("jquant bench moe --tp: no cell ran (see the FAILED lines above)", file=sys.stderr)
         return 1
     js, md = written[-1]
     print(f"wrote {js} and {md}")
@@ -224,14 +269,7 @@ def _check_decode_options(parser, args) -> None:
     """``--shrink`` and ``--tp`` of ``decode``: a usable factor, and no more devices than JAX sees."""
     if args.shrink not in (1, 2, 4, 8):
         parser.error(f"--shrink must be 1, 2, 4 or 8 (head_dim 128 / shrink >= 16), got {args.shrink}")
-    if args.fp8_collectives and not args.tp:
-        parser.error("--fp8-collectives needs --tp")
-    if args.tp:
-        import jax
-        bad = [n for n in args.tp if n < 1 or n > jax.device_count()]
-        if bad:
-            parser.error(f"--tp {','.join(map(str, bad))}: each must lie in 1..{jax.device_count()}, the "
-                         f"devices JAX sees ({jax.default_backend()})")
+    _check_tp(parser, args)
 
 
 def _no_gpu(args) -> bool:

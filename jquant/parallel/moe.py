@@ -57,8 +57,9 @@ _GATE_B, _UP_B = "gate_up_bias:gate", "gate_up_bias:up"
 class MoEParallel:
     """How ``module`` runs over the one axis ``axis`` of ``mesh``: ``mode`` (``"expert"`` or
     ``"tensor"``, see the module docstring), ``collectives`` (how the devices' partial outputs are
-    summed: ``"psum"``, ``"fp8"``, ``"fp8_rs"``). ``moe_parallel(module, n)`` builds one over the first
-    n devices; ``shard_moe_params`` places a layer's parameters; ``apply`` runs the layer.
+    summed: ``"psum"``, ``"fp8"``, ``"fp8_rs"``). ``local_collectives``: the all-reduce replaced by a
+    stand-in that moves nothing (timing only: the output is wrong). ``moe_parallel(module, n)`` builds one
+    over the first n devices; ``shard_moe_params`` places a layer's parameters; ``apply`` runs the layer.
 
     Examples:
       >>> import jax
@@ -79,6 +80,7 @@ class MoEParallel:
     mode: str = "expert"
     collectives: str = "psum"
     axis: str = "tp"
+    local_collectives: bool = False
 
     def __post_init__(self):
         if not isinstance(self.module, MoE):
@@ -121,7 +123,7 @@ class MoEParallel:
 
     @property
     def comm(self) -> Collectives:
-        return Collectives(self.collectives, self.axis, self.tp)
+        return Collectives(self.collectives, self.axis, self.tp, self.local_collectives)
 
     def apply(self, variables: Any, x: jax.Array) -> jax.Array:
         """``module.apply(variables, x)`` run on the mesh: ``variables`` from ``shard_moe_params``, ``x``
@@ -142,7 +144,7 @@ class MoEParallel:
 
 def moe_parallel(module: MoE, tp: int, *, devices=None, **options) -> MoEParallel:
     """A ``MoEParallel`` of ``module`` over the first ``tp`` of ``devices`` (default ``jax.devices()``);
-    ``options``: the other fields (``mode``, ``collectives``).
+    ``options``: the other fields (``mode``, ``collectives``, ``local_collectives``).
 
     Examples:
       >>> from jquant.models.moe import MoE

@@ -152,3 +152,31 @@ def test_profile_traces_the_quantized_layer_of_every_cell(tmp_path):
     assert isinstance(record["profile"]["quantized"], dict)   # empty on CPU: its trace holds no GPU kernels
     traced = tmp_path / "traces" / "gpt-oss-20b-tiny_int4_g32_t1_quantized"
     assert list(traced.rglob("*.trace.json.gz"))   # what summarize_trace reads
+
+
+def test_split_run_on_simulated_devices_writes_the_records(tmp_path, capsys):
+    # conftest gives 8 simulated CPU devices; the timings mean nothing, the records' fields do.
+    assert bench_cli.main(["moe", "--shrink", "--allow-cpu", "--shapes", "gpt-oss-20b", "--tokens", "4",
+                           "--formats", "mxfp4", "--reps", "1", "--tp", "1,2", "--fp8-collectives",
+                           "--out", str(tmp_path)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    records = json.loads((tmp_path / "moe_tp.json").read_text())
+    cells = [(r["tp"], r["mode"], r["collectives"]) for r in records]
+    assert cells == [(1, "expert", "psum"), (1, "tensor", "psum"), (2, "expert", "psum"), (2, "expert", "fp8"),
+                     (2, "tensor", "psum"), (2, "tensor", "fp8")]
+    for r in records:
+        assert {"device", "jax_version", "commit", "date"} <= set(r) and r["format"] == "mxfp4"
+        assert r["time_us"] > 0 and r["one_device_us"] > 0 and r["tokens"] == 4
+        assert set(r["spread_pct"]) == ({"split", "one_device"} | ({"no_collectives"} if r["tp"] > 1 else set()))
+    one, two = (next(r for r in records if r["tp"] == n and r["mode"] == "expert") for n in (1, 2))
+    assert two["device_bytes"] < one["device_bytes"]  # each of 2 devices holds 4 of the 8 experts
+    assert "| gpt-oss-20b-tiny | mxfp4 | 4 | 2 | tensor | fp8 |" in (tmp_path / "moe_tp.md").read_text()
+
+
+def test_split_options_are_checked(capsys):
+    for argv, match in ((["--fp8-collectives"], "--fp8-collectives needs --tp"),
+                        (["--tp", "1,99"], "--tp 99: each must lie in 1..8"),
+                        (["--tp", "2", "--tp-modes", "data"], "--tp-modes: each of expert, tensor")):
+        with pytest.raises(SystemExit):
+            bench_cli.main(["moe", "--allow-cpu", *argv])
+        assert match in capsys.readouterr().err
