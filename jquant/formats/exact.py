@@ -33,6 +33,12 @@ def round_to_precision(values: jax.Array, dtype) -> jax.Array:
         return values
     info = jnp.finfo(dtype)
     rounded = lax.reduce_precision(values, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    if jnp.dtype(dtype) == jnp.float16:
+        # reduce_precision flushes results below the smallest normal (float16: 2^-14) to zero, where
+        # PyTorch keeps float16's subnormals. Below 2^-14 float16 is the fixed grid of 2^-24, and
+        # round(v · 2^24) · 2^-24 is that rounding, exact in float32 (powers of two, normal operands).
+        subnormal = jnp.round(values * 2.0 ** 24) * 2.0 ** -24
+        rounded = jnp.where(jnp.abs(values) < float(info.smallest_normal), subnormal, rounded)
     if jnp.dtype(dtype) == jnp.bfloat16:
         rounded = jnp.where(jnp.isnan(rounded), jnp.asarray(np.nan, rounded.dtype), rounded)
     return rounded

@@ -28,7 +28,10 @@ Zeros: under ``convention="compressed-tensors"`` (its preset, and the default) a
 torchao stores them, and -0.0 stores -0. Tiny magnitudes: XLA flushes float32 subnormals, so weight
 scales are computed from exact (bit-level) amax values, lifted by 2**64 below 2**-60 and rounded to
 the subnormal grid with integer arithmetic (``exact.py``); scales and codes equal PyTorch's down to
-the smallest subnormal, for float32 and bfloat16 weights. NaN codes: E4M3 has one per sign; for E5M2
+the smallest subnormal, for float32, bfloat16 and float16 weights. One byte differs: under
+compressed-tensors a nonzero negative element whose quotient is a float32 subnormal (|x / s| < 2^-126,
+e.g. a float32-subnormal weight) stores +0 where PyTorch's tiny quotient casts to -0 (0x80); both
+dequantize to zero. NaN codes: E4M3 has one per sign; for E5M2
 every NaN is stored as ``sign | 0x7F``, as PyTorch converts (``saturating_cast``).
 
 Non-finite inputs follow the references rather than being special-cased (checked at 256×4096 for every
