@@ -9,8 +9,8 @@ three words), scales, and zero points; symmetric ``int*`` tensors store the zero
   (packed along N), ``scales`` ``[K/G, N]`` (float16; bfloat16 kept), ``g_idx`` int32 ``[K]``.
   ``checkpoint_format="gptq"`` (v1) stores each zero point minus one, field by field modulo
   ``2**b`` (gptqmodel's logical conversion; it is its word-wide subtraction whenever no zero point
-  is 0, and a v1 zero point of 0 is unreadable for vLLM's ``+1`` decoder anyway: use ``gptq_v2``);
-  ``"gptq_v2"`` stores them as they are. A non-trivial ``g_idx`` (act-order) is
+  is 0). A v1 zero point of 0 is unreadable for vLLM's ``+1`` decoder, so writing one is refused and
+  reading a stored ``2**b - 1`` warns; ``"gptq_v2"`` stores them as they are. A non-trivial ``g_idx`` (act-order) is
   ``QTensor.group_index``.
 * ``awq`` (4-bit): ``qweight`` int32 ``[K, N/8]`` and ``qzeros`` int32 ``[K/G, N/8]`` packed along N
   with the nibble order ``AWQ_ORDER`` (nibble ``p`` of a word holds column ``8c + AWQ_ORDER[p]``),
@@ -33,6 +33,8 @@ float32 whatever the stored scales' dtype).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -185,6 +187,13 @@ def gptq_to_checkpoint(qt: QTensor, checkpoint_format: str = "gptq", desc_act: b
         raise ValueError("gptq: desc_act=False, but the QTensor has an act-order group_index")
     zeros = _zero_codes(qt, bits)
     if checkpoint_format == "gptq":
+        if np.any(zeros == 0):
+            # v1 stores zero - 1: a 0 would be stored as 2**bits - 1, which vLLM's decoder reads back as
+            # 2**bits (and gptqmodel's word-wide one takes a borrow from the neighbour): silently wrong.
+            channels, groups = np.nonzero(np.asarray(zeros) == 0)   # zeros: [N, K / G]
+            raise ValueError(f"gptq: zero point 0 (output channels {channels[:4].tolist()}, groups "
+                             f"{groups[:4].tolist()}, ...) cannot be stored in checkpoint_format='gptq' (v1 stores "
+                             "each zero point minus one); write checkpoint_format='gptq_v2'")
         zeros = (zeros.astype(np.int32) - 1) % 2 ** bits
     g_idx = np.arange(k, dtype=np.int32) // group if qt.group_index is None else qt.group_index
     return {
@@ -231,6 +240,10 @@ def gptq_from_checkpoint(tensors: dict, checkpoint_format: str = "gptq", sym: bo
         raise ValueError(f"{layout}: desc_act=False, but g_idx is not i // {group} (act-order)")
     zeros = _words_to_codes(qzeros, bits, n, axis=1)
     if checkpoint_format == "gptq":
+        if np.any(zeros == 2 ** bits - 1):
+            warnings.warn(f"gptq: a v1 zero-point field holds {2 ** bits - 1} (a zero point of 0 stored minus "
+                          f"one): read as 0 here, as {2 ** bits} by vLLM's v1 decoder; the writer of this "
+                          "checkpoint should have used checkpoint_format='gptq_v2'", stacklevel=2)
         zeros = ((zeros.astype(np.int32) + 1) % 2 ** bits).astype(np.uint8)
     codes = _words_to_codes(qweight, bits, k, axis=0).T
     return _qtensor(np.ascontiguousarray(codes), np.ascontiguousarray(zeros.T), np.ascontiguousarray(scales.T),

@@ -86,6 +86,10 @@ def layout_meta(scheme: Scheme) -> dict:
         if layout == "gptq":
             meta.update(scheme.layout_kwargs())
         return meta
+    if layout in ("fp8-block", "compressed-tensors") and weight.granularity == "block":
+        # The config's block (weight_block_size / block_structure): a scale grid that also fits the
+        # layout's default 128 × 128 (192 × 192 in blocks of 96) would otherwise load with the wrong one.
+        return {"dtype": jnp.float32, "block_size": tuple(weight.block_size)}
     if layout in ("fp8", "fp8-block", "compressed-tensors", "modelopt", "gpt-oss"):
         return {"dtype": jnp.float32}
     return {}
@@ -93,7 +97,23 @@ def layout_meta(scheme: Scheme) -> dict:
 
 def save_hf_checkpoint(params: dict, directory, *, quantization_config: dict | None = None,
                        model_config: dict | None = None) -> pathlib.Path:
-    """Writes ``params`` (float kernels, or QParams holding QTensors) as an HF Llama checkpoint."""
+    """Writes ``params`` (float kernels, or QParams holding QTensors) as an HF Llama checkpoint:
+    ``model.safetensors`` and a ``config.json`` of ``model_config`` (e.g. ``LlamaConfig.to_hf_config()``,
+    which transformers' and vLLM's loaders need) with ``quantization_config``. ``load_hf_checkpoint``
+    shows a quantized round trip.
+
+    Examples:
+      >>> import json, tempfile, jax, jax.numpy as jnp
+      >>> from jquant.checkpoint import save_hf_checkpoint
+      >>> from jquant.models import LlamaConfig, LlamaForCausalLM
+      >>> config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+      ...                      num_kv_heads=1, head_dim=32, rope_theta=1e4, rms_norm_eps=1e-5,
+      ...                      max_position_embeddings=32)
+      >>> params = LlamaForCausalLM(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+      >>> directory = save_hf_checkpoint(params, tempfile.mkdtemp(), model_config=config.to_hf_config())
+      >>> sorted(p.name for p in directory.iterdir()), json.loads((directory / "config.json").read_text())["model_type"]
+      (['config.json', 'model.safetensors'], 'llama')
+    """
     from jquant.checkpoint.writer import save_checkpoint
 
     directory = pathlib.Path(directory)
@@ -119,16 +139,39 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
     largest of its scales.
 
     Raises ValueError naming the parameter when tensors are missing, left over, or disagree with the config.
+
+    Examples:
+      A GPTQ-layout int4 checkpoint written and read back, bit for bit:
+
+      >>> import tempfile, jax, jax.numpy as jnp
+      >>> from jquant.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+      >>> from jquant.flax import quantize_params
+      >>> from jquant.models import LlamaConfig, LlamaForCausalLM
+      >>> config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+      ...                      num_kv_heads=1, head_dim=32, rope_theta=1e4, rms_norm_eps=1e-5,
+      ...                      max_position_embeddings=32)
+      >>> params = LlamaForCausalLM(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+      >>> qparams, _ = quantize_params(params, [(r".*_proj/kernel", "int4_g32")], prepare=False)
+      >>> gptq = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
+      >>> directory = save_hf_checkpoint(qparams, tempfile.mkdtemp(), quantization_config=gptq,
+      ...                                model_config=config.to_hf_config())
+      >>> loaded = load_hf_checkpoint(directory, params, prepare=False)
+      >>> q, l = qparams["layers_0"]["down_proj"]["kernel"], loaded["layers_0"]["down_proj"]["kernel"]
+      >>> bool(jnp.array_equal(q.qtensor.dequantize(), l.qtensor.dequantize()))
+      True
     """
     from jquant.checkpoint.safetensors_file import load_file
 
     directory = pathlib.Path(directory)
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no .safetensors files in {str(directory)!r}")
+    files = _safetensors_files(directory)
     tensors: dict[str, np.ndarray] = {}
+    origin: dict[str, str] = {}
     for f in files:
-        tensors.update(load_file(str(f)))
+        for key, value in load_file(str(f)).items():
+            if key in tensors:  # which copy is right is unknowable: refuse rather than let the last file win
+                raise ValueError(f"tensor {key!r} is stored in both {origin[key]!r} and {f.name!r} of "
+                                 f"{str(directory)!r}")
+            tensors[key], origin[key] = value, f.name
     if quantization_config is None and (directory / "config.json").exists():
         quantization_config = json.loads((directory / "config.json").read_text()).get("quantization_config")
     scheme = scheme_from_config(quantization_config) if quantization_config else None
@@ -143,6 +186,12 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
         if value is None and stored and skipped(name):
             raise ValueError(f"parameter {path!r}: the quantization_config keeps {name} in float (its ignore "
                              f"list), but the checkpoint stores {stored} for it")
+        if value is not None and scheme is not None and jnp.dtype(value.dtype).itemsize == 1 and not skipped(name):
+            # FP8 codes without their scale under a quantized config (a lost shard, a renamed tensor): read as
+            # floats they would be off by the missing scale, silently.
+            raise ValueError(f"parameter {path!r}: the checkpoint stores {name}.weight as {value.dtype} codes "
+                             f"with no scale tensor beside it, but the quantization_config ({scheme.name}) "
+                             "quantizes this module; a weight_scale / weight_scale_inv is missing")
         if value is not None:
             used.add(f"{name}.weight")
             value = value.T if leaf_name == "kernel" else value
@@ -181,6 +230,28 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
 
         return quantize_params(_unflat(out), [(PROJECTIONS, quantize)], prepare=prepare)[0]
     return _unflat(out)
+
+
+def _safetensors_files(directory: pathlib.Path) -> list[pathlib.Path]:
+    """The shards to read: those ``model.safetensors.index.json`` maps tensors to when it exists (as
+    vLLM filters them, so a stale shard beside the index is not read), else every ``*.safetensors``."""
+    index = directory / "model.safetensors.index.json"
+    if not index.exists():
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"no .safetensors files in {str(directory)!r}")
+        return files
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{str(index)!r} is not a safetensors index (a JSON object with a 'weight_map'): {e}") from e
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{str(index)!r}: 'weight_map' must map tensor names to file names")
+    files = [directory / name for name in sorted(set(weight_map.values()))]
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise ValueError(f"{str(index)!r} names shards that are not in {str(directory)!r}: {missing[:8]}")
+    return files
 
 
 def _float_weight(tensors: dict, name: str):

@@ -154,6 +154,10 @@ def _compressed_tensors(cfg: dict) -> Scheme:
         return _int_quantized(weights, acts, where)
     if fmt == "nvfp4-pack-quantized":
         _nvfp4_group(_get(weights, "group_size", int, 16, where=wwhere), wwhere)
+        if not _get(weights, "symmetric", bool, True, wwhere):
+            # compressed-tensors' compressor applies a zero point its decompressor ignores: no reading is right.
+            raise ValueError(f"{wwhere}['symmetric'] is false: NVFP4 has no zero point (nvfp4-pack-quantized "
+                             "is symmetric)")
         return bs.nvfp4(convention="compressed-tensors")
     raise ValueError(f"quantization_config['format'] {fmt!r} is not supported; expected 'pack-quantized', "
                      "'float-quantized', 'int-quantized' or 'nvfp4-pack-quantized'")

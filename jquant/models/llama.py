@@ -125,6 +125,27 @@ class LlamaConfig:
             tie_word_embeddings=tie_word_embeddings,
         )
 
+    def to_hf_config(self, torch_dtype: str = "float32") -> dict[str, Any]:
+        """The Hugging Face ``config.json`` entries of a ``LlamaForCausalLM`` of this shape (what a
+        checkpoint directory needs beside its tensors for transformers' and vLLM's loaders).
+
+        Examples:
+          >>> from jquant.models import LlamaConfig
+          >>> config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+          ...                      num_kv_heads=1, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-5,
+          ...                      max_position_embeddings=64)
+          >>> hf = config.to_hf_config()
+          >>> hf["architectures"], hf["num_key_value_heads"], hf["tie_word_embeddings"]
+          (['LlamaForCausalLM'], 1, True)
+        """
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": self.vocab_size,
+                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "hidden_act": "silu",
+                "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
+                "max_position_embeddings": self.max_position_embeddings,
+                "tie_word_embeddings": self.tie_word_embeddings, "torch_dtype": torch_dtype}
+
 
 @flax.struct.dataclass
 class KVCache:

@@ -1,6 +1,7 @@
 """GPTQ (v1/v2, act-order), AWQ and compressed-tensors pack-quantized checkpoint layouts."""
 
 import functools
+import warnings
 import pathlib
 
 import chex
@@ -51,18 +52,29 @@ def test_gptqmodel_pack_and_dequantize(case):
     qt = quantize_int_with_params(g["weight"], bits, g["scales"], None if sym else g["zeros"], g["g_idx"],
                                   axis=1, scale_dtype=jnp.float16)
     v2 = to_checkpoint(qt, "gptq", checkpoint_format="gptq_v2")
-    v1 = to_checkpoint(qt, "gptq", checkpoint_format="gptq")
     np.testing.assert_array_equal(v2["qweight"], GPTQ[f"{case}_qweight"])
     np.testing.assert_array_equal(v2["qzeros"], GPTQ[f"{case}_qzeros_v2"])
     np.testing.assert_array_equal(v2["scales"], GPTQ[f"{case}_scales_fp16"])
     np.testing.assert_array_equal(v2["g_idx"], g["g_idx"])
-    np.testing.assert_array_equal(v1["qweight"], v2["qweight"])
-    # v1 subtracts one per field; gptqmodel's word-wide save agrees unless a zero point is 0 (it borrows).
-    np.testing.assert_array_equal(v1["qzeros"], GPTQ[f"{case}_qzeros_v1_fields"])
-    if g["zeros"].min() > 0:
+    zero0 = g["zeros"].min() == 0
+    if zero0:
+        # v1 stores zero - 1: a zero point of 0 would read back as 2**bits in vLLM (gptqmodel's word-wide
+        # save borrows from the neighbour instead), so writing it is refused; the field-wise v1 a writer
+        # would store still reads back, with a warning.
+        with pytest.raises(ValueError, match=r"zero point 0 .* write checkpoint_format='gptq_v2'"):
+            to_checkpoint(qt, "gptq", checkpoint_format="gptq")
+        v1 = {**v2, "qzeros": GPTQ[f"{case}_qzeros_v1_fields"]}
+    else:
+        v1 = to_checkpoint(qt, "gptq", checkpoint_format="gptq")
+        np.testing.assert_array_equal(v1["qweight"], v2["qweight"])
+        # v1 subtracts one per field; gptqmodel's word-wide save agrees when no zero point is 0.
+        np.testing.assert_array_equal(v1["qzeros"], GPTQ[f"{case}_qzeros_v1_fields"])
         np.testing.assert_array_equal(v1["qzeros"], GPTQ[f"{case}_qzeros_v1"])
     for tensors, fmt in ((v1, "gptq"), (v2, "gptq_v2")):
-        back = from_checkpoint(tensors, "gptq", checkpoint_format=fmt, dtype=jnp.float32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            back = from_checkpoint(tensors, "gptq", checkpoint_format=fmt, dtype=jnp.float32)
+        assert any("read as 0 here" in str(w.message) for w in caught) == (zero0 and fmt == "gptq")
         chex.assert_trees_all_equal(back, qt)
         np.testing.assert_array_equal(np.asarray(back.dequantize(jnp.float16)), GPTQ[f"{case}_dequant"])
 
@@ -128,7 +140,7 @@ def test_act_order_round_trip_and_checkpoint_shapes():
     n, k, group = 32, 128, 32
     g_idx = (np.argsort(np.random.default_rng(1).permutation(k)) // group).astype(np.int32)
     scale = np.full((n, k // group), 0.05, np.float32)
-    zero = np.random.default_rng(2).integers(0, 8, (n, k // group))
+    zero = np.random.default_rng(2).integers(1, 8, (n, k // group))  # v1 (the default) stores no zero point 0
     qt = quantize_int_with_params(_normal(2, (n, k)) * 0.2, 3, scale, zero, g_idx,
                                   axis=1, scale_dtype=jnp.float16)
     tensors = to_checkpoint(qt, "gptq", desc_act=True)
@@ -159,12 +171,23 @@ def test_symmetric_zero_points_and_inference():
         from_checkpoint(to_checkpoint(_qt("uint4"), "gptq"), "gptq", sym=True)
 
 
-def test_v1_zero_point_zero_round_trips():
-    qt = _qt("uint4")
-    qt = qt.replace(zero=qt.zero.at[0, 0].set(0))
+def test_v1_zero_point_zero_is_refused_on_write_and_warned_on_read():
+    """v1 stores zero - 1 and vLLM's v1 decoder adds 1 back: a zero point of 0 (any all-positive
+    group of an asymmetric weight) would come back as 16, silently."""
+    qt = _qt("uint4")   # [32, 64] in groups of 32: zero points [32, 2], none of them 0
+    assert int(qt.zero.min()) > 0
+    zero0 = qt.replace(zero=qt.zero.at[5, 1].set(0))
+    with pytest.raises(ValueError, match=r"zero point 0 \(output channels \[5\], groups \[1\].*gptq_v2"):
+        to_checkpoint(zero0, "gptq")
+    v2 = to_checkpoint(zero0, "gptq", checkpoint_format="gptq_v2")
+    chex.assert_trees_all_equal(from_checkpoint(v2, "gptq", checkpoint_format="gptq_v2", sym=False,
+                                                dtype=jnp.float32), zero0)
     v1 = to_checkpoint(qt, "gptq")
-    assert v1["qzeros"][0, 0] & 0xF == 0xF  # (0 - 1) mod 16, field by field
-    chex.assert_trees_all_equal(from_checkpoint(v1, "gptq", sym=False, dtype=jnp.float32), qt)
+    qzeros = v1["qzeros"].view(np.uint32).copy()   # [groups, N / 8]: channel 5 is nibble 5 of word 0
+    qzeros[1, 0] |= np.uint32(0xF << 20)          # the field a writer of zero - 1 stores for 0
+    with pytest.warns(UserWarning, match=r"v1 zero-point field holds 15.*read as 0 here, as 16 by vLLM"):
+        back = from_checkpoint({**v1, "qzeros": qzeros.view(np.int32)}, "gptq", sym=False, dtype=jnp.float32)
+    chex.assert_trees_all_equal(back, zero0)
 
 
 def test_gptq_float32_scales_are_refused_unless_lossy():

@@ -21,6 +21,12 @@ CONFIGS = {
                      "checkpoint_format": "gptq_v2"},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True},
     "fp8_block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    # Blocks other than the layouts' default 128 × 128 must come from the config: 64 gives another scale
+    # grid; 192 rows give the same grid as 128 on the 256-row weights (read with 128, silently wrong).
+    "fp8_block_64": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [64, 64]},
+    "ct_fp8_block_192x128": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                                       "block_structure": [192, 128]}}}},
     "ct_nvfp4": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {
         "group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
                                                        "group_size": 16}}}},
@@ -124,3 +130,40 @@ def test_online_quantization_of_a_float_checkpoint(tmp_path, tiny):
     save_hf_checkpoint(qparams, tmp_path / "q", quantization_config=CONFIGS["gptq"])
     with pytest.raises(ValueError, match="already quantized"):
         load_hf_checkpoint(tmp_path / "q", params, quantize="int8_ch")
+
+
+def test_fp8_codes_without_their_scale_are_refused(tmp_path, tiny):
+    from jquant.checkpoint.safetensors_file import load_file, save_file
+
+    _, params, _ = tiny
+    config = CONFIGS["fp8_block"]
+    qparams, _ = quantize_params(params, [(PROJ, scheme_from_config(config))], prepare=False)
+    save_hf_checkpoint(qparams, tmp_path, quantization_config=config)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight_scale_inv"]   # a lost shard, say
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"'layers_1/up_proj/kernel'.*float8_e4m3fn codes with no scale"):
+        load_hf_checkpoint(tmp_path, params)
+
+
+def test_shards_follow_the_index_and_duplicates_are_refused(tmp_path, tiny):
+    import json
+
+    from jquant.checkpoint.safetensors_file import load_file, save_file
+
+    _, params, _ = tiny
+    save_hf_checkpoint(params, tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    stale = {"model.norm.weight": tensors["model.norm.weight"] + 7.0}   # an older shard left beside the new ones
+    save_file(stale, str(tmp_path / "stale.safetensors"))
+    with pytest.raises(ValueError, match=r"'model.norm.weight' is stored in both 'model.safetensors' and "
+                                         r"'stale.safetensors'"):
+        load_hf_checkpoint(tmp_path, params)
+    index = {"metadata": {}, "weight_map": {name: "model.safetensors" for name in tensors}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    loaded = load_hf_checkpoint(tmp_path, params)   # the index names the shards to read, as vLLM filters them
+    np.testing.assert_array_equal(loaded["final_norm"]["scale"], params["final_norm"]["scale"])
+    index["weight_map"]["model.norm.weight"] = "missing.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"names shards that are not in .*\['missing.safetensors'\]"):
+        load_hf_checkpoint(tmp_path, params)

@@ -114,6 +114,15 @@ def test_nvfp4_group_size_other_than_16_is_refused(config):
         scheme_from_config(config)
 
 
+def test_asymmetric_nvfp4_is_refused():
+    # compressed-tensors' compressor would apply the zero point its decompressor ignores: no reading is right.
+    config = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                           "group_size": 16, "symmetric": False}}}}
+    with pytest.raises(ValueError, match=r"\['symmetric'\] is false: NVFP4 has no zero point"):
+        scheme_from_config(config)
+
+
 @pytest.mark.parametrize("config", [
     {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
      "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}},

@@ -19,7 +19,9 @@ def _x(shape=(32, 128), seed=0):
 
 
 def _gptq_scheme(sym):
-    return scheme_from_config({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": sym})
+    # Asymmetric: gptq_v2, since v1 (zero - 1) refuses the zero point 0 of an all-positive group.
+    return scheme_from_config({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": sym,
+                               "checkpoint_format": "gptq" if sym else "gptq_v2"})
 
 
 # name: (layout, quantize x → QTensor quantized for the layout, to_checkpoint options, from_checkpoint options)
@@ -27,9 +29,11 @@ CASES = {
     "gptq_int4": ("gptq", lambda x: jquant.quantize(x, "int4", axis=1, group_size=32, scale_dtype=jnp.float16), {}, {}),
     "gptq_v2_uint3": ("gptq", lambda x: jquant.quantize(x, "uint3", axis=1, group_size=64, scale_dtype=jnp.float16),
                       {"checkpoint_format": "gptq_v2"}, {"checkpoint_format": "gptq_v2"}),
-    "gptq_scheme": ("gptq", lambda x: _gptq_scheme(False).quantize_weight(x), {}, {}),
+    "gptq_scheme": ("gptq", lambda x: _gptq_scheme(False).quantize_weight(x), {"checkpoint_format": "gptq_v2"},
+                    {"checkpoint_format": "gptq_v2"}),
     "gptq_bf16_scales": ("gptq", lambda x: jquant.quantize(x, "uint8", axis=1, group_size=-1,
-                                                           scale_dtype=jnp.bfloat16), {}, {}),
+                                                           scale_dtype=jnp.bfloat16),
+                         {"checkpoint_format": "gptq_v2"}, {"checkpoint_format": "gptq_v2"}),
     "awq_uint4": ("awq", lambda x: jquant.quantize(x, "uint4", axis=1, group_size=64, scale_dtype=jnp.float16), {}, {}),
     "ct_int4": ("compressed-tensors", lambda x: jquant.quantize(x, "int4", axis=1, group_size=32), {}, {}),
     "ct_uint8_channel": ("compressed-tensors", lambda x: jquant.quantize(x, "uint8", axis=1), {}, {}),
