@@ -84,8 +84,11 @@ def run(shape: LayerShape = LLAMA3_8B, *, rows: int = 128, seq_len: int = 2048, 
 
 
 def to_markdown(records: list[dict]) -> str:
+    # --shrink's factor, from the first record's shapes: a shrunk run must not read as Llama-3-8B's timings.
+    shrink = PROJECTIONS["q_proj"][0] // records[0]["shapes"]["q_proj"][0] if records else 1
+    shrunk = f", every dimension shrunk {shrink}× (a plumbing check)" if shrink > 1 else ""
     lines = [markdown_title("GPTQ of one Llama-3-8B-shaped layer", records,
-                            "7 projections, Hessians streamed from bf16 activations, compilation excluded"),
+                            f"7 projections{shrunk}, Hessians streamed from bf16 activations, compilation excluded"),
              "| scheme | act-order | tokens | Hessians | GPTQ | total | slowest projection |",
              "|---|---|---|---|---|---|---|"]
     for r in records:

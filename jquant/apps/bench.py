@@ -58,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     w4.add_argument("--max-spread", type=float, default=25.0,
                     help="re-time a cell whose widest batch spread exceeds this (%%)")
     w4.add_argument("--retries", type=int, default=2, help="re-timings of a noisy cell at most")
-    w4.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode")
+    w4.add_argument("--interpret", action="store_true",
+                    help="Pallas kernels in interpret mode, so the plumbing runs without a GPU (its timings mean "
+                         "nothing). On CPU the default --impls scheme takes XLA's path: add --impls scheme,mgpu "
+                         "to include the Pallas kernel")
 
     att = sub.add_parser("attention", help="paged decode attention per kv_cache_dtype against JAX's kernel")
     att.add_argument("--out", default="bench/results", help="folder for attention.json and attention.md")
@@ -101,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     g8.add_argument("--ms", type=_ints, default=None, help="M values, e.g. 1,16,128")
     g8.add_argument("--schemes", default=None, help="comma list of the 8-bit schemes (default all six)")
     g8.add_argument("--reps", type=int, default=9)
-    g8.add_argument("--interpret", action="store_true", help="run the Pallas kernel in interpret mode")
+    g8.add_argument("--interpret", action="store_true",
+                    help="the forced kernel (the mgpu rows) in interpret mode, so the plumbing runs without a GPU "
+                         "(its timings mean nothing); on CPU the scheme rows take XLA's path")
 
     gq = sub.add_parser("gptq", help="GPTQ of one Llama-3-8B-shaped layer (7 projections)")
     gq.add_argument("--out", default="bench/results", help="folder for gptq.json and gptq.md")
@@ -231,6 +236,9 @@ def _gptq(parser, args) -> int:
 
     if args.shrink < 1 or 128 % args.shrink:
         parser.error(f"--shrink must divide 128, got {args.shrink}")
+    if args.batch_rows < 1 or args.rows < 1 or args.rows % args.batch_rows:
+        parser.error(f"--rows must be a positive multiple of --batch-rows, got --rows {args.rows} and "
+                     f"--batch-rows {args.batch_rows}")
     if not args.allow_cpu and _no_gpu(args):
         return 1
     meta, records = run_meta(), []

@@ -15,6 +15,8 @@ and rewrites its markdown twin (``FILE.md``).
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import time
 
 import jax
@@ -26,9 +28,12 @@ METHODS = ("gptq", "awq", "smoothquant", "rtn")
 
 def gptq_config(bits: int, group_size: int | None, symmetric: bool, act_order: bool) -> dict:
     """The HF ``quantization_config`` of a GPTQ checkpoint with these settings (``group_size`` None:
-    per output channel, written as -1)."""
-    return {"quant_method": "gptq", "bits": bits, "group_size": -1 if group_size is None else group_size,
-            "sym": symmetric, "desc_act": act_order}
+    per output channel, written as -1). Asymmetric weights are stored ``gptq_v2`` (zero points as they
+    are, read so by vLLM's ``use_v2_format``): v1 stores zero - 1, which cannot hold the zero point 0 of an
+    all-positive group."""
+    config = {"quant_method": "gptq", "bits": bits, "group_size": -1 if group_size is None else group_size,
+              "sym": symmetric, "desc_act": act_order}
+    return config if symmetric else {**config, "checkpoint_format": "gptq_v2"}
 
 
 def awq_config(bits: int, group_size: int) -> dict:
@@ -91,6 +96,40 @@ def _check(parser, args) -> tuple[dict | None, "object"]:
     return config, scheme
 
 
+def _check_group_size(parser, args, scheme, params) -> None:
+    """Refuses a group size that does not divide the input size K of every projection, naming the K
+    values it misses and a group size that divides them all, before the model's text is read."""
+    from jquant.checkpoint.hf_checkpoint import PROJECTIONS
+    from jquant.checkpoint.writer import path_str
+
+    group = scheme.weight.group_size
+    if group is None:
+        return
+    users: dict[int, list[str]] = {}   # K -> the projections with that input size
+    for path, kernel in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = path_str(path)
+        if re.fullmatch(PROJECTIONS, name):
+            projections = users.setdefault(int(kernel.shape[0]), [])   # Flax kernels are [K, N]
+            if name.split("/")[-2] not in projections:   # one entry per projection, not per layer
+                projections.append(name.split("/")[-2])
+    bad = sorted(k for k in users if k % group)
+    if not bad:
+        return
+    # Group sizes are powers of two: the largest dividing every K, at most the one asked for when one is.
+    common = math.gcd(*users)
+    fits = [2**i for i in range(common.bit_length()) if common % 2**i == 0]
+    suggestion = max([g for g in fits if g <= group] or fits)
+    if args.scheme is not None:   # --scheme overrides --group-size
+        option, hint = f"--scheme {args.scheme} (groups of {group})", f"groups of {suggestion}"
+    else:
+        option, hint = f"--group-size {group}", f"--group-size {suggestion}"
+        if not (args.method == "awq" and args.asym):   # AWQ checkpoints need groups
+            hint += " or -1 (one scale per output channel)"
+    misses = "; ".join(f"K = {k} ({', '.join(users[k])})" for k in bad)
+    parser.error(f"{option} does not divide the input size K of these weights: {misses}; use a group size "
+                 f"dividing every K ({', '.join(map(str, sorted(users)))}), e.g. {hint}")
+
+
 def weights_label(args, scheme) -> str:
     """The quality table's weights column: ``int4 g64 sym``, ``mxfp4``, ``nvfp4 + Hadamard 16``."""
     if args.scheme is not None:
@@ -138,6 +177,14 @@ def run(argv=None) -> int:
     commit = current_commit()
 
     model_config, variables, tok_meta = load_gguf(smollm2_path())
+    params = variables["params"]
+    _check_group_size(parser, args, scheme, params)
+    # Round-to-nearest does not read activations: quantize_params gives what calibrate_llama with
+    # rtn_group would (tested), without running the layers.
+    try:
+        rtn, _ = quantize_params(params, [(PROJECTIONS, scheme)], prepare=False)
+    except ValueError as e:   # a scheme that does not tile these weights, e.g. FP8 blocks of 128 on K = 576
+        parser.error(str(e))
     tokenizer = build_tokenizer(tok_meta)
     ids = np.asarray(tokenizer.encode(britannica_text()), np.int32)
     n_calib = args.calib_rows * args.seq_len
@@ -147,15 +194,11 @@ def run(argv=None) -> int:
     calib = jnp.asarray(ids[args.calib_offset:args.calib_offset + n_calib].reshape(args.calib_rows, args.seq_len))
     evaluation = jnp.asarray(ids[:args.eval_tokens].reshape(-1, args.seq_len))
     model = LlamaForCausalLM(model_config)
-    params = variables["params"]
 
     def ppl(p):
         logits = quantized_apply(model, {"params": p}, evaluation)[0]
         return float(jnp.exp(nll_and_top1(logits, evaluation)[0]))
 
-    # Round-to-nearest does not read activations: quantize_params gives what calibrate_llama with
-    # rtn_group would (tested), without running the layers.
-    rtn, _ = quantize_params(params, [(PROJECTIONS, scheme)], prepare=False)
     t0 = time.perf_counter()
     if args.method == "gptq":
         quantized = calibrate_llama(model, params, calib, gptq_group(
@@ -187,6 +230,7 @@ def run(argv=None) -> int:
         path = record_rows(args.record, rows, commit)
         print(f"recorded in {path} and {path.with_suffix('.md')}")
     if args.out:
-        path = save_hf_checkpoint(quantized, args.out, quantization_config=config)
+        path = save_hf_checkpoint(quantized, args.out, quantization_config=config,
+                                  model_config=model_config.to_hf_config())
         print(f"wrote {path}")
     return 0

@@ -40,11 +40,17 @@ def _ledger(argv) -> int:
     from jquant.schemes.scheme import schemes
 
     parser = argparse.ArgumentParser(prog="jquant ledger", description=_ledger.__doc__)
-    parser.add_argument("--schemes", default="int8_ch,fp8_e4m3_channel,int4_g64,mxfp4,nvfp4,nf4_dq")
-    parser.add_argument("--batch", type=_positive(int), default=8)
-    parser.add_argument("--context", type=_positive(int), default=8192, help="tokens per sequence")
-    parser.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES, help="a vLLM kv_cache_dtype")
-    parser.add_argument("--budget-mib", type=_positive(float), default=1024.0, help="memory for weights + KV cache")
+    parser.add_argument("--schemes", default="int8_ch,fp8_e4m3_channel,int4_g64,mxfp4,nvfp4,nf4_dq",
+                        help="comma-separated registered schemes, one row each after the float32 one "
+                             "(default %(default)s)")
+    parser.add_argument("--batch", type=_positive(int), default=8,
+                        help="sequences the KV cache holds (default %(default)s)")
+    parser.add_argument("--context", type=_positive(int), default=8192,
+                        help="tokens per sequence (default %(default)s)")
+    parser.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES,
+                        help="a vLLM kv_cache_dtype (default %(default)s)")
+    parser.add_argument("--budget-mib", type=_positive(float), default=1024.0,
+                        help="memory for weights + KV cache (default %(default)s)")
     args = parser.parse_args(argv)
     names = [s for s in args.schemes.split(",") if s]
     unknown = [n for n in names if n not in schemes()]
@@ -74,7 +80,9 @@ def _embed_quality(argv) -> int:
 
 
 COMMANDS = {"demo": (_demo, "SmolLM2-135M under every registered scheme: perplexity, top-1 agreement, bytes, tokens/s"),
-            "bench": (_bench, "kernel benchmarks (W4A16 against XLA); needs a GPU"),
+            "bench": (_bench, "benchmarks (w4a16, gemm8, attention, insert, decode, gptq, moe) timed on a CUDA "
+                              "GPU; on CPU only plumbing checks: --interpret (w4a16, gemm8), --allow-cpu "
+                              "(decode, gptq, moe)"),
             "ledger": (_ledger, "memory account: codes, scales, float tensors, KV cache, sequences a budget fits"),
             "calibrate": (_calibrate, "SmolLM2-135M with GPTQ, AWQ, SmoothQuant or RTN (optionally Hadamard-rotated) "
                                       "from real text: perplexity, the quality table, a checkpoint"),

@@ -70,15 +70,19 @@ def run(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="jquant demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per evaluation row (default %(default)s)")
     parser.add_argument("--num-seqs", type=int, default=4, help="rows of --seq-len tokens (default 4×512 = 2048)")
     parser.add_argument("--schemes", default="",
-                        help="comma-separated subset of the registered schemes (none: only the KV table)")
-    parser.add_argument("--max-new-tokens", type=int, default=40)
+                        help="comma-separated subset of the registered schemes (default: all of them; none: "
+                             "no quantized scheme, so only the float32 row of the weight table, the calibration "
+                             "summary and any --kv-cache-dtypes table)")
+    parser.add_argument("--max-new-tokens", type=int, default=40,
+                        help="tokens the best 4-bit scheme generates after the prompt (default %(default)s)")
     parser.add_argument("--kv-cache-dtypes", default="",
                         help="also evaluate the float model with a paged KV cache of each of these vLLM "
-                             "kv_cache_dtypes (all: every one) on --kv-seq-len-token rows")
-    parser.add_argument("--kv-seq-len", type=int, default=1024)
+                             "kv_cache_dtypes (all: every one) on 2 rows of --kv-seq-len tokens")
+    parser.add_argument("--kv-seq-len", type=int, default=1024,
+                        help="tokens per row of the KV cache evaluation (default %(default)s)")
     args = parser.parse_args(argv)
     names = [] if args.schemes == "none" else [s for s in args.schemes.split(",") if s] or list(schemes())
     unknown = [n for n in names if n not in schemes()]

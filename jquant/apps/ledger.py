@@ -38,6 +38,14 @@ class WeightLedger:
     def bits_per_quantized_weight(self) -> float:
         return 8 * (self.codes + self.metadata) / max(self.quantized_params, 1)
 
+    @property
+    def bits_per_weight(self) -> float:
+        """``bits_per_quantized_weight``; with nothing quantized, the float tensors' bits per weight (32 for
+        float32), so an unquantized model's row shows what its weights cost rather than 0."""
+        if self.quantized_params:
+            return self.bits_per_quantized_weight
+        return 8 * self.float_params / max(self.float_param_count, 1)
+
 
 def _nbytes(leaf) -> int:
     return int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
@@ -132,7 +140,7 @@ def format_table(rows: list[ServingLedger | NotApplicable], budget_bytes: int | 
         w = r.weights
         line = (f"{r.name:<24}{w.codes / mib:>11.2f}{w.metadata / mib:>12.2f}{w.float_params / mib:>11.2f}"
                 f"{w.total / mib:>13.2f}{r.kv_cache / mib:>10.2f}{r.total / mib:>11.2f}"
-                f"{w.bits_per_quantized_weight:>8.2f}")
+                f"{w.bits_per_weight:>8.2f}")
         if budget_bytes:
             n = r.max_sequences(budget_bytes)
             line += f"{n:>10d}" + (f"{n / base:>8.2f}x" if base else f"{'-':>9}")   # no base sequence fits

@@ -79,7 +79,18 @@ def _path_key(path) -> str:
 def save_quantized(directory: str | os.PathLike, params: Any) -> None:
     """Saves a tree of arrays, QTensors, QParams (whose weights hold QTensors) and QExperts (MoE expert
     stacks: codes, scales, per-expert global scales, scheme) with orbax; a stack whose arrays disagree
-    with its metadata (``check_stack_arrays``) is refused, naming the parameter."""
+    with its metadata (``check_stack_arrays``) is refused, naming the parameter. ``restore_quantized``
+    shows a round trip.
+
+    Examples:
+      >>> import os, tempfile, numpy as np
+      >>> from jquant.flax import quantize_params, save_quantized
+      >>> qparams, _ = quantize_params({"dense": {"kernel": np.ones((64, 32), np.float32)}}, "int8_ch")
+      >>> directory = tempfile.mkdtemp() + "/checkpoint"
+      >>> save_quantized(directory, qparams)
+      >>> {"arrays", "structure"} <= set(os.listdir(directory))   # orbax's items: the arrays, the tree
+      True
+    """
     import orbax.checkpoint as ocp
 
     arrays: dict[str, np.ndarray] = {}
@@ -119,15 +130,32 @@ def save_quantized(directory: str | os.PathLike, params: Any) -> None:
 def restore_quantized(directory: str | os.PathLike, *, prepare: bool = True) -> Any:
     """Rebuilds what ``save_quantized`` wrote; QParams are re-prepared for this device when ``prepare``
     (QExperts come back as saved: stacks have no prepared layout yet). A stored stack that no longer fits
-    its metadata or scheme raises a ValueError naming the parameter."""
+    its metadata or scheme raises a ValueError naming the parameter, a metadata file that is not JSON
+    (a directory save_quantized did not write, or a damaged one) a ValueError naming the file.
+
+    Examples:
+      >>> import tempfile, jax.numpy as jnp, numpy as np
+      >>> from jquant.flax import quantize_params, restore_quantized, save_quantized
+      >>> params = {"dense": {"kernel": np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)}}
+      >>> qparams, _ = quantize_params(params, "int4_g32")
+      >>> directory = tempfile.mkdtemp() + "/checkpoint"
+      >>> save_quantized(directory, qparams)
+      >>> back = restore_quantized(directory)["dense"]["kernel"]
+      >>> back.scheme.name, bool(jnp.array_equal(back.qtensor.data, qparams["dense"]["kernel"].qtensor.data))
+      ('int4_g32', True)
+    """
     import orbax.checkpoint as ocp
 
     path = pathlib.Path(directory).absolute()
     if not path.exists():
         raise ValueError(f"no checkpoint at {str(path)!r}")
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
-        restored = ckpt.restore(path, ocp.args.Composite(arrays=ocp.args.StandardRestore(),
-                                                         structure=ocp.args.JsonRestore()))
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
+            restored = ckpt.restore(path, ocp.args.Composite(arrays=ocp.args.StandardRestore(),
+                                                             structure=ocp.args.JsonRestore()))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:   # orbax's own error names no file
+        raise ValueError(f"{_unreadable_metadata(path)} is not valid JSON ({e}): {str(path)!r} is not a "
+                         "checkpoint that save_quantized wrote, or it is damaged") from e
     arrays, structure = restored["arrays"], restored["structure"]
 
     def build(key):
@@ -149,6 +177,17 @@ def restore_quantized(directory: str | os.PathLike, *, prepare: bool = True) -> 
                       node.get("input_rotation"))
 
     return _map_skeleton(structure["skeleton"], build)
+
+
+def _unreadable_metadata(path: pathlib.Path) -> str:
+    """The first of orbax's metadata files under ``path`` (``_CHECKPOINT_METADATA``, ``structure/metadata``,
+    ``arrays/_METADATA``, ...) that is not JSON, quoted; else the directory."""
+    for file in sorted(path.glob("**/*metadata", case_sensitive=False)):
+        try:
+            json.loads(file.read_bytes())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return repr(str(file))
+    return f"a metadata file under {str(path)!r}"
 
 
 def _map_skeleton(node, fn: Callable[[str], Any]):

@@ -62,6 +62,12 @@ class QParam:
             x = hadamard.hadamard_blocks(x, self.input_rotation).astype(x.dtype)
         return self.scheme.apply(x, self.weight, bias, input_scale=self.input_scale)
 
+    def __jax_array__(self):
+        # jnp.asarray calls this where a plain Dense meets a QParam (a linen model.apply on quantized params,
+        # whose kernel shape matched); without it the error is "float() argument must be ... not 'QParam'".
+        raise TypeError(f"this is a quantized parameter (QParam of scheme {self.scheme.name!r}), not an array; run "
+                        "the model with jquant.flax.quantized_apply or inside jquant.flax.intercept_quantized()")
+
 
 jax.tree_util.register_dataclass(QParam, data_fields=["weight", "input_scale"],
                                  meta_fields=["scheme", "input_rotation"])

@@ -1,6 +1,8 @@
 """Layer-by-layer calibration plumbing: each group of projections gets the inputs it sees under the
 weights quantized before it, and round-to-nearest through it equals quantize_params."""
 
+import json
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -102,7 +104,11 @@ def test_a_calibrated_model_saves_as_a_gptq_checkpoint_and_loads_back(params, tm
     ids = _ids(rows=4, length=16)
     quantized = calibrate_llama(model, params, ids, gptq_group(scheme_from_config(config), act_order=True),
                                 progress=False)
-    save_hf_checkpoint(quantized, tmp_path, quantization_config=config)
+    assert config["checkpoint_format"] == "gptq_v2"   # asymmetric: zero points as they are (v1 cannot hold 0)
+    save_hf_checkpoint(quantized, tmp_path, quantization_config=config, model_config=CONFIG.to_hf_config())
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["architectures"] == ["LlamaForCausalLM"] and written["quantization_config"] == config
+    assert written["num_key_value_heads"] == CONFIG.num_kv_heads
     loaded = load_hf_checkpoint(tmp_path, params, prepare=False)
     want, _ = quantized_apply(model, {"params": quantized}, ids)
     got, _ = quantized_apply(model, {"params": loaded}, ids)

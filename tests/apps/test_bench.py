@@ -167,7 +167,25 @@ def test_gptq_layer_bench_runs_the_plumbing_on_cpu(tmp_path, capsys):
     assert record["shapes"]["down_proj"] == [896, 256] and set(record["per_projection_s"]) == {
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert record["total_s"] > 0 and "device" in record and "commit" in record
-    assert "| int4_g128 | True | 4 × 32 |" in (tmp_path / "gptq.md").read_text()
+    markdown = (tmp_path / "gptq.md").read_text()
+    assert "| int4_g128 | True | 4 × 32 |" in markdown and "7 projections, every dimension shrunk 16×" in markdown
     import pytest
     with pytest.raises(SystemExit):
         bench_cli.main(["gptq", "--shrink", "3"])
+
+
+def test_gptq_markdown_names_no_shrink_for_the_full_layer():
+    from jquant.algorithms import bench
+
+    record = dict(scheme="int4_g128", act_order=True, rows=128, seq_len=2048, hessian_s=1.0, gptq_s=2.0,
+                  total_s=3.0, per_projection_s={"q_proj": 0.5}, shapes=bench.PROJECTIONS)
+    assert "shrunk" not in bench.to_markdown([record])
+
+
+@pytest.mark.parametrize("argv", [["--rows", "4"], ["--rows", "12", "--batch-rows", "8"], ["--batch-rows", "0"]])
+def test_gptq_bench_refuses_rows_that_are_not_whole_batches(argv, capsys):
+    from jquant.apps import bench as bench_cli
+
+    with pytest.raises(SystemExit) as e:
+        bench_cli.main(["gptq", "--allow-cpu", *argv])
+    assert e.value.code == 2 and "--rows must be a positive multiple of --batch-rows" in capsys.readouterr().err

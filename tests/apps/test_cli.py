@@ -66,6 +66,25 @@ def test_help_lists_the_commands_and_exits_0(capsys):
     assert code == 0 and all(name in out.out for name in ("demo", "bench", "ledger"))
 
 
+def test_help_texts_say_what_the_commands_and_options_do(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "400")   # argparse wraps no phrase checked here
+    out = _exit_code(["--help"], capsys)[1].out
+    bench = next(line for line in out.splitlines() if line.strip().startswith("bench "))
+    assert all(name in bench for name in ("w4a16", "gemm8", "attention", "insert", "decode", "gptq", "moe"))
+    assert "--interpret (w4a16, gemm8), --allow-cpu (decode, gptq, moe)" in bench and "needs a GPU" not in bench
+    out = _exit_code(["demo", "--help"], capsys)[1].out
+    assert "--kv-seq-len-token" not in out and "on 2 rows of --kv-seq-len tokens" in out
+    assert all(f"(default {n})" in out for n in (512, 40, 1024))   # --seq-len, --max-new-tokens, --kv-seq-len
+    assert "none: no quantized scheme, so only the float32 row of the weight table" in out
+    out = _exit_code(["ledger", "--help"], capsys)[1].out
+    assert all(text in out for text in ("(default int8_ch,fp8_e4m3_channel,", "KV cache holds (default 8)",
+                                        "(default 8192)", "(default bf16)", "(default 1024.0)"))
+    out = _exit_code(["bench", "w4a16", "--help"], capsys)[1].out
+    assert "add --impls scheme,mgpu to include the Pallas kernel" in out
+    out = _exit_code(["bench", "gemm8", "--help"], capsys)[1].out
+    assert "the forced kernel (the mgpu rows) in interpret mode" in out
+
+
 def test_version(capsys):
     from importlib.metadata import version
 
@@ -152,6 +171,9 @@ def test_demo_kv_table(tiny_model, capsys):
                    "--seq-len", "16", "--num-seqs", "2", "--max-new-tokens", "2"])
     out = capsys.readouterr().out
     assert rc == 0
+    # --schemes none, as its help says: the weight table keeps its float32 row, with no scheme under it.
+    weights = out.split("\n\n")[0].splitlines()
+    assert weights[-1].startswith("float32 (unquantized)") and weights[-2].startswith("-")
     rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
     assert set(rows) >= {"bf16", "int8_per_token_head", "fp8_e4m3"}
     # One layer of one KV head of 32: bf16 128 bytes a token, int8 + a float32 scale per token-head 72.
@@ -179,3 +201,20 @@ def test_calibrate_refuses_bad_options_before_loading_anything(capsys):
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--group-size", "128"], "--group-size 128 does not divide the input size K of these weights: "
+                              "K = 64 (gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj); use a group size "
+                              "dividing every K (64, 128), e.g. --group-size 64 or -1"),
+    (["--group-size", "48"], "K = 64 (gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj); K = 128 (down_proj); "
+                             "use a group size dividing every K (64, 128), e.g. --group-size 32 or -1"),
+    (["--method", "awq", "--asym", "--group-size", "128"], "e.g. --group-size 64\n"),   # AWQ refuses -1
+    (["--scheme", "int4_g128"], "--scheme int4_g128 (groups of 128) does not divide"),
+    (["--scheme", "fp8_e4m3_block128x128"], "cannot be quantized with scheme 'fp8_e4m3_block128x128'"),
+])
+def test_calibrate_refuses_a_group_that_does_not_divide_k_before_reading_text(argv, message, tiny_model,
+                                                                                monkeypatch, capsys):
+    monkeypatch.setattr(jquant.apps.data, "britannica_text", lambda: pytest.fail("read the text"))
+    code, out = _exit_code(["calibrate", *argv], capsys)
+    assert code == 2 and message in out.err and "Traceback" not in out.err

@@ -21,6 +21,18 @@ def test_float_params_are_all_float_bytes():
     assert led.float_params == 4 * (100 * 256 + 256 * 512 + 512 + 512 * 256)
 
 
+def test_an_unquantized_row_shows_its_float_bits_per_weight():
+    params = _params()
+    kw = dict(num_layers=1, num_kv_heads=1, head_dim=64, batch=1, context=16)
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    q, _ = quantize_params(params, "int4_g128", prepare=False)
+    assert weight_ledger(params).bits_per_weight == 32 and weight_ledger(half).bits_per_weight == 16
+    assert weight_ledger(q).bits_per_weight == weight_ledger(q).bits_per_quantized_weight
+    table = format_table([serving_ledger("float32", params, **kw), serving_ledger("int4", q, **kw)])
+    float_row, int4_row = table.splitlines()[2:]
+    assert float_row.split()[-1] == "32.00" and int4_row.split()[-1] == f"{4 + 16 / 128:.2f}"
+
+
 def test_quantized_ledger_matches_the_pytree_bytes():
     q, _ = quantize_params(_params(), "int4_g128", prepare=False)
     led = weight_ledger(q)

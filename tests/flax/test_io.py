@@ -50,6 +50,17 @@ def test_restore_missing_directory(tmp_path):
         restore_quantized(tmp_path / "nope")
 
 
+@pytest.mark.parametrize("damaged", ["structure/metadata", "arrays/_METADATA"])
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00 not text", b"not json {"])
+def test_restore_names_a_metadata_file_that_is_not_json(tmp_path, damaged, content):
+    qparams, _ = quantize_params(_params(), RULES, prepare=False)
+    save_quantized(tmp_path / "ckpt", qparams)
+    (tmp_path / "ckpt" / damaged).write_bytes(content)
+    with pytest.raises(ValueError, match="is not a checkpoint that save_quantized wrote") as e:
+        restore_quantized(tmp_path / "ckpt")
+    assert str(e.value).startswith(repr(str(tmp_path / "ckpt" / damaged)) + " is not valid JSON")
+
+
 def test_safetensors_export_in_gptq_layout(tmp_path):
     from jquant.checkpoint.safetensors_file import load_file
 

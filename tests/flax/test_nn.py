@@ -152,3 +152,13 @@ def test_static_scheme_input_scale_rides_in_the_qparam():
     assert _rel_err(out, model.apply({"params": params}, ids)) < 0.1
     leaves = jax.tree_util.tree_leaves(prepared["up_proj"]["kernel"])
     assert any(leaf.shape == () and leaf.dtype == jnp.float32 for leaf in leaves)  # an array leaf, not static
+
+
+def test_plain_linen_apply_on_quantized_params_says_to_use_quantized_apply():
+    model = nn.Dense(64)   # square: Flax's shape check passes and the Dense reaches jnp.asarray(kernel)
+    x = jnp.ones((2, 64))
+    qparams, _ = quantize_params(model.init(jax.random.key(0), x)["params"], "int8_ch")
+    with pytest.raises(TypeError, match=r"quantized parameter \(QParam of scheme 'int8_ch'\).*quantized_apply "
+                                        r"or inside jquant.flax.intercept_quantized\(\)"):
+        model.apply({"params": qparams}, x)
+    assert quantized_apply(model, {"params": qparams}, x).shape == (2, 64)
