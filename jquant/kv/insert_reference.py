@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jquant.kv import scalar, turboquant
-from jquant.kv.paged import PagedKVCache, slots_for, validate_append
+from jquant.kv.paged import PagedKVCache, token_slots, validate_append
 
 
 def _scatter(arr, slots, new):
@@ -86,6 +86,8 @@ def append_reference(cache: PagedKVCache, k_new, v_new, block_tables, lengths, *
     """
     if validate and not any(isinstance(x, jax.core.Tracer) for x in (block_tables, lengths)):
         validate_append(block_tables, lengths, 1, cache.num_pages, cache.page_size)
-    b = jnp.arange(k_new.shape[0])
-    slots = slots_for(jnp.asarray(block_tables), b, jnp.asarray(lengths), cache.page_size)
-    return insert_reference(cache, k_new, v_new, slots), jnp.asarray(lengths) + 1
+    lengths = jnp.asarray(lengths)
+    # Under jit a full sequence or a negative length must not write (a clamped or wrapped slot holds
+    # this sequence's own earlier tokens): token_slots gives -1, which insert_reference drops.
+    slots = token_slots(jnp.asarray(block_tables), lengths[:, None], cache.page_size)[:, 0]
+    return insert_reference(cache, k_new, v_new, slots), lengths + 1

@@ -79,6 +79,11 @@ def allocate(kv_cache_dtype: str | KVCacheSpec, num_pages: int, page_size: int, 
         turboquant.check_head_dim(head_dim)
     if min(num_pages, page_size, kv_heads, head_dim) <= 0:
         raise ValueError("num_pages, page_size, kv_heads and head_dim must be positive")
+    if spec.kind == "per_tensor":   # codes · scale: 0 zeroes the cache, NaN / Inf poison it (vLLM asserts > 0)
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            scale = np.asarray(value, np.float64)
+            if scale.size != 1 or not np.isfinite(scale).all() or not (scale > 0).all():
+                raise ValueError(f"{name} must be one positive finite float (a per-tensor scale), got {value!r}")
     lead = (num_pages, page_size, kv_heads)
     kd, kdt = _last_dim(spec.key_format, spec.key_bits, head_dim)
     vd, vdt = _last_dim(spec.value_format, spec.value_bits, head_dim)
@@ -112,6 +117,25 @@ def slots_for(block_tables, seq_ids, positions, page_size: int):
     return page * page_size + positions % page_size
 
 
+def token_slots(block_tables: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
+    """Flat slots ``[B, T]`` of tokens at ``positions [B, T]`` (traceable), -1 (not written) for a position
+    outside a sequence's pages: past its last page, or negative (a negative length), so no lookup is
+    clamped or wrapped into a page that holds other tokens.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jquant.kv import token_slots
+      >>> block_tables = jnp.array([[2, 0]], jnp.int32)   # pages of 4: sequence 0 owns pages 2 then 0
+      >>> token_slots(block_tables, jnp.array([[5, 8, -1]]), 4).tolist()   # page 0 slot 1; past; negative
+      [[1, -1, -1]]
+    """
+    max_pages = block_tables.shape[1]
+    page_idx = positions // page_size
+    page = jnp.take_along_axis(block_tables, jnp.clip(page_idx, 0, max_pages - 1), axis=1)
+    inside = (positions >= 0) & (page_idx < max_pages)
+    return jnp.where(inside, page * page_size + positions % page_size, -1)
+
+
 def validate_append(block_tables, lengths, num_new, num_pages: int, page_size: int) -> None:
     """Eager check before appending num_new[b] tokens to each sequence b (concrete arrays).
 
@@ -138,19 +162,25 @@ def validate_append(block_tables, lengths, num_new, num_pages: int, page_size: i
         raise ValueError(f"block_tables must be [batch, max_pages] and lengths [batch]; got "
                          f"{bt.shape}, {ln.shape}")
     if (ln < 0).any() or (nn < 0).any():
-        raise ValueError("lengths and new token counts must be non-negative")
+        b = int(np.argmax((ln < 0) | (nn < 0)))
+        raise ValueError(f"lengths and new token counts must be non-negative; sequence {b} has length {ln[b]} "
+                         f"and {nn[b]} new tokens")
     end = ln + nn
     cap = bt.shape[1] * page_size
     if (end > cap).any():
         b = int(np.argmax(end > cap))
         raise ValueError(f"sequence {b} would hold {end[b]} tokens, past its {cap} slots "
                          f"({bt.shape[1]} pages x {page_size})")
-    used_pages = -(-end // page_size)
-    owner: dict[int, int] = {}
-    for b in range(bt.shape[0]):
-        for p in bt[b, : used_pages[b]]:
-            if not 0 <= p < num_pages:
-                raise ValueError(f"block table of sequence {b} points at page {p}, outside the "
-                                 f"pool of {num_pages} pages")
-            if owner.setdefault(int(p), b) != b:
-                raise ValueError(f"page {p} is owned by sequences {owner[int(p)]} and {b}")
+    used = np.arange(bt.shape[1])[None, :] < -(-end // page_size)[:, None]   # [B, max_pages]: pages in use
+    outside = used & ((bt < 0) | (bt >= num_pages))
+    if outside.any():
+        b, j = (int(i) for i in np.argwhere(outside)[0])
+        raise ValueError(f"block table of sequence {b} points at page {bt[b, j]}, outside the "
+                         f"pool of {num_pages} pages")
+    seqs, pages = np.nonzero(used)
+    order = np.lexsort((seqs, bt[seqs, pages]))   # by page, then sequence
+    page_sorted, seq_sorted = bt[seqs, pages][order], seqs[order]
+    shared = (page_sorted[1:] == page_sorted[:-1]) & (seq_sorted[1:] != seq_sorted[:-1])
+    if shared.any():
+        i = int(np.argmax(shared))
+        raise ValueError(f"page {page_sorted[i]} is owned by sequences {seq_sorted[i]} and {seq_sorted[i + 1]}")

@@ -15,16 +15,7 @@ import jax.numpy as jnp
 from jquant.kernels import kv_insert
 from jquant.kernels.decode_attention import cache_decode_attention
 from jquant.kv.attention_reference import dequantize_keys, dequantize_values
-from jquant.kv.paged import PagedKVCache
-
-
-def new_token_slots(block_tables: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
-    """Flat slots ``[B, T]`` of tokens at ``positions [B, T]``; -1 (not written) past a sequence's
-    pages, so an overflowing sequence never writes into a page the clamped table lookup would hit."""
-    max_pages = block_tables.shape[1]
-    page_idx = positions // page_size
-    page = jnp.take_along_axis(block_tables, jnp.clip(page_idx, 0, max_pages - 1), axis=1)
-    return jnp.where(page_idx < max_pages, page * page_size + positions % page_size, -1)
+from jquant.kv.paged import PagedKVCache, token_slots, validate_append
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: PagedKVCache, block_tables: jax.Array,
@@ -33,12 +24,20 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: PagedKVCach
     attends ``q [B, T, Hq, D]`` over each sequence's context. Returns ``([B, T, Hq, D], layer)``.
 
     ``gqa_fn(q, k, v, mask)`` is the model's dense grouped-query attention (used for T > 1).
-    A sequence whose new tokens do not fit its pages gets NaN outputs: nothing is written past its
-    pages, and its answer must not look valid.
+
+    Bad tables and lengths: with concrete ``block_tables`` and ``lengths`` (eager), ``validate_append``
+    raises before anything is written (a sequence past its pages, a negative length, a used page
+    outside the pool, a page two sequences own). Under jit nothing can raise: a token outside its
+    sequence's pages (past the last, or at a negative position) is not written, and a sequence whose new
+    tokens do not fit, whose length is negative or whose used pages lie outside the pool gets NaN
+    outputs, as its answer must not look valid. Two sequences sharing a page are not detected under jit.
     """
     batch, t, hq, d = q.shape
     hkv = k.shape[2]
-    slots = new_token_slots(block_tables, positions, layer.page_size)
+    if not any(isinstance(a, jax.core.Tracer) for a in (block_tables, lengths)):
+        validate_append(block_tables, lengths, t, layer.num_pages, layer.page_size)
+    # A sequence of negative length writes nothing, even where its positions reach 0 (its own stored tokens).
+    slots = jnp.where((lengths >= 0)[:, None], token_slots(block_tables, positions, layer.page_size), -1)
     layer = kv_insert.insert(layer, k.reshape(batch * t, hkv, d), v.reshape(batch * t, hkv, d),
                              slots.reshape(-1))
     total = lengths + t
@@ -54,8 +53,11 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: PagedKVCach
         values = jnp.where((key_pos[None, :] < total[:, None])[:, :, None, None], values, 0)
         mask = key_pos[None, None, :] <= positions[:, :, None]          # [B, T, L]
         out = gqa_fn(q, keys, values, mask[:, None, None])
-    overflow = total > _capacity(layer, block_tables)
-    return jnp.where(overflow[:, None, None, None], jnp.nan, out).astype(q.dtype), layer
+    capacity = _capacity(layer, block_tables)
+    used = jnp.arange(block_tables.shape[1])[None, :] < -(-jnp.minimum(total, capacity) // layer.page_size)[:, None]
+    outside = jnp.any(used & ((block_tables < 0) | (block_tables >= layer.num_pages)), axis=1)
+    invalid = (total > capacity) | (lengths < 0) | outside
+    return jnp.where(invalid[:, None, None, None], jnp.nan, out).astype(q.dtype), layer
 
 
 def _capacity(layer: PagedKVCache, block_tables: jax.Array) -> int:

@@ -1,3 +1,6 @@
+import functools
+
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -155,6 +158,27 @@ def test_bad_tables_raise_before_write():
     cache = allocate("int8_per_token_head", 2, 4, 1, 8)
     with pytest.raises(ValueError):
         append_reference(cache, jnp.ones((1, 1, 8)), jnp.ones((1, 1, 8)), np.asarray([[5]]), [0])
+
+
+def test_jit_append_at_a_full_or_negative_length_writes_nothing():
+    """Under jit nothing can raise: a full sequence's next slot (clamped) and a negative length's (wrapped)
+    are its own stored tokens, so neither is written."""
+    cache = allocate("int8_per_token_head", 2, 4, 1, 8)
+    full = jnp.arange(4 * 8, dtype=jnp.float32).reshape(4, 1, 8) + 1.0
+    cache = insert_reference(cache, full, full, jnp.arange(4))   # sequence 0 owns page 0, now full
+    append = jax.jit(functools.partial(append_reference, validate=False))
+    for length in (4, -1):
+        new = jnp.full((1, 1, 8), -7.0)
+        out, _ = append(cache, new, new, jnp.asarray([[0]], jnp.int32), jnp.asarray([length], jnp.int32))
+        chex.assert_trees_all_equal(out, cache)
+
+
+def test_per_tensor_scales_must_be_positive_and_finite():
+    for bad in (0.0, float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="k_scale must be one positive finite float"):
+            allocate("fp8", 2, 4, 1, 16, k_scale=bad)
+    with pytest.raises(ValueError, match="v_scale must be one positive finite float"):
+        allocate("fp8_e5m2", 2, 4, 1, 16, v_scale=0.0)
 
 
 def test_jit_out_of_range_slot_dropped_and_nan_is_loud():

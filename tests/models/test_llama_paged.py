@@ -105,14 +105,53 @@ def test_ragged_batch_continues_each_sequence_at_its_own_length(params):
     np.testing.assert_array_equal(np.asarray(cache.lengths), [6, 10])
 
 
-def test_overflow_is_nan_and_writes_nothing(params):
+def _same_pages(before, after):
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        bits = lambda a: np.atleast_1d(np.asarray(a)).view(np.uint8)
+        np.testing.assert_array_equal(bits(x), bits(y))
+
+
+def test_overflow_raises_eagerly_and_is_nan_under_jit_writing_nothing(params):
     cache = new_cache(MODEL, 2, 8, "fp8_per_token_head", page_size=4)
     _, cache = MODEL.apply(params, _ids(2, 8, 6), cache)
     before = jax.tree.map(np.asarray, cache.layers)
-    logits, after = MODEL.apply(params, _ids(2, 1, 7), cache)
+    with pytest.raises(ValueError, match=r"sequence 0 would hold 9 tokens, past its 8 slots"):
+        MODEL.apply(params, _ids(2, 1, 7), cache)
+    logits, after = jax.jit(MODEL.apply)(params, _ids(2, 1, 7), cache)
     assert np.isnan(np.asarray(logits)).all()
-    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after.layers)):
-        np.testing.assert_array_equal(x, np.asarray(y))
+    _same_pages(before, after.layers)
+
+
+def _with(cache, block_tables=None, lengths=None):
+    return PagedCache(cache.layers, jnp.asarray(cache.block_tables if block_tables is None else block_tables, jnp.int32),
+                      jnp.asarray(cache.lengths if lengths is None else lengths, jnp.int32))
+
+
+@pytest.mark.parametrize("new_tokens", [1, 3])   # the decode and the prefill path
+def test_bad_tables_and_lengths_raise_before_any_write(params, new_tokens):
+    cache = new_cache(MODEL, 2, 16, "int8_per_token_head", page_size=8)   # sequence b owns pages 2b, 2b + 1
+    _, cache = MODEL.apply(params, _ids(2, 5, 9), cache)
+    ids = _ids(2, new_tokens, 10)
+    bt = np.asarray(cache.block_tables)
+    for bad, match in (
+            (_with(cache, lengths=[5, -2]), r"non-negative; sequence 1 has length -2"),
+            (_with(cache, block_tables=np.stack([bt[0], [bt[0, 0], 3]])), r"page 0 is owned by sequences 0 and 1"),
+            (_with(cache, block_tables=np.stack([bt[0], [9, 3]])), r"sequence 1 points at page 9, outside the pool")):
+        with pytest.raises(ValueError, match=match):
+            MODEL.apply(params, ids, bad)
+
+
+def test_under_jit_a_negative_length_or_an_outside_page_is_nan_and_spares_the_cache(params):
+    cache = new_cache(MODEL, 2, 16, "int8_per_token_head", page_size=8)   # sequence 1 owns pages 2 and 3
+    _, cache = MODEL.apply(params, _ids(2, 5, 9), cache)
+    step = jax.jit(MODEL.apply)
+    bt = np.asarray(cache.block_tables)
+    for bad in (_with(cache, lengths=[5, -2]), _with(cache, block_tables=np.stack([bt[0], [9, 3]]))):
+        for new_tokens in (1, 3):   # -2 + 3 tokens reaches position 0: still not written
+            logits, after = step(params, _ids(2, new_tokens, 10), bad)
+            assert np.isnan(np.asarray(logits[1])).all() and np.isfinite(np.asarray(logits[0])).all()
+            _same_pages([np.asarray(x)[bt[1]] for x in jax.tree.leaves(cache.layers) if np.ndim(x) >= 3],
+                        [np.asarray(y)[bt[1]] for y in jax.tree.leaves(after.layers) if np.ndim(y) >= 3])
 
 
 def test_generate_with_a_quantized_cache(params):
