@@ -104,6 +104,8 @@ class PagedCache:
         if min(num_layers, batch, max_len, page_size) <= 0:
             raise ValueError(f"num_layers, batch, max_len and page_size must be positive; got "
                              f"{num_layers}, {batch}, {max_len}, {page_size}")
+        if head_dim % 16:   # the decode-attention kernel's dot tiles: refused here, not at the first decode step
+            raise ValueError(f"head_dim must be a multiple of 16 for a model's paged cache, got {head_dim}")
         skip = default_skip_layers(spec.name, num_layers) if skip_layers is None else tuple(skip_layers)
         bad = [i for i in skip if not 0 <= i < num_layers]
         if bad:

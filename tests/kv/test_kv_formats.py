@@ -173,6 +173,14 @@ def test_jit_append_at_a_full_or_negative_length_writes_nothing():
         chex.assert_trees_all_equal(out, cache)
 
 
+def test_head_dims_the_decode_kernel_cannot_tile_are_refused_at_allocation():
+    from jquant.kv import PagedCache
+
+    for name in ("bf16", "fp8", "int8_per_token_head"):
+        with pytest.raises(ValueError, match="head_dim must be a multiple of 16 for a model's paged cache, got 24"):
+            PagedCache.allocate(name, num_layers=1, batch=1, max_len=8, kv_heads=1, head_dim=24)
+
+
 def test_per_tensor_scales_must_be_positive_and_finite():
     for bad in (0.0, float("nan"), float("inf"), -1.0):
         with pytest.raises(ValueError, match="k_scale must be one positive finite float"):
