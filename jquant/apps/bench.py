@@ -161,7 +161,6 @@ def main(argv=None) -> int:
 
 
 def _moe(parser, args) -> int:
-    from jquant.bench.records import write_records
     from jquant.kernels.moe import bench
     from jquant.schemes import dispatch
     from jquant.schemes.scheme import schemes as registered   # filled by import jquant
@@ -183,13 +182,20 @@ def _moe(parser, args) -> int:
     shapes = [bench.SHAPES[n].tiny() if args.shrink else bench.SHAPES[n] for n in names]
     if args.tp:
         return _moe_split(args, shapes, tokens, formats)
-    written = []   # the files are rewritten after every cell: a run cut short keeps its rows
-    records = bench.run(shapes, tokens, formats, reps=args.reps, cpu=not dispatch.is_gpu(),
-                        profile_dir=args.profile,
-                        on_records=lambda recs: written.append(write_records(recs, args.out, "moe",
-                                                                             bench.to_markdown)))
+    return _write_as_it_runs("moe", args.out, "moe", bench.to_markdown, lambda on_records: bench.run(
+        shapes, tokens, formats, reps=args.reps, cpu=not dispatch.is_gpu(), profile_dir=args.profile,
+        on_records=on_records))
+
+
+def _write_as_it_runs(what: str, out: str, name: str, to_markdown, run) -> int:
+    """``run(on_records)``, whose records are rewritten to ``out/name.{json,md}`` after every cell (a run
+    cut short keeps its rows); 1 when no cell ran."""
+    from jquant.bench.records import write_records
+
+    written = []
+    records = run(lambda recs: written.append(write_records(recs, out, name, to_markdown)))
     if not records:
-        print("jquant bench moe: no cell ran (see the FAILED lines above)", file=sys.stderr)
+        print(f"jquant bench {what}: no cell ran (see the FAILED lines above)", file=sys.stderr)
         return 1
     js, md = written[-1]
     print(f"wrote {js} and {md}")
@@ -212,22 +218,14 @@ def _check_tp(parser, args) -> None:
 
 
 def _moe_split(args, shapes, tokens, formats) -> int:
-    from jquant.bench.records import write_records
     from jquant.kernels.moe import bench_split
     from jquant.schemes import dispatch
 
-    written = []
-    records = bench_split.run_split(
-        shapes, tokens, formats, tps=args.tp, modes=tuple(args.tp_modes.split(",")),
-        collectives=("psum", "fp8") if args.fp8_collectives else ("psum",), reps=args.reps,
-        cpu=not dispatch.is_gpu(),
-        on_records=lambda recs: written.append(write_records(recs, args.out, "moe_tp", bench_split.to_markdown)))
-    if not records:
-        print("jquant bench moe --tp: no cell ran (see the FAILED lines above)", file=sys.stderr)
-        return 1
-    js, md = written[-1]
-    print(f"wrote {js} and {md}")
-    return 0
+    return _write_as_it_runs("moe --tp", args.out, "moe_tp", bench_split.to_markdown, lambda on_records:
+                             bench_split.run_split(shapes, tokens, formats, tps=args.tp,
+                                                   modes=tuple(args.tp_modes.split(",")),
+                                                   collectives=("psum", "fp8") if args.fp8_collectives else ("psum",),
+                                                   reps=args.reps, cpu=not dispatch.is_gpu(), on_records=on_records))
 
 
 def _gptq(parser, args) -> int:

@@ -103,16 +103,12 @@ def save_hf_checkpoint(params: dict, directory, *, quantization_config: dict | N
     shows a quantized round trip.
 
     Examples:
-      >>> import json, tempfile, jax, jax.numpy as jnp
+      >>> import json, tempfile, jax.numpy as jnp
       >>> from jquant.checkpoint import save_hf_checkpoint
-      >>> from jquant.models import LlamaConfig, LlamaForCausalLM
-      >>> config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
-      ...                      num_kv_heads=1, head_dim=32, rope_theta=1e4, rms_norm_eps=1e-5,
-      ...                      max_position_embeddings=32)
-      >>> params = LlamaForCausalLM(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
-      >>> directory = save_hf_checkpoint(params, tempfile.mkdtemp(), model_config=config.to_hf_config())
-      >>> sorted(p.name for p in directory.iterdir()), json.loads((directory / "config.json").read_text())["model_type"]
-      (['config.json', 'model.safetensors'], 'llama')
+      >>> directory = save_hf_checkpoint({"final_norm": {"scale": jnp.ones(4)}}, tempfile.mkdtemp(),
+      ...                                model_config={"model_type": "llama"})   # the final norm alone
+      >>> sorted(p.name for p in directory.iterdir()), json.loads((directory / "config.json").read_text())
+      (['config.json', 'model.safetensors'], {'model_type': 'llama'})
     """
     from jquant.checkpoint.writer import save_checkpoint
 
