@@ -318,8 +318,14 @@ def ct_from_checkpoint(tensors: dict, sym: bool | None = None, bits: int | None 
     groups = scales.shape[1]
     if bits is None:
         found = [b for b in CT_BITS if packed.shape[1] == -(-k * b // 32)]
-        if len(found) != 1:
-            raise ValueError(f"{layout}: cannot infer bits from weight_packed {packed.shape} for K={k}; pass bits=")
+        if not found:
+            others = [b for b in range(1, 9) if b not in CT_BITS and packed.shape[1] == -(-k * b // 32)]
+            raise ValueError(f"{layout}: weight_packed {packed.shape} holds no 4- or 8-bit codes of K={k}"
+                             + (f" (it fits {others[0]}-bit codes, which vLLM's pack-quantized kernels do not "
+                                "take: 4 and 8 only)" if others else ""))
+        if len(found) != 1:   # a K this small packs 4 and 8 bits into the same words
+            raise ValueError(f"{layout}: weight_packed {packed.shape} fits both 4- and 8-bit codes of K={k}; "
+                             "pass bits= (the config's num_bits)")
         bits = found[0]
     elif bits not in CT_BITS:
         raise ValueError(f"{layout}: bits must be one of {CT_BITS}, got {bits!r}")

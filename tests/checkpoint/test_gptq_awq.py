@@ -287,3 +287,14 @@ def test_layouts_refuse_what_they_cannot_store():
         to_checkpoint(_qt("int4"), "gptq", checkpoint_format="v2")
     with pytest.raises(ValueError, match=r"K=8 must make whole int32 words"):
         to_checkpoint(quantize(_normal(4, (32, 8)), "int3"), "gptq")
+
+
+def test_compressed_tensors_bits_it_cannot_read_are_named():
+    base = {"weight_scale": np.ones((8, 2), np.float16), "weight_shape": np.array([8, 64], np.int64)}
+    two_bit = {**base, "weight_packed": np.zeros((8, 64 * 2 // 32), np.int32)}
+    with pytest.raises(ValueError, match=r"no 4- or 8-bit codes of K=64 \(it fits 2-bit codes.*4 and 8 only\)"):
+        from_checkpoint(two_bit, "compressed-tensors/pack-quantized")
+    one_column = {"weight_scale": np.ones((8, 1), np.float16), "weight_shape": np.array([8, 1], np.int64),
+                  "weight_packed": np.zeros((8, 1), np.int32)}
+    with pytest.raises(ValueError, match=r"fits both 4- and 8-bit codes of K=1; pass bits="):
+        from_checkpoint(one_column, "compressed-tensors/pack-quantized")
