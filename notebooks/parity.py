@@ -543,17 +543,18 @@ for case in ["sym4_g32", "asym3_g32", "sym8_g32", "act4_g32", "zero0_asym4_g32"]
     qt = from_qparams(g[f"{case}_weight"], bits, g[f"{case}_scales"], None if sym else g[f"{case}_zeros"],
                       g[f"{case}_g_idx"], axis=1, scale_dtype=jnp.float16)
     v2 = to_checkpoint(qt, "gptq", checkpoint_format="gptq_v2")
-    v1 = to_checkpoint(qt, "gptq", checkpoint_format="gptq")
     back = from_checkpoint(v2, "gptq", checkpoint_format="gptq_v2", dtype=jnp.float32)
     v2_pairs += [Pair(v2["qweight"], g[f"{case}_qweight"]), Pair(v2["qzeros"], g[f"{case}_qzeros_v2"]),
                  Pair(v2["scales"], g[f"{case}_scales_fp16"]), Pair(v2["g_idx"], g[f"{case}_g_idx"]),
                  Pair(dequantize(back, jnp.float16), g[f"{case}_dequant"])]
-    v1_pairs += [Pair(v1["qweight"], g[f"{case}_qweight"]), Pair(v1["qzeros"], g[f"{case}_qzeros_v1"])]
+    if g[f"{case}_zeros"].min() > 0:   # v1 (zero - 1) cannot hold a zero point of 0: jquant refuses to write one
+        v1 = to_checkpoint(qt, "gptq", checkpoint_format="gptq")
+        v1_pairs += [Pair(v1["qweight"], g[f"{case}_qweight"]), Pair(v1["qzeros"], g[f"{case}_qzeros_v1"])]
 record(GPTQM, "int3–int8 (GPTQ)", "checkpoint_format='gptq_v2' (act-order g_idx included)", ["gptqmodel_gptq"],
        v2_pairs)
 record(GPTQM, "int3–int8 (GPTQ)", "checkpoint_format='gptq' (v1 zero points)", ["gptqmodel_gptq"], v1_pairs,
-       note="documented: a zero point of 0 — GPTQModel's word-wide '- 1' borrows into the next field; jquant "
-            "subtracts per field (equal to GPTQModel's own per-field result, qzeros_v1_fields)")
+       note="a zero point of 0 is refused in v1 (vLLM's decoder would read it back as 16; GPTQModel's "
+            "word-wide '- 1' borrows into the next field): write gptq_v2")
 
 g = golden("gptqmodel_awq")
 pairs = []
