@@ -1,9 +1,9 @@
 """Benchmarks: a timing harness with roofline figures, and the W4A16 kernel benchmark."""
 
 from jquant.apps.bench import main
-from jquant.bench.timing import (Roofline, Timing, array_bytes, copies_for,
+from jquant.bench.timing import (Roofline, Timing, array_bytes, copies_for, device_bytes,
                                  measure_hbm_bandwidth, roofline, spread_pct, time_fn,
                                  time_interleaved, time_steadiest)
 
-__all__ = ["Roofline", "Timing", "array_bytes", "copies_for", "main", "measure_hbm_bandwidth",
+__all__ = ["Roofline", "Timing", "array_bytes", "copies_for", "device_bytes", "main", "measure_hbm_bandwidth",
            "roofline", "spread_pct", "time_fn", "time_interleaved", "time_steadiest"]

@@ -255,6 +255,19 @@ def array_bytes(*trees: Any) -> int:
                for t in trees for a in jax.tree_util.tree_leaves(t) if hasattr(a, "dtype"))
 
 
+def device_bytes(tree: Any) -> int:
+    """Bytes the first device holds of ``tree``'s arrays: its piece of a split leaf, a replicated leaf
+    whole (what one device of a tensor-parallel model reads).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jquant.bench import device_bytes
+      >>> device_bytes({"w": jnp.zeros((4, 8), jnp.bfloat16), "b": jnp.zeros(8, jnp.float32)})
+      96
+    """
+    return array_bytes([a.addressable_shards[0].data for a in jax.tree_util.tree_leaves(tree)])
+
+
 def source_commit(checkout: str | os.PathLike | None = None) -> str:
     """The commit whose code a run measured, for its records: ``$JQUANT_COMMIT`` when set (a copy of the
     code on a benchmark machine may carry a stale ``.git``), else ``git rev-parse HEAD`` of ``checkout``

@@ -26,7 +26,7 @@ import numpy as np
 
 from jquant.bench.profile import trace_steps
 from jquant.bench.records import markdown_title
-from jquant.bench.timing import array_bytes, measure_hbm_bandwidth
+from jquant.bench.timing import array_bytes, device_bytes, measure_hbm_bandwidth
 from jquant.checkpoint.hf_checkpoint import PROJECTIONS
 from jquant.kernels.decode_attention.bench import random_pages
 from jquant.kv.cache import PagedCache, token_bytes
@@ -225,11 +225,6 @@ def shrunk_llama3_8b_shape(factor: int) -> Callable[[int, int], LlamaConfig]:
     return shape
 
 
-def _device_bytes(variables) -> int:
-    """Bytes one device holds of ``variables`` (its piece of every split leaf, every replicated one whole)."""
-    return array_bytes([a.addressable_shards[0].data for a in jax.tree.leaves(variables)])
-
-
 def run_tp(num_layers: int = 8, batches: Iterable[int] = (16,), ctxs: Iterable[int] = (1024,),
            schemes: Iterable[str] = ("bf16", "int4_g128"), kv_dtypes: Iterable[str] = ("bf16",),
            tps: Iterable[int] = (1, 2, 4, 8), collectives: Iterable[str] = ("psum",), reps: int = 7,
@@ -268,7 +263,7 @@ def run_tp(num_layers: int = 8, batches: Iterable[int] = (16,), ctxs: Iterable[i
                         except Exception as e:  # a split this shape does not allow must not end the run
                             log(f"  FAILED {scheme} kv={kv} tp={tp}: {type(e).__name__}: {e}")
                             continue
-                        nbytes = _device_bytes(params) + batch * ctx * per_token // tp
+                        nbytes = device_bytes(params) + batch * ctx * per_token // tp
                         for mode in (("psum",) if tp == 1 else tuple(collectives)):
                             timed = {}
                             for local in ((False,) if tp == 1 else (False, True)):

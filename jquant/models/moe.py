@@ -198,18 +198,21 @@ class MoE(nn.Module):
             dispatch = sort_local_experts(routing.indices, first, local_e)
             local = (routing.indices >= first) & (routing.indices < first + local_e)
             weights = jnp.where(local, weights, 0.0)
+        def row_bias(bias):
+            # Each sorted row's expert bias; another device's rows (id local_e) get a zero row, so with the
+            # grouped GEMM's zero rows past the groups and activate(0, 0) = 0 they stay exactly zero.
+            bias = jnp.asarray(bias, dtype)
+            bias = bias if local_e == e else jnp.pad(bias, ((0, 1), (0, 0)))
+            return jnp.take(bias, dispatch.experts, axis=0)
+
         rows = gather_rows(x2.astype(dtype), dispatch)
         gate_up = self._project(gate_up_w, rows, dispatch.group_sizes)
         if gate_up_b is not None:
-            gate_up = gate_up + jnp.take(jnp.asarray(gate_up_b, dtype), dispatch.experts, axis=0, mode="clip")
-        if local_e != e:  # another device's rows: zero (not the clipped bias), so no activation scale sees them
-            gate_up = jnp.where((dispatch.experts < local_e)[:, None], gate_up, jnp.zeros((), gate_up.dtype))
+            gate_up = gate_up + row_bias(gate_up_b)
         hidden = activate(self.activation, gate_up[:, :i], gate_up[:, i:]).astype(dtype)
         out = self._project(down_w, hidden, dispatch.group_sizes)
         if down_b is not None:
-            out = out + jnp.take(jnp.asarray(down_b, dtype), dispatch.experts, axis=0, mode="clip")
-        if local_e != e:  # zero, not weight 0: another device's rows hold a clipped bias (0·inf would be NaN)
-            out = jnp.where((dispatch.experts < local_e)[:, None], out, jnp.zeros((), out.dtype))
+            out = out + row_bias(down_b)
         y = combine(out, dispatch, weights)
         if self.shared_expert:
             shared = SharedExpert(h, self.shared_intermediate or i, dtype=dtype, param_dtype=self.param_dtype,

@@ -287,13 +287,13 @@ def shard_moe_params(plan: MoEParallel, variables: dict) -> dict:
             piece["down_bias"] = jnp.where(jax.lax.axis_index(axis) == 0, bias, jnp.zeros((), bias.dtype))
         return piece
 
-    is_q = lambda v: isinstance(v, (QExperts, QParam))
     in_specs = (jax.tree.map(lambda a: a.sharding.spec, owned),)
     shapes = jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False), owned)
     pieces = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=_piece_specs(shapes, axis),
                                    check_vma=False))(owned)
     out = {p: v for p, v in placed.items() if p not in owned}
     for p, v in pieces.items():
-        lay_out = (lambda q, d: prepare_experts(q, d)) if isinstance(v, QExperts) else None
-        out[p] = _prepare(Sharded(v), mesh, axis, lay_out) if is_q(v) else Sharded(v)
+        quantized = isinstance(v, (QExperts, QParam))
+        out[p] = (_prepare(Sharded(v), mesh, axis, prepare_experts if isinstance(v, QExperts) else None)
+                  if quantized else Sharded(v))
     return {**variables, "params": traverse_util.unflatten_dict(out, sep="/")}

@@ -20,24 +20,12 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jquant.bench.records import markdown_title, run_meta
-from jquant.bench.timing import spread_pct, time_interleaved
+from jquant.bench.timing import device_bytes, spread_pct, time_interleaved
 from jquant.kernels.moe.api import prepare_experts
 from jquant.kernels.moe.bench import MoEShape, random_params
 from jquant.models.moe import quantize_experts
 
 MODES = ("expert", "tensor")
-
-
-def device_bytes(tree: Any) -> int:
-    """Bytes device 0 holds of ``tree`` (a split leaf's piece, a replicated leaf whole).
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> from jquant.kernels.moe.bench_split import device_bytes
-      >>> device_bytes({"w": jnp.zeros((4, 8), jnp.bfloat16), "b": jnp.zeros(8, jnp.float32)})
-      96
-    """
-    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
 
 
 def run_split(shapes: Iterable[MoEShape], tokens: Iterable[int], formats: Sequence[str] | None = None, *,
