@@ -151,13 +151,23 @@ def _record(name, batch, ctx, page_size, cfg, t, times, baselines, attempts, nby
 
 def to_markdown(records: list[dict]) -> str:
     out = [markdown_title("Decode attention benchmark", records) +
-           "| kv dtype | B | ctx | µs | byte floor µs | % floor | JAX paged bf16 µs | JAX paged fp8 µs | "
-           "XLA µs | vs JAX bf16 | spread % |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| kv dtype | B | ctx | launch | µs | byte floor µs | % floor | JAX paged bf16 µs | JAX paged fp8 µs | "
+           "XLA µs | vs JAX bf16 | spread % |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         b = r["baselines"]
         spread = max([r["spread_pct"], *r["baseline_spread_pct"].values()])
-        out.append(f"| {r['kv_dtype']} | {r['batch']} | {r['ctx']} | {r['time_us']} | {r['byte_floor_us']} | "
+        out.append(f"| {r['kv_dtype']} | {r['batch']} | {r['ctx']} | {_launch(r.get('config'))} | {r['time_us']} | "
+                   f"{r['byte_floor_us']} | "
                    f"{r['pct_of_byte_floor']} | {b.get('jax_paged_attention_bf16', '')} | "
                    f"{b.get('jax_paged_attention_fp8', '')} | {b.get('xla', '')} | "
                    f"{r.get('speedup_vs_jax_bf16', '')} | {spread} |")
     return "\n".join(out) + "\n"
+
+
+def _launch(config: dict | None) -> str:
+    """A launch config in a table cell: ``default``, or the fields a sweep sets (tokens a step, KV heads
+    a program, splits when fixed)."""
+    if not config:
+        return "default"
+    splits = f" splits {config['num_splits']}" if config.get("num_splits") else ""
+    return f"{config['block_tokens']} tok, {config.get('kv_heads_per_program', 1)} heads{splits}"
