@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 from jquant.checkpoint.hf_checkpoint import PROJECTIONS
 from jquant.flax import quantize_params, quantized_apply
-from jquant.models.bert import BertConfig, BertModel, load_bert, minilm_path, read_config, read_safetensors, tokenize
+from jquant.models.bert import BertModel, load_bert, minilm_path, read_config, read_safetensors, tokenize
 
 GOLDEN = pathlib.Path(__file__).parent / "goldens" / "transformers_minilm.npz"
 

@@ -19,7 +19,7 @@ from jquant.schemes.qparam import QParam
 from jquant.qtensor import QTensor
 
 from jquant.kv.cache import token_bytes
-from jquant.kv.dtypes import VALID_NAMES as KV_DTYPES, kv_cache_spec
+from jquant.kv.dtypes import kv_cache_spec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,6 @@ Sequences of length 0 give zeros.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jquant.kv import turboquant

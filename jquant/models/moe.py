@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jquant.checkpoint.experts import ExpertWeights
 from jquant.checkpoint.writer import path_str
 from jquant.kernels.moe.api import grouped_matmul
-from jquant.kernels.moe.experts import EXPERT_PARAMS, QExperts, concat_rows, is_expert_stack, quantize_expert_weights
+from jquant.kernels.moe.experts import QExperts, concat_rows, is_expert_stack, quantize_expert_weights
 from jquant.kernels.moe.routing import (Routing, check_routing, combine, gather_rows, route, sort_by_expert,
                                         sort_local_experts)
 from jquant.schemes.scheme import Scheme, get_scheme

@@ -3,7 +3,7 @@ and their cache pages per device, the kernels run per device under ``jax.shard_m
 row-parallel sums in the activations' dtype or FP8; and a MoE layer split by experts or by their
 intermediate features (``moe.py``). Design: ``docs/design/tensor_parallel.md``."""
 
-from jquant.parallel.collectives import COLLECTIVES, Collectives, fp8_pack, fp8_unpack
+from jquant.parallel.collectives import Collectives, fp8_pack, fp8_unpack
 from jquant.parallel.llama import TensorParallel, decode_step, generate, tensor_parallel
 from jquant.parallel.moe import MoEParallel, moe_parallel, shard_moe_params
 from jquant.parallel.placement import Sharded, cache_specs, local_params, param_specs, shard_cache, shard_params

@@ -1,7 +1,6 @@
 """The benchmark harness on CPU with tiny shapes (the kernels in interpret mode)."""
 
 import json
-import pathlib
 import subprocess
 
 import jax.numpy as jnp

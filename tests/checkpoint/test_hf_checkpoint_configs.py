@@ -1,7 +1,6 @@
 """HF checkpoints beyond the round trip: float tensors in any float dtype, config ignore lists, and
 static-activation FP8 (per-weight input_scale) through save → load → forward."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

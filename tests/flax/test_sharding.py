@@ -3,7 +3,6 @@ summation order, and for W8A8 up to the activation roundings that order can flip
 
 import chex
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh

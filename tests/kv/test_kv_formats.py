@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jquant.kv import (VALID_NAMES, allocate, append_reference, attention_reference,
+from jquant.kv import (allocate, append_reference, attention_reference,
                        calibrate_kv_scales, insert_reference, kv_cache_spec, validate_append)
 from jquant.kv import lloyd_max, scalar, turboquant
 

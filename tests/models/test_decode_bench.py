@@ -1,6 +1,5 @@
 """The decode and attention benchmarks' plumbing on CPU (their timings mean nothing here)."""
 
-import jax.numpy as jnp
 import numpy as np
 
 from jquant.kernels.decode_attention import bench as attention_bench

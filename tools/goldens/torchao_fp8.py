@@ -7,7 +7,6 @@ codes as uint8 and the float32 scales torchao computes (its torch kernel: ``amax
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torchao.quantization.granularity import PerBlock, PerRow, PerTensor
 from torchao.quantization.quant_primitives import _choose_scale_float8, _quantize_affine_float8

@@ -4,7 +4,6 @@ dispatch, the scheme path and bad input. JQUANT_TEST_GPU=1 runs the same tests o
 
 import chex
 import hypothesis.strategies as st
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
