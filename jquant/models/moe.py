@@ -26,7 +26,9 @@ expert's Dense kernels are ordinary ``quantize_params`` candidates (run through 
 
 Activations (``activation``): ``"swiglu"`` = ``silu(gate) · up``; ``"gptoss_swiglu"`` (gpt-oss
 reference fact 2: transformers' ``GptOssExperts``, alpha 1.702, limit 7.0): gate clamped to
-``<= limit``, up to ``[-limit, limit]``, ``(up + 1) · gate · sigmoid(alpha · gate)``.
+``<= limit``, up to ``[-limit, limit]``, ``(up + 1) · gate · sigmoid(alpha · gate)``. Both run in
+float32 with the gate/up bias added there, and are rounded to the computation dtype once (as vLLM's
+``swigluoai_and_mul`` kernel); the shared expert's SwiGLU too.
 """
 
 from __future__ import annotations
@@ -65,11 +67,17 @@ def gptoss_swiglu(gate: jax.Array, up: jax.Array, alpha: float = GPT_OSS_ALPHA,
 
 
 def activate(name: str, gate: jax.Array, up: jax.Array) -> jax.Array:
-    if name == "swiglu":
-        return swiglu(gate, up)
-    if name == "gptoss_swiglu":
-        return gptoss_swiglu(gate, up)
-    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
+    """``name``'s activation of ``gate`` and ``up``, computed in (at least) float32 and rounded once to
+    their dtype, as vLLM's ``swigluoai_and_mul`` kernel does (its ``silu_and_mul`` rounds twice): op by
+    op in bf16, the rounded ``alpha · gate`` alone moves ``sigmoid`` by several percent for very
+    negative gates."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
+    dtype = jnp.result_type(gate, up)
+    compute = jnp.promote_types(dtype, jnp.float32)
+    gate, up = gate.astype(compute), up.astype(compute)
+    out = swiglu(gate, up) if name == "swiglu" else gptoss_swiglu(gate, up)
+    return out.astype(dtype)
 
 
 class SharedExpert(nn.Module):
@@ -83,8 +91,8 @@ class SharedExpert(nn.Module):
     @nn.compact
     def __call__(self, x):
         dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
-        return dense(self.hidden, "down_proj")(swiglu(dense(self.intermediate, "gate_proj")(x),
-                                                      dense(self.intermediate, "up_proj")(x)))
+        return dense(self.hidden, "down_proj")(activate("swiglu", dense(self.intermediate, "gate_proj")(x),
+                                                        dense(self.intermediate, "up_proj")(x)))
 
 
 class MoE(nn.Module):
@@ -135,7 +143,9 @@ class MoE(nn.Module):
         return value
 
     def _route(self, x2, router_weight, router_bias, correction) -> Routing:
-        logits = x2.astype(jnp.float32) @ jnp.asarray(router_weight, jnp.float32).T
+        # HIGHEST: at the default a GPU runs float32 dots at TF32, ~1e-3 off in the logits
+        logits = jnp.matmul(x2.astype(jnp.float32), jnp.asarray(router_weight, jnp.float32).T,
+                            precision=jax.lax.Precision.HIGHEST)
         if router_bias is not None:
             logits = logits + jnp.asarray(router_bias, jnp.float32)
         return route(logits, self.top_k, scoring=self.scoring, correction_bias=correction, n_group=self.n_group,
@@ -198,17 +208,17 @@ class MoE(nn.Module):
             dispatch = sort_local_experts(routing.indices, first, local_e)
             local = (routing.indices >= first) & (routing.indices < first + local_e)
             weights = jnp.where(local, weights, 0.0)
-        def row_bias(bias):
+        def row_bias(bias, bias_dtype=dtype):
             # Each sorted row's expert bias; another device's rows (id local_e) get a zero row, so with the
             # grouped GEMM's zero rows past the groups and activate(0, 0) = 0 they stay exactly zero.
-            bias = jnp.asarray(bias, dtype)
+            bias = jnp.asarray(bias, bias_dtype)
             bias = bias if local_e == e else jnp.pad(bias, ((0, 1), (0, 0)))
             return jnp.take(bias, dispatch.experts, axis=0)
 
         rows = gather_rows(x2.astype(dtype), dispatch)
         gate_up = self._project(gate_up_w, rows, dispatch.group_sizes)
-        if gate_up_b is not None:
-            gate_up = gate_up + row_bias(gate_up_b)
+        if gate_up_b is not None:  # added in float32 too, so the activation rounds the sum once
+            gate_up = gate_up.astype(jnp.float32) + row_bias(gate_up_b, jnp.float32)
         hidden = activate(self.activation, gate_up[:, :i], gate_up[:, i:]).astype(dtype)
         out = self._project(down_w, hidden, dispatch.group_sizes)
         if down_b is not None:

@@ -311,4 +311,6 @@ def combine(y: jax.Array, dispatch: Dispatch, weights: jax.Array) -> jax.Array:
     """
     t, k = weights.shape
     pairs = jnp.zeros(y.shape, jnp.float32).at[dispatch.order].set(y.astype(jnp.float32))
-    return jnp.einsum("tkn,tk->tn", pairs.reshape(t, k, y.shape[-1]), weights.astype(jnp.float32))
+    # HIGHEST keeps the sum float32 on GPUs, where a float32 dot defaults to TF32
+    return jnp.einsum("tkn,tk->tn", pairs.reshape(t, k, y.shape[-1]), weights.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
