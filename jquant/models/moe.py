@@ -116,7 +116,7 @@ class MoE(nn.Module):
     scoring: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
-    group_score: str = "top2_sum"
+    group_score: str = "auto"
     normalize_weights: bool = True
     routed_scaling_factor: float = 1.0
     router_bias: bool = False
@@ -129,10 +129,11 @@ class MoE(nn.Module):
     impl: str = "auto"
     expert_axis: str | None = None
 
-    def _param(self, name: str, shape: tuple[int, ...], init, what: str):
-        """A parameter that may hold a QExperts (read as stored) or a float array, shape-checked."""
+    def _param(self, name: str, shape: tuple[int, ...], init, what: str, dtype=None):
+        """A parameter that may hold a QExperts (read as stored) or a float array, shape-checked;
+        created in ``dtype`` (default ``param_dtype``)."""
         if self.is_initializing() and not self.has_variable("params", name):
-            return self.param(name, init, shape, self.param_dtype)
+            return self.param(name, init, shape, dtype or self.param_dtype)
         if not self.has_variable("params", name):
             raise ValueError(f"MoE parameter {name!r} is missing (expected {what} of shape {shape})")
         value = self.get_variable("params", name)
@@ -141,6 +142,13 @@ class MoE(nn.Module):
             raise ValueError(f"MoE parameter {name!r} has shape {got}, expected {what} = {shape} (num_experts="
                              f"{self.num_experts}, intermediate={self.intermediate}, hidden={self.hidden})")
         return value
+
+    def _correction_bias(self, e: int):
+        """DeepSeek's ``e_score_correction_bias`` (sigmoid scoring only), created in float32, the dtype
+        DeepSeek's checkpoints and reference keep it in: it shifts float32 selection scores."""
+        if self.scoring != "sigmoid":
+            return None
+        return self._param("e_score_correction_bias", (e,), nn.initializers.zeros, "[E]", jnp.float32)
 
     def _route(self, x2, router_weight, router_bias, correction) -> Routing:
         # HIGHEST: at the default a GPU runs float32 dots at TF32, ~1e-3 off in the logits
@@ -159,7 +167,7 @@ class MoE(nn.Module):
         zeros = nn.initializers.zeros
         router_weight = self._param("router_weight", (e, h), nn.initializers.lecun_normal(), "[E, H]")
         router_bias = self._param("router_bias", (e,), zeros, "[E]") if self.router_bias else None
-        correction = self._param("e_score_correction_bias", (e,), zeros, "[E]") if self.scoring == "sigmoid" else None
+        correction = self._correction_bias(e)
         return self._route(x.reshape(-1, h), router_weight, router_bias, correction)
 
     def _project(self, weight, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -193,7 +201,7 @@ class MoE(nn.Module):
         # Every parameter is read (and shape-checked) before any computation.
         router_weight = self._param("router_weight", (e, h), nn.initializers.lecun_normal(), "[E, H]")
         router_bias = self._param("router_bias", (e,), zeros, "[E]") if self.router_bias else None
-        correction = self._param("e_score_correction_bias", (e,), zeros, "[E]") if self.scoring == "sigmoid" else None
+        correction = self._correction_bias(e)
         gate_up_w = self._param("gate_up_proj", (local_e, 2 * i, h), experts_init, "[E, 2I, H]")
         down_w = self._param("down_proj", (local_e, h, i), experts_init, "[E, H, I]")
         gate_up_b = self._param("gate_up_bias", (local_e, 2 * i), zeros, "[E, 2I]") if self.expert_bias else None

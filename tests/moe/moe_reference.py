@@ -17,7 +17,7 @@ def ranked(values, candidates) -> list[int]:
 
 
 def route_loop(logits, top_k, *, scoring="softmax", correction_bias=None, n_group=1, topk_group=1,
-               group_score="top2_sum", normalize=True, routed_scaling_factor=1.0):
+               group_score="auto", normalize=True, routed_scaling_factor=1.0):
     """(weights float64 [T, k], indices [T, k]) token by token; the scores come from jax's own
     softmax / sigmoid (float32), so selection sees exactly the values ``route`` sees."""
     logits = np.asarray(logits, np.float32)
@@ -31,6 +31,8 @@ def route_loop(logits, top_k, *, scoring="softmax", correction_bias=None, n_grou
     if correction_bias is not None:
         choice = choice + np.asarray(correction_bias, np.float32)
     per = e // n_group
+    if group_score == "auto":
+        group_score = "max" if correction_bias is None else "top2_sum"
     weights, indices = np.zeros((t, top_k)), np.zeros((t, top_k), np.int64)
     for i in range(t):
         allowed = list(range(e))

@@ -63,6 +63,13 @@ def test_init_gives_the_documented_params(name):
     chex.assert_trees_all_equal_shapes_and_dtypes(shapes, params)
 
 
+def test_correction_bias_is_float32_whatever_the_param_dtype():
+    model = MoE(**CONFIGS["deepseek-v3"], param_dtype=jnp.bfloat16)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), inputs("deepseek-v3"))["params"]
+    assert shapes["e_score_correction_bias"].dtype == jnp.float32
+    assert shapes["router_weight"].dtype == jnp.bfloat16
+
+
 def routing_loop(model, params, x):
     logits = np.asarray(x @ params["router_weight"].T + params.get("router_bias", 0.0), np.float32)
     return route_loop(logits, model.top_k, scoring=model.scoring, correction_bias=params.get("e_score_correction_bias"),

@@ -160,6 +160,9 @@ def test_deepseek_v3_group_score_is_the_sum_of_the_top_two():
     got = route(jnp.asarray(logits), 8, scoring="sigmoid", correction_bias=jnp.asarray(bias), n_group=8,
                 topk_group=4)
     assert_routing(got, weights, indices)
+    default = route(jnp.asarray(logits), 8, scoring="sigmoid", correction_bias=jnp.asarray(bias), n_group=8,
+                    topk_group=4, group_score="auto")
+    assert_routing(default, weights, indices)
     # groups scored by their best expert alone choose other experts for some tokens
     by_max = route(jnp.asarray(logits), 8, scoring="sigmoid", correction_bias=jnp.asarray(bias), n_group=8,
                    topk_group=4, group_score="max")
@@ -187,10 +190,12 @@ def test_deepseek_v2_softmax_groups_by_their_best_expert_without_renormalization
     logits = (np.random.default_rng(15).standard_normal((128, 160)) * 2).astype(np.float32)
     weights, indices = grouped_router(logits, 6, scoring="softmax", n_group=8, topk_group=3, renormalize=False,
                                       scale=16.0)
-    got = route(jnp.asarray(logits), 6, n_group=8, topk_group=3, group_score="max", normalize=False,
-                routed_scaling_factor=16.0)
-    assert_routing(got, weights, indices, rtol=2e-6)
-    top2 = route(jnp.asarray(logits), 6, n_group=8, topk_group=3, normalize=False, routed_scaling_factor=16.0)
+    for group_score in ("max", "auto"):   # the default follows the missing bias
+        got = route(jnp.asarray(logits), 6, n_group=8, topk_group=3, group_score=group_score, normalize=False,
+                    routed_scaling_factor=16.0)
+        assert_routing(got, weights, indices, rtol=2e-6)
+    top2 = route(jnp.asarray(logits), 6, n_group=8, topk_group=3, group_score="top2_sum", normalize=False,
+                 routed_scaling_factor=16.0)
     assert not np.array_equal(np.asarray(top2.indices), indices)
 
 

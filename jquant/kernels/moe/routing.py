@@ -12,9 +12,11 @@ Scoring (reference facts numbered as in ``docs/design/moe.md``):
   ``scores + correction_bias`` (the ``e_score_correction_bias``), weights are the unbiased scores of
   the chosen experts, divided by their sum (+1e-20) when ``normalize``.
 * Group-limited selection (``n_group > 1``): experts split into ``n_group`` equal groups; each group
-  scores the sum of its two best selection scores (DeepSeek-V3 reference fact 4; ``group_score="max"``:
-  its best, as DeepSeek-V2); only the ``topk_group`` best groups compete, the others are masked to
-  -inf (DeepSeek-V3 reference fact 5).
+  scores the sum of its two best selection scores (``group_score="top2_sum"``, DeepSeek-V3 reference
+  fact 4) or its best one (``"max"``, DeepSeek-V2); ``"auto"`` (the default) takes the sum with a
+  correction bias and the best one without, as DeepSeek's reference and vLLM's ``grouped_topk`` do.
+  Only the ``topk_group`` best groups compete, the others are masked to -inf (DeepSeek-V3 reference
+  fact 5).
 * Weights end multiplied by ``routed_scaling_factor``; everything is computed in float32.
 
 Ties go to the lowest expert (and group) index: ``jax.lax.top_k`` is stable, and the chosen experts
@@ -37,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 SCORINGS = ("softmax", "sigmoid")
-GROUP_SCORES = ("top2_sum", "max")
+GROUP_SCORES = ("auto", "top2_sum", "max")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +65,7 @@ jax.tree_util.register_dataclass(Routing, data_fields=["weights", "indices"], me
 
 
 def check_routing(num_experts: int, top_k: int, *, scoring: str = "softmax", n_group: int = 1,
-                  topk_group: int = 1, group_score: str = "top2_sum") -> None:
+                  topk_group: int = 1, group_score: str = "auto") -> None:
     """The static checks of ``route``: a ValueError naming the parameter that is out of range."""
     for name, value in (("num_experts", num_experts), ("top_k", top_k), ("n_group", n_group),
                         ("topk_group", topk_group)):
@@ -101,7 +103,7 @@ def _group_mask(choice: jax.Array, n_group: int, topk_group: int, group_score: s
 @functools.partial(jax.jit, static_argnames=("top_k", "scoring", "n_group", "topk_group", "group_score",
                                              "normalize", "routed_scaling_factor"))
 def route(logits: jax.Array, top_k: int, *, scoring: str = "softmax", correction_bias: jax.Array | None = None,
-          n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum", normalize: bool = True,
+          n_group: int = 1, topk_group: int = 1, group_score: str = "auto", normalize: bool = True,
           routed_scaling_factor: float = 1.0) -> Routing:
     """Chooses ``top_k`` experts per token from router ``logits [T, E]`` (see the module docstring).
 
@@ -140,6 +142,8 @@ def route(logits: jax.Array, top_k: int, *, scoring: str = "softmax", correction
         choice = choice + correction_bias.astype(jnp.float32)
     choice = jnp.where(jnp.isnan(choice), -jnp.inf, choice)
     if n_group > 1:
+        if group_score == "auto":
+            group_score = "max" if correction_bias is None else "top2_sum"
         choice = _group_mask(choice, n_group, topk_group, group_score)
     _, indices = jax.lax.top_k(choice, top_k)
     if scoring == "softmax" and normalize:
