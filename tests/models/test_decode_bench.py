@@ -50,3 +50,15 @@ def test_attention_bench_plumbing():
     assert recs[2]["kv_bytes"] == 2 * 64 * 8 * 102
     assert all(r["time_us"] > 0 and "xla" in r["baselines"] for r in recs)
     assert "| turboquant_3bit_nc | 2 | 64 |" in attention_bench.to_markdown(recs)
+
+
+def test_attention_sweep_rows_name_their_launch():
+    from jquant.kernels.decode_attention import TuningConfig
+    configs = (None, TuningConfig(block_tokens=64, kv_heads_per_program=2))
+    recs = attention_bench.run(batches=(2,), ctxs=(64,), kv_dtypes=("bf16", "turboquant_3bit_nc"), reps=1,
+                               interpret=True, meta={"device": "cpu"}, log=lambda s: None, configs=configs)
+    # several KV heads a program is a launch of the non-TurboQuant kernel only
+    assert [(r["kv_dtype"], r["config"] and r["config"]["kv_heads_per_program"]) for r in recs] == \
+        [("bf16", None), ("bf16", 2), ("turboquant_3bit_nc", None)]
+    table = attention_bench.to_markdown(recs)
+    assert "| bf16 | 2 | 64 | default |" in table and "| bf16 | 2 | 64 | 64 tok, 2 heads |" in table
