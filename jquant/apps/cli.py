@@ -34,7 +34,8 @@ def _positive(kind):
 
 def _ledger(argv) -> int:
     """Memory account of SmolLM2-135M under each scheme, with its KV cache and the concurrency a budget allows."""
-    from jquant.apps.ledger import KV_DTYPES, format_table, scheme_ledger, serving_ledger
+    from jquant.apps.ledger import format_table, scheme_ledger, serving_ledger
+    from jquant.kv.dtypes import VALID_NAMES as KV_DTYPES
     from jquant.models import load_gguf, smollm2_path
     from jquant.checkpoint.hf_checkpoint import PROJECTIONS
     from jquant.schemes.scheme import schemes
