@@ -61,7 +61,6 @@ dequantize such a block to 0.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -58,7 +58,7 @@ def grouped_router(logits, k, *, scoring, n_group, topk_group, bias=None, renorm
     """DeepSeek-V2/V3 grouped top-k (DeepSeek-V3 ``Gate.forward``, vLLM ``grouped_topk``): selection on
     the scores plus the correction bias; a group scores the sum of its top two biased scores with a
     bias, its maximum without; experts outside the ``topk_group`` best groups are filled with ``masked``
-    (-inf in vLLM, 0.0 in transformers); the weights are the unbiased scores of the chosen experts."""
+    (-inf in vLLM and transformers 5.25, 0.0 in earlier transformers); the weights are the unbiased scores of the chosen experts."""
     scores = sigmoid(logits) if scoring == "sigmoid" else softmax(logits)
     choice = scores if bias is None else scores + bias
     t, e = choice.shape
@@ -170,8 +170,8 @@ def test_deepseek_v3_group_score_is_the_sum_of_the_top_two():
 
 
 def test_masked_groups_are_never_chosen_even_when_biased_scores_are_negative():
-    # vLLM fills the dropped groups with -inf; transformers' DeepseekV3TopkRouter with 0.0, which
-    # picks dropped experts once every kept biased score is negative (docs/design/moe.md, fact 5)
+    # vLLM and transformers 5.25 fill the dropped groups with -inf; earlier transformers releases with
+    # 0.0, which picks dropped experts once every kept biased score is negative (docs/design/moe.md, fact 5)
     logits, _ = deepseek_v3_inputs(seed=14, e=64)
     bias = np.full(64, -2.0, np.float32)
     options = dict(scoring="sigmoid", n_group=8, topk_group=2, bias=bias)

@@ -109,8 +109,8 @@ def run(batches: Iterable[int] = (8,), ctxs: Iterable[int] = (32768,), kv_dtypes
                 layer = bf16 if name == "bf16" else paged_inputs(name, batch, ctx, page_size, key)[0]
                 n_copies = copies_for(kv_bytes(layer, batch, ctx), max_copies=1 if interpret else 8)
                 copies = [layer] + [jax.tree.map(jnp.copy, layer) for _ in range(n_copies - 1)]
-                # the kernel forced: "auto" keeps 3-bit TurboQuant values on XLA until their kernel passes
-                # its GPU test, and that test needs this timing beside it
+                # the kernel forced, as bench gemm8 does: under "auto" 3-bit TurboQuant values run on XLA
+                # until their kernel passes its GPU test, and a sweep would time XLA
                 impl = "xla" if interpret else "pallas"
                 cands = dict(base)
                 cell_configs = [c for c in configs if c is None or c.kv_heads_per_program == 1
