@@ -63,7 +63,10 @@ def _fp8(cfg: dict) -> Scheme:
         if scale_fmt not in (None, "ue8m0"):
             raise ValueError(f"quantization_config['scale_fmt'] must be 'ue8m0' or absent, got {scale_fmt!r}")
         return bs.fp8_block(tuple(block), ue8m0=scale_fmt == "ue8m0", element=f"fp8_{fmt}")
-    return bs.fp8_tensor(static_activations=act == "static", element=f"fp8_{fmt}", layout="fp8")
+    # vLLM's Fp8LinearMethod quantizes dynamic activations per token wherever CUTLASS FP8 runs (sm_89+,
+    # the GPUs FP8 schemes target); per tensor only without it.
+    return bs.fp8_tensor(static_activations=act == "static", per_token_activations=act == "dynamic",
+                         element=f"fp8_{fmt}", layout="fp8")
 
 
 # AutoAWQ / transformers ``version``: exllama(v2) and ipex kernels load GEMM checkpoints and repack at
@@ -147,9 +150,11 @@ def _compressed_tensors(cfg: dict) -> Scheme:
                                  f"(strategy 'tensor'), got {act_strategy!r}")
             static = bs.fp8_channel if strategy == "channel" else bs.fp8_tensor
             return static(static_activations=True, layout="compressed-tensors")
-        if strategy == "channel" or act_strategy == "token":
+        if strategy == "channel":
             return bs.fp8_channel(layout="compressed-tensors", weight_only=acts is None)
-        return bs.fp8_tensor(layout="compressed-tensors", weight_only=acts is None)
+        # vLLM's CompressedTensorsW8A8Fp8 quantizes dynamic activations per token whatever their strategy
+        # says ("tensor" included).
+        return bs.fp8_tensor(layout="compressed-tensors", weight_only=acts is None, per_token_activations=True)
     if fmt == "int-quantized":
         return _int_quantized(weights, acts, where)
     if fmt == "nvfp4-pack-quantized":

@@ -13,7 +13,7 @@ Each granularity follows the arithmetic of the library that produces such tensor
 - ``dynamic_tensor`` (vLLM): fp32 ``s = max(amax / max, 1 / (max·512))``; codes ``sat(x · (1/s))``.
 - ``token`` (vLLM): the same scale per row of the last axis; codes ``sat(x / s)`` (its CUDA kernel).
 - ``token_group`` (DeepSeek / vLLM): fp32 ``s = max(amax_g, 1e-10) / max`` per group of the last
-  axis; codes ``sat(x / s)``.
+  axis (with ``ue8m0``: ``2^ceil(log2 max(s, 1e-10))``, as vLLM's CUDA kernel); codes ``sat(x / s)``.
 - ``static`` (vLLM): a given scale, e.g. a checkpoint's ``input_scale``; codes ``sat(x · (1/s))``.
 
 ``block`` tiles the last two axes (default 128×128). Like DeepSeek V3 and compressed-tensors, the
@@ -236,7 +236,8 @@ def quantize_fp8_per_token_group(x, group_size: int = 128, ue8m0: bool = False, 
     amax = block_amax(x.astype(jnp.float32), block)
     scale = exact_divide(jnp.maximum(amax, _GROUP_AMAX_EPS), fp8_max(fmt))
     if ue8m0:
-        scale = round_scale_up_to_pow2(scale)
+        # vLLM's CUDA kernel rounds max(s, 1e-10) up, so the smallest UE8M0 scale is 2^-33, not 2^-42.
+        scale = round_scale_up_to_pow2(jnp.maximum(scale, _GROUP_AMAX_EPS))
     codes = saturating_cast(exact_divide(x.astype(jnp.float32), expand_blocks(scale, x.shape, block)), fmt)
     return _qtensor(x, codes, scale.astype(scale_dtype), block, fmt, "token_group")
 

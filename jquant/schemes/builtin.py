@@ -26,11 +26,16 @@ def int_weight_only(bits: int, group_size: int | None, *, symmetric: bool = True
 
 
 def fp8_tensor(*, static_activations: bool = False, weight_only: bool = False, element: str = "fp8_e4m3",
-               layout: str | None = "fp8", input_scale: float | None = None) -> Scheme:
-    """FP8 W8A8 with a per-tensor weight scale; dynamic per-tensor (or static) activation scale."""
-    activation = "none" if weight_only else ("static" if static_activations else "dynamic_per_tensor")
+               layout: str | None = "fp8", input_scale: float | None = None,
+               per_token_activations: bool = False) -> Scheme:
+    """FP8 W8A8 with a per-tensor weight scale; dynamic per-tensor (or static) activation scale, or with
+    ``per_token_activations`` one dynamic scale per token (what vLLM runs for dynamic checkpoints on GPUs
+    with CUTLASS FP8, sm_89 and up)."""
+    dynamic = "dynamic_per_token" if per_token_activations else "dynamic_per_tensor"
+    activation = "none" if weight_only else ("static" if static_activations else dynamic)
     return Scheme(
-        name=f"{element}_tensor" + ("_static" if static_activations else "") + ("_w_only" if weight_only else ""),
+        name=f"{element}_tensor" + ("_static" if static_activations else "") + ("_w_only" if weight_only else "")
+        + ("_per_token" if activation == "dynamic_per_token" else ""),
         weight=WeightSpec(element, 8, granularity="tensor"),
         activation=ActivationSpec() if weight_only else ActivationSpec(activation, element, input_scale=input_scale),
         min_capability=FP8_CAPABILITY, checkpoint_layout=layout,

@@ -111,14 +111,18 @@ def xla_apply(scheme: Scheme, x: jax.Array, qweight: QTensor, bias: jax.Array | 
             # int8 × int8 with exact int32 sums (cuBLASLt's IMMA on GPUs), scaled once in fp32.
             acc = jax.lax.dot_general(int8_activations.signed_int8(xq), int8_activations.signed_int8(qweight),
                                       (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
-            y = acc.astype(jnp.float32) * xs * ws.T
+            y = xs * (ws.T * acc.astype(jnp.float32))
         elif native:
-            y = _contract_last(xq.data, qweight.data) * xs * ws.T
+            # CUTLASS's epilogue order, s_a · (s_b · acc): fp32 products are not associative.
+            y = xs * (ws.T * _contract_last(xq.data, qweight.data))
         elif (blocks := _fp8_blocks(xq, qweight)) is not None:
             y = _blockwise_fp8_dot(xq, qweight, *blocks)
         else:
             y = _contract_last(xq.dequantize(jnp.float32), qweight.dequantize(jnp.float32))
         y = y.reshape(*lead, -1)
+        if bias is not None and scheme.activation.mode == "dynamic_per_token_group":
+            # vLLM's block-FP8 GEMMs return x's dtype and add the bias to that (two roundings).
+            return y.astype(x.dtype) + bias.astype(x.dtype)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(x.dtype)

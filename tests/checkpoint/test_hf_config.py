@@ -7,7 +7,7 @@ from jquant import scheme_from_config
 from jquant.schemes.spec import LayoutSpec
 
 CASES = [
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8_e4m3", "dynamic_per_tensor", "fp8"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8_e4m3", "dynamic_per_token", "fp8"),
     ({"quant_method": "fp8", "activation_scheme": "static"}, "fp8_e4m3", "static", "fp8"),
     ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
      "fp8_e4m3", "dynamic_per_token_group", "fp8-block"),

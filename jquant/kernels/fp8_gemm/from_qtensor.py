@@ -60,8 +60,12 @@ def fp8_scheme_gemm(scheme: Scheme, x: jax.Array, packed: PackedFp8, bias: jax.A
     lead = x.shape[:-1]
     xq = quantize_activation(scheme, x.reshape(-1, x.shape[-1]), input_scale)
     scale = xq.scale if not isinstance(xq.scale, QTensor) else xq.scale.dequantize(jnp.float32)
-    y = fp8_gemm(xq.data, scale.astype(jnp.float32), packed, bias=bias, out_dtype=x.dtype, impl=impl,
-                 interpret=interpret)
+    # Block FP8: the bias goes onto the rounded output, as XLA's path (and vLLM's block-FP8 linear) does.
+    late_bias = bias is not None and scheme.activation.mode == "dynamic_per_token_group"
+    y = fp8_gemm(xq.data, scale.astype(jnp.float32), packed, bias=None if late_bias else bias,
+                 out_dtype=x.dtype, impl=impl, interpret=interpret)
+    if late_bias:
+        y = y + bias.astype(x.dtype)
     return y.reshape(*lead, packed.n)
 
 

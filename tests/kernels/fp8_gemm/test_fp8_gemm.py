@@ -143,6 +143,24 @@ def test_scheme_runs_the_kernel_on_hopper_once_enabled(monkeypatch):
     chex.assert_trees_all_close(y, ref, rtol=1e-4, atol=_scheme_atol(ref))
 
 
+def test_block_scheme_adds_the_bias_to_the_rounded_output(monkeypatch):
+    # Block FP8 adds its bias in x's dtype after the GEMM, as XLA's path and vLLM's block-FP8 linear do;
+    # per-channel schemes add it in fp32 inside the epilogue (CUTLASS's ScaledEpilogueBias).
+    hopper = type("Dev", (), {"platform": "gpu", "device_kind": "H200", "compute_capability": "9.0"})()
+    monkeypatch.setattr(dispatch, "FP8_GEMM_MGPU", True)
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((5, 256)), jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal(256) * 3, jnp.float32)
+    for name, late in [("fp8_e4m3_block128x128", True), ("fp8_e4m3_channel", False)]:
+        scheme = jquant.get_scheme(name)
+        impl = candidate_impls(scheme, hopper)[0]
+        packed = impl.prepare(scheme, scheme.quantize_weight(rng.standard_normal((256, 256)).astype(np.float32)))
+        with_bias = np.asarray(impl.run(scheme, x, packed, bias, interpret=True), np.float32)
+        late_bias = np.asarray(impl.run(scheme, x, packed, None, interpret=True) + bias.astype(jnp.bfloat16),
+                               np.float32)
+        assert (with_bias == late_bias).all() == late, name
+
+
 def test_dispatch_and_config():
     assert resolve_fp8_impl("auto", 1, interpret=True) == "mgpu"
     assert dispatch.fp8_gemm_impl(1, 90) == ("mgpu" if dispatch.FP8_GEMM_MGPU else "xla")
