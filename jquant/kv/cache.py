@@ -22,17 +22,21 @@ TURBOQUANT_BOUNDARY_LAYERS = 2
 
 
 def default_skip_layers(kv_cache_dtype: str, num_layers: int) -> tuple[int, ...]:
-    """Layers kept in bf16: for TurboQuant the first and last two (vLLM's default), else none.
+    """Layers kept in bf16: for TurboQuant the first and last two (vLLM's default), else none. Like
+    vLLM's ``get_boundary_skip_layers``, at most half the layers on each side: n = min(2, layers // 2),
+    so 3 layers keep the middle one quantized and 1 layer skips none.
 
     Examples:
       >>> from jquant.kv import default_skip_layers
       >>> default_skip_layers("turboquant_4bit_nc", 6), default_skip_layers("fp8", 6)
       ((0, 1, 4, 5), ())
+      >>> default_skip_layers("turboquant_4bit_nc", 3), default_skip_layers("turboquant_4bit_nc", 1)
+      ((0, 2), ())
     """
     if kv_cache_spec(kv_cache_dtype).kind != "turboquant":
         return ()
-    n = TURBOQUANT_BOUNDARY_LAYERS
-    return tuple(sorted(set(range(min(n, num_layers))) | set(range(max(num_layers - n, 0), num_layers))))
+    n = min(TURBOQUANT_BOUNDARY_LAYERS, num_layers // 2)
+    return tuple(sorted(set(range(n)) | set(range(num_layers - n, num_layers))))
 
 
 def token_bytes(kv_cache_dtype: str, *, num_layers: int, kv_heads: int, head_dim: int) -> int:

@@ -2,8 +2,9 @@
 
 Per-tensor calibration follows vLLM's attention layer: k_scale = amax|k| / 200, v_scale = amax|v| / 100
 (K_SCALE_CONSTANT / V_SCALE_CONSTANT in vllm/envs.py); an all-zero or non-finite amax gives 1.0.
-Per-(token, head) fp8: scale = max(amax / 448, 1 / (448 * 512)); int8: amax / 127 (1.0 for zeros).
-Casts saturate (satfinite): +-Inf -> +-max; NaN stays NaN (int8: the scale becomes NaN).
+Per-(token, head), as vLLM's _reshape_cache_per_token_head: scale = max(amax / 448 (fp8) or 127
+(int8), 1e-6); int8 codes add +-0.5, clamp to [-128, 127] and truncate (ties away from zero).
+Casts saturate (satfinite): +-Inf -> +-max; NaN stays NaN (per-(token, head): the scale becomes NaN).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from jquant.kv.dtypes import storage_dtype
 
 K_SCALE_CONSTANT = 200.0
 V_SCALE_CONSTANT = 100.0
+TOKEN_HEAD_MIN_SCALE = 1e-6   # vLLM's per-(token, head) scale floor, int8 and fp8 alike
 
 
 def fmt_max(fmt: str) -> float:
@@ -46,11 +48,11 @@ def calibrate_kv_scales(k, v):
 def encode(x, scale, fmt: str):
     """Codes of x / scale in fmt (scale broadcasts against x)."""
     y = x.astype(jnp.float32) / scale
+    if fmt == "int8":   # vLLM: +-0.5, clamp, then the int8 store truncates (not ties-to-even)
+        y = jnp.where(y >= 0, y + 0.5, y - 0.5)
+        return jnp.clip(y, -128.0, 127.0).astype(jnp.int8)
     m = fmt_max(fmt)
-    y = jnp.clip(y, -m, m)
-    if fmt == "int8":
-        return jnp.round(y).astype(jnp.int8)
-    return y.astype(storage_dtype(fmt))
+    return jnp.clip(y, -m, m).astype(storage_dtype(fmt))
 
 
 def decode(codes, scale):
@@ -60,6 +62,4 @@ def decode(codes, scale):
 def token_head_scale(x, fmt: str):
     """One float32 scale per leading index: x [..., D] -> [...]."""
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
-    if fmt == "int8":
-        return jnp.where(amax > 0, amax / 127.0, jnp.where(jnp.isnan(amax), amax, 1.0))
-    return jnp.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
+    return jnp.maximum(amax / fmt_max(fmt), TOKEN_HEAD_MIN_SCALE)   # NaN amax stays NaN

@@ -184,7 +184,7 @@ def test_decode_step_donates_the_cache(params):
 
 def test_turboquant_keeps_boundary_layers_bf16():
     assert default_skip_layers("turboquant_3bit_nc", 5) == (0, 1, 3, 4)
-    assert default_skip_layers("turboquant_3bit_nc", 3) == (0, 1, 2)
+    assert default_skip_layers("turboquant_3bit_nc", 3) == (0, 2)   # vLLM: at most layers // 2 each side
     assert default_skip_layers("fp8", 5) == ()
     cache = new_cache(MODEL, 1, 8, "turboquant_3bit_nc")
     assert cache.kv_cache_dtypes == ("bf16", "bf16", "turboquant_3bit_nc", "bf16", "bf16")

@@ -12,7 +12,6 @@ Every step mirrors ``insert_reference`` as XLA computes it, so codes and scales 
   by a constant here are multiplications by the same float32 reciprocal; Triton's ``/`` is the
   approximate ``div.full.f32``, so a division by data is the IEEE ``div.rn.f32`` (inline PTX).
 * Triton's min/max drop NaN where XLA's propagate it: NaN is carried explicitly.
-* Triton has no nearest-integer op: ties-to-even is built from floor.
 
 Covered: bf16, per-tensor FP8 (e4m3 / e5m2), per-(token, head) INT8 / FP8 and TurboQuant k8v4 (FP8 keys,
 4-bit uniform values); head_dim a power of two ≥ 16. TurboQuant's Lloyd-Max keys are not: their
@@ -93,33 +92,21 @@ def _row_nan(x):
     return jnp.max(jnp.where(jnp.isnan(x), 1, 0), axis=1) > 0
 
 
-def _nearest_even(y):
-    """The nearest integer to finite y (|y| < 2**22), ties to even, as XLA's int8 codes take it;
-    from floor, exactly (the fraction and the parity are exact)."""
-    f = jnp.floor(y)
-    frac = y - f
-    odd = f - 2.0 * jnp.floor(f * 0.5) != 0.0
-    return jnp.where((frac > 0.5) | ((frac == 0.5) & odd), f + 1.0, f)
-
-
 def _encode(x, scale, fmt: str, interpret: bool):
     """``scalar.encode``: codes of x / scale (scale None: 1, no division) in fmt."""
     y = x if scale is None else _div(x, scale, interpret)
+    if fmt == "int8":   # +-0.5 and clamp; the int8 store truncates, as the reference's convert does
+        y = jnp.where(jnp.isnan(y), 0.0, y)   # XLA converts NaN to 0
+        return jnp.minimum(jnp.maximum(jnp.where(y >= 0, y + 0.5, y - 0.5), -128.0), 127.0)
     m = scalar.fmt_max(fmt)
-    y = _clip(y, -m, m)
-    if fmt == "int8":
-        return _nearest_even(jnp.where(jnp.isnan(y), 0.0, y))   # XLA converts NaN to 0
-    return y
+    return _clip(y, -m, m)
 
 
 def _token_head_scale(x, fmt: str):
     """``scalar.token_head_scale`` of the rows of x: [rows] float32."""
     amax = jnp.where(_row_nan(x), jnp.float32(jnp.nan), jnp.max(jnp.abs(x), axis=1))
-    if fmt == "int8":
-        return jnp.where(amax > 0, amax * _recip(127.0),
-                         jnp.where(jnp.isnan(amax), amax, jnp.float32(1.0)))
-    return jnp.where(jnp.isnan(amax), amax,
-                     jnp.maximum(amax * _recip(448.0), np.float32(1.0 / (448.0 * 512.0))))
+    return jnp.where(jnp.isnan(amax), amax, jnp.maximum(amax * _recip(scalar.fmt_max(fmt)),
+                                                        np.float32(scalar.TOKEN_HEAD_MIN_SCALE)))
 
 
 def _uniform4(even, odd, interpret: bool):
