@@ -142,8 +142,7 @@ def decode_attention(q, k_pages, v_pages, block_tables, lengths, *, k_scale=None
     else:
         from jquant.kernels.decode_attention import triton as kernel
         o, m, l = kernel.partials(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale,
-                                  sm_scale=sm_scale, config=config or TuningConfig(),
-                                  interpret=interpret)
+                                  sm_scale=sm_scale, config=config, interpret=interpret)
         out = kernel.combine(o, m, l).reshape(q.shape)
     if out_scale is not None:
         out = out * out_scale

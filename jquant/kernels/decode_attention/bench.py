@@ -19,7 +19,7 @@ import numpy as np
 from jquant.bench.records import markdown_title
 from jquant.bench.timing import (H200_HBM_BYTES_PER_S, copies_for, roofline, spread_pct, time_interleaved,
                                  time_steadiest)
-from jquant.kernels.decode_attention.config import TuningConfig
+from jquant.kernels.decode_attention.config import SHARED_BYTES, TuningConfig, shared_bytes
 from jquant.kernels.decode_attention.paged_cache import cache_decode_attention
 from jquant.kv.dtypes import kv_cache_spec
 from jquant.kv.paged import PagedKVCache, allocate
@@ -109,12 +109,16 @@ def run(batches: Iterable[int] = (8,), ctxs: Iterable[int] = (32768,), kv_dtypes
                 layer = bf16 if name == "bf16" else paged_inputs(name, batch, ctx, page_size, key)[0]
                 n_copies = copies_for(kv_bytes(layer, batch, ctx), max_copies=1 if interpret else 8)
                 copies = [layer] + [jax.tree.map(jnp.copy, layer) for _ in range(n_copies - 1)]
-                # the kernel forced, as bench gemm8 does: under "auto" 3-bit TurboQuant values run on XLA
-                # until their kernel passes its GPU test, and a sweep would time XLA
+                # the kernel forced, as bench gemm8 does: a sweep times the kernel whatever auto would pick
                 impl = "xla" if interpret else "pallas"
                 cands = dict(base)
                 cell_configs = [c for c in configs if c is None or c.kv_heads_per_program == 1
                                 or layer.spec.kind != "turboquant"]
+                too_big = [c for c in cell_configs if c is not None and layer.spec.kind != "turboquant"
+                           and shared_bytes(c, layer.head_dim, layer.k_pages.dtype.itemsize) > SHARED_BYTES]
+                for c in too_big:
+                    log(f"  attention {name}: skipped {c}, its tiles do not fit in shared memory")
+                cell_configs = [c for c in cell_configs if c not in too_big]
                 for i, cfg in enumerate(cell_configs):
                     ours = jax.jit(functools.partial(cache_decode_attention, impl=impl, config=cfg))
                     cands[f"kernel:{i}"] = (ours, [(q, c, tables, lengths) for c in copies])

@@ -58,6 +58,57 @@ class TuningConfig:
             raise ValueError(f"kv_heads_per_program must be a power of two ≥ 1, got {h!r}")
 
 
+# sm_90's shared memory per program (227 KB opt-in), as the H100 reports it when a launch asks for more.
+SHARED_BYTES = 232448
+# Triton's buffers beside the pipelined K/V tiles: 2 KB (bf16 pages) to 24 KB (FP8 pages with per-token
+# scales), from the requests of launches that did not fit on the H100 (264192 and 286720 bytes).
+SHARED_RESERVE = 24 * 1024
+
+
+def shared_bytes(config: TuningConfig, head_dim: int, code_bytes: int) -> int:
+    """Shared memory a launch takes, estimated: ``num_stages`` K and V tiles of ``block_tokens`` tokens ×
+    ``kv_heads_per_program`` heads × ``head_dim`` codes of ``code_bytes``, plus ``SHARED_RESERVE``.
+
+    Examples:
+      >>> from jquant.kernels.decode_attention.config import TuningConfig, shared_bytes
+      >>> shared_bytes(TuningConfig(), head_dim=128, code_bytes=2)  # 2 stages × 128 tokens × (K + V)
+      155648
+    """
+    tile = config.block_tokens * config.kv_heads_per_program * head_dim * code_bytes
+    return config.num_stages * 2 * tile + SHARED_RESERVE
+
+
+def fit_launch(config: TuningConfig | None, head_dim: int, code_bytes: int, page_size: int) -> TuningConfig:
+    """The launch to run: ``config`` if its tiles fit in shared memory (else a ValueError naming the bytes);
+    None: the default, its ``block_tokens`` halved (not below 16 or the page) until it fits, then its
+    stages (head_dim 256 in bf16 takes 64-token steps).
+
+    Examples:
+      >>> from jquant.kernels.decode_attention.config import TuningConfig, fit_launch
+      >>> fit_launch(None, head_dim=128, code_bytes=2, page_size=16).block_tokens
+      128
+      >>> fit_launch(None, head_dim=256, code_bytes=2, page_size=16).block_tokens
+      64
+      >>> fit_launch(TuningConfig(block_tokens=128, kv_heads_per_program=4), 128, 1, 16)
+      Traceback (most recent call last):
+          ...
+      ValueError: decode attention launch TuningConfig(block_tokens=128, num_splits=None, num_warps=4, num_stages=2, kv_heads_per_program=4) needs ~286720 bytes of shared memory for head_dim 128 and 1-byte codes; sm_90 has 232448: fewer block_tokens, kv_heads_per_program or num_stages
+    """
+    if config is not None:
+        need = shared_bytes(config, head_dim, code_bytes)
+        if need > SHARED_BYTES:
+            raise ValueError(f"decode attention launch {config} needs ~{need} bytes of shared memory for head_dim "
+                             f"{head_dim} and {code_bytes}-byte codes; sm_90 has {SHARED_BYTES}: fewer "
+                             "block_tokens, kv_heads_per_program or num_stages")
+        return config
+    config = TuningConfig()
+    while shared_bytes(config, head_dim, code_bytes) > SHARED_BYTES and config.block_tokens > max(16, page_size):
+        config = dataclasses.replace(config, block_tokens=config.block_tokens // 2)
+    while shared_bytes(config, head_dim, code_bytes) > SHARED_BYTES and config.num_stages > 1:
+        config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    return config
+
+
 # Programs wanted in flight: 132 SMs × 4, so every SM holds several loads at once.
 TARGET_PROGRAMS = 528
 

@@ -47,12 +47,9 @@ def cache_decode_attention(q: jax.Array, layer: PagedKVCache, block_tables: jax.
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         check_tables(block_tables, lengths, q.shape[0], layer.num_pages, layer.page_size)
         if impl == "auto":
-            # 3-bit values: the kernel failed its reference test on the H200 (tests/kernels/decode_attention/
-            # test_turboquant_kernel.py under JQUANT_TEST_GPU=1, 2 of 2 cases, 16-token steps) while passing
-            # in interpret mode. The likely cause, a join-built value operand that Triton's MMA layout pass
-            # gives too wide a kWidth for K = 16, is gone (triton_turboquant's docstring); they stay on the
-            # XLA path until that test passes on a GPU.
-            fits = triton_turboquant.supports(layer.spec, layer.head_dim) and layer.spec.value_bits != 3
+            # Every preset, 3-bit values included, passes tests/kernels/decode_attention/test_turboquant_kernel.py
+            # on the H100 (JQUANT_TEST_GPU=1, commit 7f859da), the 3-bit value tile rebuilt without a join.
+            fits = triton_turboquant.supports(layer.spec, layer.head_dim)
             impl = dispatch.decode_attention_impl() if fits else "xla"
         if impl == "xla":
             return attention_reference(q, layer, block_tables, lengths).astype(q.dtype)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jquant.kernels.decode_attention.config import TuningConfig, split_plan
+from jquant.kernels.decode_attention.config import TuningConfig, fit_launch, split_plan
 
 # A finite "minus infinity": exp(mask - max) is 0 and mask - mask stays finite, so a split with
 # no tokens leaves m = _MASK, l = 0 and never produces a NaN.
@@ -102,9 +102,10 @@ def _kernel(lengths_ref, bt_ref, q_ref, k_ref, v_ref, *rest, page_size, kv_heads
 
 
 def partials(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, sm_scale: float,
-             config: TuningConfig, interpret: bool):
+             config: TuningConfig | None, interpret: bool):
     """Per-split unnormalised outputs ``[S, B, Hkv, G, D]`` and running max / sum
-    ``[S, B, Hkv, G]`` (float32; G query heads per KV head). ``k_scale``/``v_scale``: per-(token, head) arrays or None."""
+    ``[S, B, Hkv, G]`` (float32; G query heads per KV head). ``k_scale``/``v_scale``: per-(token, head) arrays or None.
+    ``config``: the launch (None: the default that fits in shared memory, ``fit_launch``)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -112,6 +113,7 @@ def partials(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, sm
     num_pages, page_size, hkv, _ = k_pages.shape
     max_pages = block_tables.shape[1]
     group = hq // hkv
+    config = fit_launch(config, d, k_pages.dtype.itemsize, page_size)
     heads = config.kv_heads_per_program
     if hkv % heads:
         raise ValueError(f"kv_heads_per_program={heads} must divide the KV heads ({hkv})")

@@ -24,7 +24,8 @@ value reaches HBM. The loop is ALU-bound, so each step is counted in instruction
   Triton's MMA layout pass halves the assumed bit width of a dot operand with a join behind it
   (AccelerateMatmul, kWidth 8 for these 8-bit loads), which needs K ≥ 32, and the value dot's K is
   the step's tokens (16 in the tests, where 3-bit values came out wrong on the H200 while the
-  same code passed interpreted). The keys' joins run along the key dot's K (head_dim ≥ 64).
+  same code passed interpreted; built without the join they pass on the H100). The keys' joins run
+  along the key dot's K (head_dim ≥ 64).
 """
 
 from __future__ import annotations

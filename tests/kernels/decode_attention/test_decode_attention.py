@@ -1,6 +1,7 @@
 """Paged decode attention: the Pallas kernel (interpreted on CPU, compiled under JQUANT_TEST_GPU=1)
 and the XLA path against a dense float64 computation on the contiguous, dequantized context."""
 
+import dataclasses
 import math
 
 import ml_dtypes
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jquant.kernels.decode_attention import TuningConfig, decode_attention
+from jquant.kernels.decode_attention.config import SHARED_BYTES, shared_bytes
 
 FP8 = ml_dtypes.float8_e4m3fn
 
@@ -130,12 +132,32 @@ def test_kv_heads_per_program_matches_dense(kind, case, heads, interpret):
                                              page_size=page_size, lengths=lengths, kind=kind)
     ref = _dense(q, kf, vf, bt, ln, page_size, 1 / math.sqrt(d))
     config = TuningConfig(block_tokens=32, num_splits=2, kv_heads_per_program=heads)
+    if shared_bytes(config, d, k.dtype.itemsize) > SHARED_BYTES:   # 8 bf16 heads of 128: one stage fits
+        config = dataclasses.replace(config, num_stages=1)
     out = decode_attention(*map(jnp.asarray, (q, k, v, bt, ln)),
                            k_scale=None if ks is None else jnp.asarray(ks),
                            v_scale=None if vs is None else jnp.asarray(vs), impl="pallas",
                            config=config, interpret=interpret)
     assert _rel(out, ref) < 2e-2
     assert (np.asarray(out, np.float32)[ln == 0] == 0).all()
+
+
+def test_launches_past_shared_memory_are_refused_and_the_default_fits(interpret):
+    """sm_90 gives a program 227 KB: four 128-token FP8 heads in two stages asked the H100 for 286720 bytes
+    and failed to compile; such a launch is refused before it runs, naming the bytes. The default launch
+    shrinks its steps until it fits (head_dim 256 in bf16: 128-token steps would need 278528 bytes)."""
+    rng = np.random.default_rng()
+    q, k, v, bt, ln, ks, vs, kf, vf = _cache(rng, batch=2, hq=8, hkv=4, d=128, page_size=16,
+                                             lengths=(40, 3), kind="fp8_tok")
+    with pytest.raises(ValueError, match=r"needs ~286720 bytes of shared memory.*sm_90 has 232448"):
+        decode_attention(*map(jnp.asarray, (q, k, v, bt, ln)), k_scale=jnp.asarray(ks), v_scale=jnp.asarray(vs),
+                         impl="pallas", config=TuningConfig(block_tokens=128, kv_heads_per_program=4),
+                         interpret=interpret)
+    assert shared_bytes(TuningConfig(), 256, 2) > SHARED_BYTES
+    q, k, v, bt, ln, ks, vs, kf, vf = _cache(rng, batch=2, hq=4, hkv=2, d=256, page_size=16,
+                                             lengths=(150, 17), kind="bf16")
+    out = decode_attention(*map(jnp.asarray, (q, k, v, bt, ln)), impl="pallas", interpret=interpret)
+    assert _rel(out, _dense(q, kf, vf, bt, ln, 16, 1 / 16)) < 2e-2
 
 
 def test_a_nan_scale_stays_in_its_head(interpret):
@@ -173,7 +195,9 @@ def test_lowers_for_cuda(kind, heads):
     layer = allocate(kind, 64, 16, 8, 128, k_scale=0.02, v_scale=0.02)
     bt = jnp.arange(64, dtype=jnp.int32).reshape(2, 32)
     q, ln = jnp.zeros((2, 32, 128), jnp.bfloat16), jnp.full((2,), 500, jnp.int32)
-    config = TuningConfig(kv_heads_per_program=heads)
+    # the longest step that fits in shared memory (bf16 with 2 heads: 64 tokens)
+    config = next(c for c in (TuningConfig(block_tokens=b, kv_heads_per_program=heads) for b in (128, 64, 32))
+                  if shared_bytes(c, 128, layer.k_pages.dtype.itemsize) <= SHARED_BYTES)
     [ttir] = triton_modules(lambda *a: cache_decode_attention(*a, impl="pallas", config=config),
                             q, layer, bt, ln)
     assert join_kwidth_hazards(ttir) == []

@@ -160,9 +160,9 @@ def test_unknown_impl():
         cache_decode_attention(q, layer, bt, ln, impl="cuda")
 
 
-@pytest.mark.parametrize("name,kernel_expected", [("turboquant_3bit_nc", False), ("turboquant_k3v4_nc", True),
+@pytest.mark.parametrize("name,kernel_expected", [("turboquant_3bit_nc", True), ("turboquant_k3v4_nc", True),
                                                   ("turboquant_4bit_nc", True)])
-def test_auto_on_a_gpu_keeps_3bit_values_on_xla(monkeypatch, name, kernel_expected):
+def test_auto_on_a_gpu_runs_every_preset_on_the_kernel(monkeypatch, name, kernel_expected):
     from jquant.schemes import dispatch
     monkeypatch.setattr(dispatch, "decode_attention_impl", lambda device=None: "pallas")
     q, layer, bt, ln = _realistic(name)
