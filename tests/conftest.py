@@ -12,6 +12,14 @@ if not ON_GPU:
 
 import hypothesis  # noqa: E402
 
+if ON_GPU:
+    import jax  # noqa: E402
+
+    # The references are float64: float32 dots must be float32 on the GPU too. XLA's default there is
+    # TF32 (~1e-3 relative), which failed every float32 MoE layer test on the H100; users choose the
+    # same with jax_default_matmul_precision, and bf16 dots are unaffected.
+    jax.config.update("jax_default_matmul_precision", "float32")
+
 hypothesis.settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
@@ -27,6 +35,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not ON_GPU:
             item.add_marker(skip)
+        if "multidevice" in item.keywords:
+            import jax
+            if jax.device_count() < 8:   # the 8 simulated CPU devices above, or 8 accelerators
+                item.add_marker(pytest.mark.skip(reason=f"needs 8 devices, there are {jax.device_count()}"))
 
 
 if ON_GPU:

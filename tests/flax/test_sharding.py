@@ -12,6 +12,8 @@ from jquant.models.llama import LlamaConfig, LlamaForCausalLM
 from jquant.flax import QParam, quantize_params, quantized_apply
 from jquant.flax.sharding import shard_tensor_parallel
 
+pytestmark = pytest.mark.multidevice   # tensor parallelism over the 8 simulated devices
+
 CONFIG = LlamaConfig(vocab_size=96, hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=8,
                      num_kv_heads=4, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
                      max_position_embeddings=64, tie_word_embeddings=True)

@@ -7,6 +7,8 @@ import pytest
 
 from jquant.apps import cli
 
+pytestmark = pytest.mark.multidevice   # tensor parallelism over the 8 simulated devices
+
 
 def _exit_code(argv, capsys):
     with pytest.raises(SystemExit) as e:

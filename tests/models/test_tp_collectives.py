@@ -10,6 +10,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jquant.models.llama import LlamaConfig, LlamaForCausalLM, new_cache
 from jquant.parallel import Collectives, fp8_pack, fp8_unpack, shard_params, tensor_parallel
 
+pytestmark = pytest.mark.multidevice   # tensor parallelism over the 8 simulated devices
+
 MODES = ("psum", "fp8", "fp8_rs")
 
 

@@ -15,6 +15,8 @@ from jquant.flax import QParam, quantize_params, quantized_apply
 from jquant.models.llama import LlamaConfig, LlamaForCausalLM, generate as generate_one, new_cache
 from jquant.parallel import Sharded, TensorParallel, decode_step, generate, shard_cache, shard_params, tensor_parallel
 
+pytestmark = pytest.mark.multidevice   # tensor parallelism over the 8 simulated devices
+
 # 16 query / 8 KV heads of 16: every tp up to 8 splits them (GQA 2 per device); int4 groups of 32 fit
 # o_proj's and down_proj's 256 / 8 = 32 inputs a device.
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=16,

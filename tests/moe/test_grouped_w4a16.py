@@ -172,7 +172,7 @@ def test_prepare_experts_lays_out_4bit_stacks_for_hopper_only():
     on_hopper = prepare_experts(params, hopper)
     assert isinstance(on_hopper["mx"], W4A16Experts)
     assert on_hopper["fp8"] is params["fp8"] and on_hopper["router"] is params["router"]
-    for device in (ampere, None):   # None: this host's CPU
+    for device in (ampere, jax.devices("cpu")[0]):
         assert all(prepare_experts(params, device)[k] is params[k] for k in params)
     assert dispatch.moe_experts_impl(True, 4, 90) == "mgpu"
     assert dispatch.moe_experts_impl(True, 8, 90) == dispatch.moe_experts_impl(False, 4, 90) == "xla"

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import ON_GPU
 from jquant.apps import bench as bench_cli
 from jquant.kernels.moe import bench
 from jquant.models.moe import quantize_experts
@@ -46,6 +47,7 @@ def fake_tokamax(monkeypatch):
     monkeypatch.setitem(sys.modules, "tokamax", types.SimpleNamespace(ragged_dot=_ragged_dot))
 
 
+@pytest.mark.skipif(ON_GPU, reason="a CPU smoke run of the bench; on the GPU it times for real")
 def test_cpu_smoke_run_writes_the_records(tmp_path, capsys, fake_tokamax):
     assert bench_cli.main(["moe", "--shrink", "--allow-cpu", "--shapes", "gpt-oss-20b", "--tokens", "1",
                            "--formats", "int4_g32", "--reps", "1", "--out", str(tmp_path)]) == 0
@@ -71,6 +73,7 @@ def test_cpu_smoke_run_writes_the_records(tmp_path, capsys, fake_tokamax):
     assert md.startswith("# MoE layer benchmark\n\ncpu:") and "| gpt-oss-20b-tiny | int4_g32 | 1 | 4/8 | " in md
 
 
+@pytest.mark.skipif(ON_GPU, reason="a CPU smoke run of the bench; on the GPU it times for real")
 def test_options_are_checked_and_a_gpu_is_required(tmp_path, capsys):
     for bad in (["--shapes", "mixtral"], ["--formats", "int3"], ["--tokens", "0"]):
         with pytest.raises(SystemExit):
@@ -144,6 +147,7 @@ def test_a_candidate_that_fails_is_recorded_and_the_rest_timed():
         "quantized": "RuntimeError: RESOURCE_EXHAUSTED: out of memory"})
 
 
+@pytest.mark.skipif(ON_GPU, reason="a CPU smoke run of the bench; on the GPU it times for real")
 def test_profile_traces_the_quantized_layer_of_every_cell(tmp_path):
     assert bench_cli.main(["moe", "--shrink", "--allow-cpu", "--shapes", "gpt-oss-20b", "--tokens", "1",
                            "--formats", "int4_g32", "--reps", "1", "--out", str(tmp_path / "out"),
@@ -154,6 +158,7 @@ def test_profile_traces_the_quantized_layer_of_every_cell(tmp_path):
     assert list(traced.rglob("*.trace.json.gz"))   # what summarize_trace reads
 
 
+@pytest.mark.multidevice
 def test_split_run_on_simulated_devices_writes_the_records(tmp_path, capsys):
     # conftest gives 8 simulated CPU devices; the timings mean nothing, the records' fields do.
     assert bench_cli.main(["moe", "--shrink", "--allow-cpu", "--shapes", "gpt-oss-20b", "--tokens", "4",
@@ -173,6 +178,7 @@ def test_split_run_on_simulated_devices_writes_the_records(tmp_path, capsys):
     assert "| gpt-oss-20b-tiny | mxfp4 | 4 | 2 | tensor | fp8 |" in (tmp_path / "moe_tp.md").read_text()
 
 
+@pytest.mark.multidevice
 def test_split_options_are_checked(capsys):
     for argv, match in ((["--fp8-collectives"], "--fp8-collectives needs --tp"),
                         (["--tp", "1,99"], "--tp 99: each must lie in 1..8"),

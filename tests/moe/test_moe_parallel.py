@@ -17,6 +17,8 @@ from jquant.parallel import Sharded
 from jquant.parallel.moe import MoEParallel, moe_parallel, shard_moe_params
 from test_moe_layer import CONFIGS, make_params
 
+pytestmark = pytest.mark.multidevice
+
 # Wide enough to split along the intermediate axis: int4 groups of 32 at 4 devices, 128 × 128 FP8 blocks at 2.
 WIDE = dict(num_experts=8, top_k=2, hidden=128, intermediate=256, router_bias=True, expert_bias=True,
             activation="gptoss_swiglu")
