@@ -14,8 +14,8 @@ Policy per architecture:
   ``W8A16_MGPU_MAX_M`` rows on Hopper; 4-bit MoE experts, laid out by ``prepare_experts``, the
   grouped W4A16 kernel (``moe_experts_impl``).
 * Every GPU: W8A8 FP8 schemes use XLA's native FP8 dot (``native_fp8_dot``; block scales: one
-  batched FP8 dot per K group); the Mosaic GPU FP8 GEMM (``fp8_gemm_impl``) is off by default
-  (``FP8_GEMM_MGPU``).
+  batched FP8 dot per K group); on Hopper block-FP8 schemes run the Mosaic GPU FP8 GEMM from
+  ``FP8_BLOCK_MGPU_MIN_M`` rows (``fp8_gemm_impl``); for one K block it is off (``FP8_GEMM_MGPU``).
 * CPU and other platforms: XLA; the 4-bit GEMM's "auto" runs the fp32 reference there (``cc == 0``),
   and a Pallas kernel runs only when asked for in interpret mode.
 
@@ -43,10 +43,14 @@ MGPU_LARGE_WEIGHT = 8192 * 8192
 # 1025 µs at M = 1024) and lost at M = 8192 (8192³: 2886 vs 1700 µs; bench/results/h200/gemm8.md);
 # M between 1024 and 8192 has not been timed.
 W8A16_MGPU_MAX_M = 1024
-# The FP8 W8A8 GEMM kernel (per-token × per-channel and block scales) stays off: on the H200 it
-# faulted (misaligned address) on ragged shapes, and XLA's FP8 dot already reaches 1090 TFLOP/s
-# with per-token × per-channel scales at 1024×28672×8192 (docs/design/gemm8.md).
+# The FP8 W8A8 GEMM kernel with one K block (per-token × per-channel or per-tensor scales) stays off:
+# on the H100 it beat XLA's FP8 dot at M = 1 and 8192 but lost at 256 on 8192×8192 (bench/results/h100/
+# gemm8.md), and on the H200 XLA's FP8 dot reaches 1090 TFLOP/s at 1024×28672×8192 (docs/design/gemm8.md).
 FP8_GEMM_MGPU = False
+# Block FP8 (DeepSeek's 128 × 128 weight blocks) runs the kernel from this many rows: on the H100 it was
+# 1.18-4.5× faster than XLA's path (one FP8 dot per K group, or dequantize + dot) at M = 128 to 8192 on
+# 8192×8192 and the four DeepSeek-V3 shapes, and ~10 % slower at M = 1 (bench/results/h100/gemm8*.md).
+FP8_BLOCK_MGPU_MIN_M = 128
 
 # 4-bit MoE experts run the grouped W4A16 kernel on Hopper once laid out (``prepare_experts``): on the
 # H200 the gpt-oss-20b layer took 609 / 533 / 13198 µs at 1 / 64 / 4096 tokens against 2858 / 3387 /
@@ -160,8 +164,15 @@ def moe_experts_impl(weight_only: bool, bits: int, capability: int) -> str:
     return "xla"
 
 
-def fp8_gemm_impl(m: int, capability: int) -> str:
-    """The FP8 W8A8 GEMM's "auto" choice: ``"mgpu"`` on Hopper when ``FP8_GEMM_MGPU``, else
-    ``"xla"`` (``m``: rows of x, for a policy by M once measured)."""
-    del m
-    return "mgpu" if FP8_GEMM_MGPU and has_wgmma(capability) else "xla"
+def fp8_gemm_impl(m: int, capability: int, blocked: bool = False) -> str:
+    """The FP8 W8A8 GEMM's "auto" choice for ``m`` rows: ``"mgpu"`` on Hopper for block scales
+    (``blocked``) from ``FP8_BLOCK_MGPU_MIN_M`` rows, or at any M when ``FP8_GEMM_MGPU``; else ``"xla"``."""
+    if not has_wgmma(capability):
+        return "xla"
+    return "mgpu" if FP8_GEMM_MGPU or (blocked and m >= FP8_BLOCK_MGPU_MIN_M) else "xla"
+
+
+def fp8_gemm_registered(block_scales: bool) -> bool:
+    """Whether W8A8 FP8 schemes (``block_scales``: DeepSeek's blocks) lay their weights out for the FP8
+    GEMM on Hopper (``fp8_gemm_impl`` then picks the kernel or XLA by M)."""
+    return FP8_GEMM_MGPU or block_scales

@@ -3,7 +3,8 @@ per-channel (or per-tensor) scales or DeepSeek's 1 × 128 / 128 × 128 block sca
 device (``jquant.schemes.dispatch.fp8_gemm_impl``).
 
 Implementations (``impl``): ``"mgpu"`` (the Mosaic GPU kernel, Hopper), ``"pallas"`` (the kernel,
-nothing else), ``"xla"`` (on a GPU with one K block XLA's FP8 dot, else as ``"reference"``),
+nothing else), ``"xla"`` (on a GPU XLA's FP8 dot, one per K group for block scales while their fp32
+partials fit, else as ``"reference"``),
 ``"reference"`` (``reference_fp8``: per K block an fp32 dot of the codes, scaled and summed), ``"auto"``. ``interpret=True`` runs the kernel on any device.
 """
 
@@ -16,17 +17,18 @@ from jquant.kernels.fp8_gemm.config import Fp8GemmConfig, default_fp8_config
 from jquant.kernels.fp8_gemm.layout import PackedFp8, activation_operands, reference_fp8
 from jquant.kernels.w4a16.api import resolve_kernel_impl
 from jquant.schemes import dispatch as device_lib
+from jquant.schemes.xla import BLOCKWISE_FP8_MAX_BYTES, blockwise_fp8_dot
 
 
-def resolve_fp8_impl(impl: str, m: int, interpret: bool = False) -> str:
-    """What ``fp8_gemm`` runs for ``impl`` at ``m`` rows on the default device.
+def resolve_fp8_impl(impl: str, m: int, interpret: bool = False, blocked: bool = False) -> str:
+    """What ``fp8_gemm`` runs for ``impl`` at ``m`` rows (``blocked``: block scales) on the default device.
 
     Examples:
       >>> from jquant.kernels.fp8_gemm import resolve_fp8_impl
       >>> resolve_fp8_impl("reference", 1), resolve_fp8_impl("auto", 1, interpret=True)
       ('reference', 'mgpu')
     """
-    return resolve_kernel_impl(impl, interpret, lambda cc: device_lib.fp8_gemm_impl(m, cc), "fp8_gemm")
+    return resolve_kernel_impl(impl, interpret, lambda cc: device_lib.fp8_gemm_impl(m, cc, blocked), "fp8_gemm")
 
 
 def fp8_gemm(xq, x_scale, packed: PackedFp8, *, bias=None, out_dtype=jnp.bfloat16, impl: str = "auto",
@@ -59,9 +61,17 @@ def fp8_gemm(xq, x_scale, packed: PackedFp8, *, bias=None, out_dtype=jnp.bfloat1
     if config is not None and not isinstance(config, Fp8GemmConfig):
         raise TypeError(f"config must be an Fp8GemmConfig, got {type(config).__name__}")
     m = xq.shape[0]
-    kind = resolve_fp8_impl(impl, m, interpret)
-    if kind == "xla" and not packed.blocked and device_lib.native_fp8_dot():
-        return _xla_fp8_dot(xq, x_scale, packed, bias, out_dtype)
+    kind = resolve_fp8_impl(impl, m, interpret, packed.blocked)
+    if kind == "xla" and device_lib.native_fp8_dot():
+        blocks = packed.scale.shape[0]
+        if not packed.blocked:
+            return _xla_fp8_dot(xq, x_scale, packed, bias, out_dtype)
+        if blocks * m * packed.n_pad * 4 <= BLOCKWISE_FP8_MAX_BYTES:   # the W8A8 schemes' XLA path
+            codes, cols = activation_operands(xq, x_scale, packed, m)
+            out = blockwise_fp8_dot(codes, packed.data, cols, packed.scale)[:, :packed.n]
+            return (out if bias is None else out + bias).astype(out_dtype)
+        if impl == "auto" and device_lib.has_wgmma(device_lib.compute_capability()):
+            kind = "mgpu"   # partials too large for XLA's per-group dot: the kernel beats an fp32 dequantize
     if kind != "mgpu":
         return reference_fp8(xq, x_scale, packed, bias, out_dtype)
     return run_kernel(xq, x_scale, packed, bias, out_dtype, config or default_fp8_config(m, packed.n_pad, packed.blocked, jnp.dtype(out_dtype).itemsize),

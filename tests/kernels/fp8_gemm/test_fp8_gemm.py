@@ -191,8 +191,7 @@ def test_bad_input_names_the_problem():
 
 
 def test_xla_path_uses_the_fp8_dot_where_there_is_one(monkeypatch):
-    """On a GPU, one K block: XLA's FP8 dot of the codes (as the W8A8 schemes run it), equal to the twin;
-    block scales keep the twin."""
+    """On a GPU, one K block: XLA's FP8 dot of the codes (as the W8A8 schemes run it), equal to the twin."""
     rng = np.random.default_rng()
     w = rng.standard_normal((200, 300)).astype(ml_dtypes.float8_e4m3fn)
     xq = jnp.asarray(rng.standard_normal((5, 300)), jnp.float8_e4m3fn)
@@ -210,3 +209,25 @@ def test_xla_path_uses_the_fp8_dot_where_there_is_one(monkeypatch):
     assert list(dot_operands(jaxpr)) == [(jnp.dtype(jnp.float8_e4m3fn),) * 2]
     y = fp8_gemm(xq, xs, packed, bias=bias, impl="xla", out_dtype=jnp.float32)
     chex.assert_trees_all_close(y, reference_fp8(xq, xs, packed, bias, jnp.float32), rtol=1e-5, atol=1e-4)
+
+
+def test_block_fp8_runs_the_kernel_from_128_rows_and_xla_per_k_group_below(monkeypatch):
+    """Block-FP8 schemes lay their weights out for the FP8 GEMM on Hopper; below FP8_BLOCK_MGPU_MIN_M rows
+    XLA runs one FP8 dot per K group on that layout, the scheme's own XLA path bit for bit."""
+    hopper = type("Dev", (), {"platform": "gpu", "device_kind": "H100", "compute_capability": "9.0"})()
+    block, channel = jquant.get_scheme("fp8_e4m3_block128x128"), jquant.get_scheme("fp8_e4m3_channel")
+    assert candidate_impls(block, hopper)[0].name == "pallas_fp8"
+    assert candidate_impls(channel, hopper)[0].name == ("pallas_fp8" if dispatch.FP8_GEMM_MGPU else "xla")
+    least = dispatch.FP8_BLOCK_MGPU_MIN_M
+    assert dispatch.fp8_gemm_impl(least, 90, blocked=True) == "mgpu"
+    assert dispatch.fp8_gemm_impl(least - 1, 90, blocked=True) == "xla"
+    assert dispatch.fp8_gemm_impl(4096, 89, blocked=True) == "xla"
+    assert dispatch.fp8_gemm_impl(4096, 90) == ("mgpu" if dispatch.FP8_GEMM_MGPU else "xla")
+    rng = np.random.default_rng()
+    qw = block.quantize_weight(rng.standard_normal((384, 256)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((7, 256)), jnp.bfloat16)
+    monkeypatch.setattr(dispatch, "native_fp8_dot", lambda device=None: True)
+    xq = quantize_activation(block, x)
+    y = fp8_gemm(xq.data, xq.scale, pack_fp8_qtensor(qw), impl="xla", out_dtype=jnp.bfloat16)
+    chex.assert_trees_all_equal(y, xla_apply(block, x, qw, None))
+    assert float(jnp.abs(y.astype(jnp.float32)).max()) > 0
