@@ -203,16 +203,23 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
         if scheme is None or leaf_name != "kernel":
             raise ValueError(f"parameter {path!r}: the checkpoint stores {sorted(own)} under {name} but no "
                              "quantization_config says how to read them")
+        read = _Reads(own)
         try:
-            qt = from_checkpoint(own, scheme.checkpoint_layout, **layout_meta(scheme))
+            qt = from_checkpoint(read, scheme.checkpoint_layout, **layout_meta(scheme))
         except (ValueError, TypeError) as e:
             raise ValueError(f"parameter {path!r}: tensors {sorted(own)} do not match the quantization_config "
                              f"({scheme.name}): {e}") from e
         if qt.shape != (ref.shape[1], ref.shape[0]):
             raise ValueError(f"parameter {path!r}: checkpoint holds a {qt.shape} weight, the model expects "
                              f"{(ref.shape[1], ref.shape[0])}")
+        input_scale = _static_input_scale(read, scheme, path, name) if scheme.activation.mode == "static" else None
+        # A tensor the layout did not read (a bias, a zero point) would be dropped silently; KV-cache scales
+        # are read by no linear layer (vLLM's default "auto" KV-cache dtype does not apply them either).
+        unread = sorted(set(own) - read.names - _KV_CACHE_SCALES)
+        if unread:
+            raise ValueError(f"parameter {path!r}: checkpoint tensors {[prefix + k for k in unread]} are not "
+                             f"part of the {scheme.checkpoint_layout!r} layout ({scheme.name}) and would be dropped")
         used.update(prefix + k for k in own)
-        input_scale = _static_input_scale(own, scheme, path, name) if scheme.activation.mode == "static" else None
         out[path] = QParam(scheme.process_weights_after_loading(qt) if prepare else qt, scheme, input_scale)
     _share_fused_input_scales(out)
     extra = sorted(set(tensors) - used)
@@ -226,6 +233,27 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
 
         return quantize_params(_unflat(out), [(PROJECTIONS, quantize)], prepare=prepare)[0]
     return _unflat(out)
+
+
+_KV_CACHE_SCALES = frozenset({"output_scale", "k_scale", "v_scale"})
+
+
+class _Reads(dict):
+    """The tensors of one module, recording which of them a layout reads (``[]`` or ``get``)."""
+
+    def __init__(self, tensors: dict):
+        super().__init__(tensors)
+        self.names: set[str] = set()
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        self.names.add(key)
+        return value
+
+    def get(self, key, default=None):
+        if key in self:
+            self.names.add(key)
+        return super().get(key, default)
 
 
 def _safetensors_files(directory: pathlib.Path) -> list[pathlib.Path]:

@@ -108,7 +108,6 @@ def _gptq(cfg: dict) -> Scheme:
 
 
 def _compressed_tensors(cfg: dict) -> Scheme:
-    fmt = _get(cfg, "format", str)
     groups = _get(cfg, "config_groups", dict)
     if len(groups) != 1:
         raise ValueError(f"quantization_config['config_groups'] must hold exactly one group (mixed schemes per "
@@ -117,6 +116,12 @@ def _compressed_tensors(cfg: dict) -> Scheme:
     where = f"quantization_config['config_groups'][{gname!r}]"
     if not isinstance(group, dict):
         raise ValueError(f"{where} must be a dict, got {group!r}")
+    if _get(cfg, "transform_config", (dict, type(None)), None):
+        # vLLM applies these (Hadamard / SpinQuant rotations) to activations and weights at run time.
+        raise ValueError("quantization_config['transform_config'] (online rotations of the weights and "
+                         "activations) is not supported; the layers would compute without them")
+    # vLLM: a group's own "format" wins over the global one ("mixed-precision" configs set it per group).
+    fmt = _get(group, "format", (str, type(None)), None, where=where) or _get(cfg, "format", str)
     weights = _get(group, "weights", dict, where=where)
     wwhere = where + "['weights']"
     acts = _get(group, "input_activations", (dict, type(None)), None, where=where)
@@ -138,8 +143,14 @@ def _compressed_tensors(cfg: dict) -> Scheme:
     if fmt == "float-quantized":
         if kind != "float" or num_bits != 8:
             raise ValueError(f"{wwhere}: float-quantized needs type 'float' with num_bits 8, got {kind!r}/{num_bits}")
+        _check_fp8_args(weights, acts, where)
         act_strategy = None if acts is None else _get(acts, "strategy", str, where=where + "['input_activations']")
         if strategy == "block":
+            if acts is None or not _get(acts, "dynamic", (bool, str), True, where=where + "['input_activations']"):
+                # vLLM runs these W8A16 (Marlin) or not at all; fp8_block quantizes activations per token group.
+                raise ValueError(f"{where}: block FP8 ('strategy': 'block') is supported with dynamic "
+                                 "input_activations only (W8A8); weight-only or static-activation block FP8 "
+                                 "is not")
             block = tuple(_get(weights, "block_structure", (list, tuple), where=wwhere))
             return bs.fp8_block(block, layout="compressed-tensors")
         if strategy not in ("tensor", "channel"):
@@ -166,6 +177,26 @@ def _compressed_tensors(cfg: dict) -> Scheme:
         return bs.nvfp4(convention="compressed-tensors")
     raise ValueError(f"quantization_config['format'] {fmt!r} is not supported; expected 'pack-quantized', "
                      "'float-quantized', 'int-quantized' or 'nvfp4-pack-quantized'")
+
+
+def _check_fp8_args(weights: dict, acts: dict | None, where: str) -> None:
+    """What vLLM's ``_is_fp8_w8a8`` / ``_is_fp8_w8a16`` accept: symmetric, static FP8 weights; FP8
+    (type 'float', 8 bits) activations, symmetric where static. vLLM refuses the weights otherwise, and
+    runs activations it cannot take weight-only (W8A16): refused here rather than read as W8A8."""
+    wwhere, awhere = where + "['weights']", where + "['input_activations']"
+    if not _get(weights, "symmetric", bool, True, wwhere):
+        raise ValueError(f"{wwhere}['symmetric'] is false: asymmetric FP8 weights are not supported")
+    if _get(weights, "dynamic", (bool, str), False, where=wwhere):
+        raise ValueError(f"{wwhere}['dynamic'] is set: FP8 weights must be static (stored with their scales)")
+    if acts is None:
+        return
+    kind, bits = _get(acts, "type", str, "int", where=awhere), _get(acts, "num_bits", int, where=awhere)
+    if kind != "float" or bits != 8:
+        raise ValueError(f"{awhere}: FP8 weights take FP8 activations (type 'float', num_bits 8), got "
+                         f"{kind!r}/{bits}")
+    if not _get(acts, "dynamic", (bool, str), True, where=awhere) and not _get(acts, "symmetric", bool, True, awhere):
+        raise ValueError(f"{awhere}['symmetric'] is false: asymmetric static FP8 activations (a zero point) "
+                         "are not supported")
 
 
 def _int_quantized(weights: dict, acts: dict | None, where: str) -> Scheme:
@@ -324,7 +355,17 @@ def _gptq_skip(cfg: dict):
         raise ValueError(f"quantization_config['dynamic']: per-module overrides {overrides} (other bits or group "
                          "sizes per module) are not supported; only '-:' exclusions are")
     substring = _substring(_names(cfg, "modules_to_not_convert"))
-    return lambda module: substring(module) or any(r.match(module) for r in negative)
+    # vLLM: when 'modules_in_block_to_quantize' is given (AutoGPTQ / AutoRound write it, nested one list
+    # per sequential step), only modules holding one of its entries as a substring are quantized.
+    listed = _get(cfg, "modules_in_block_to_quantize", (list, tuple, type(None)), None)
+    quantized = None
+    if listed is not None:
+        quantized = [n for entry in listed for n in (entry if isinstance(entry, (list, tuple)) else [entry])]
+        if not all(isinstance(n, str) for n in quantized):
+            raise ValueError("quantization_config['modules_in_block_to_quantize'] must be a list of module names "
+                             f"(or of lists of them), got {listed!r}")
+    return lambda module: (substring(module) or any(r.match(module) for r in negative)
+                           or quantized is not None and not any(n in module for n in quantized))
 
 
 def _bnb_skip(cfg: dict):
@@ -364,7 +405,8 @@ def skipped_modules(quantization_config: dict) -> Callable[[str], bool]:
     """A predicate on HF module names (``model.layers.0.mlp.down_proj``, ``lm_head``): True for the
     modules the config keeps in float, matched the way vLLM matches each format's list —
     compressed-tensors ``ignore`` (names, ``re:`` regexes), ``modules_to_not_convert`` (AWQ: substrings;
-    fp8: whole names, or ``ignored_layers``; GPTQ: substrings, plus ``dynamic`` ``-:`` regexes;
+    fp8: whole names, or ``ignored_layers``; GPTQ: substrings, plus ``dynamic`` ``-:`` regexes and
+    modules holding no entry of ``modules_in_block_to_quantize``;
     mxfp4: names or globs), bitsandbytes ``llm_int8_skip_modules`` (name components or dotted
     prefixes) and ModelOpt ``exclude_modules`` (names, substrings or globs)."""
     return _SKIPS[_method(quantization_config)](quantization_config)

@@ -26,7 +26,9 @@ CONFIGS = {
     "fp8_block_64": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [64, 64]},
     "ct_fp8_block_192x128": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
         "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block",
-                                                       "block_structure": [192, 128]}}}},
+                                                       "block_structure": [192, 128]},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128,
+                                          "dynamic": True}}}},
     "ct_nvfp4": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {
         "group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
                                                        "group_size": 16}}}},

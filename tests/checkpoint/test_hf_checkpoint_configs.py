@@ -210,3 +210,29 @@ def test_static_fp8_bad_input_scale_names_the_tensor(tmp_path, tiny, edit, match
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=match):
         load_hf_checkpoint(tmp_path, params)
+
+
+def test_tensors_the_layout_does_not_read_are_refused(tmp_path, tiny):
+    # A bias (or any tensor) beside a quantized weight used to be counted as loaded and dropped.
+    _, params, _ = tiny
+    qparams, _ = quantize_params(params, [(PROJ, scheme_from_config(GPTQ))], prepare=False)
+    save_hf_checkpoint(qparams, tmp_path, quantization_config=GPTQ)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros((128,), np.float16)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"'layers_0/q_proj/kernel'.*q_proj\.bias'\] are not part of the 'gptq'"):
+        load_hf_checkpoint(tmp_path, params, prepare=False)
+
+
+def test_kv_cache_scales_beside_quantized_weights_still_load(tmp_path, tiny):
+    # compressed-tensors kv_cache_scheme stores k_proj/v_proj.output_scale: no linear layer reads them.
+    _, params, _ = tiny
+    qparams, _ = quantize_params(params, [(PROJ, scheme_from_config(CT_FP8_CHANNEL))], prepare=False)
+    save_hf_checkpoint(qparams, tmp_path, quantization_config=CT_FP8_CHANNEL)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    for layer in range(CONFIG.num_layers):
+        for proj in ("k_proj", "v_proj"):
+            tensors[f"model.layers.{layer}.self_attn.{proj}.output_scale"] = np.ones((1,), np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    loaded = load_hf_checkpoint(tmp_path, params, prepare=False)
+    assert isinstance(loaded["layers_0"]["k_proj"]["kernel"], QParam)

@@ -157,6 +157,9 @@ CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "co
     # GPTQModel dynamic "-:" exclusions (re.match) and modules_to_not_convert substrings.
     ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*self_attn\\.q": {}}, "modules_to_not_convert": ["lm_"]},
      {0, 1}),
+    # GPTQ modules_in_block_to_quantize (AutoGPTQ nests one list per step): only modules holding an entry.
+    ({"quant_method": "gptq", "bits": 4, "modules_in_block_to_quantize": [["self_attn.q_proj"], ["mlp.up_proj"]]},
+     {0, 2, 3, 4}),
     # bitsandbytes: a dotted component, or a dotted prefix.
     ({"quant_method": "bitsandbytes", "load_in_4bit": True, "llm_int8_skip_modules": ["lm_head", "model.layers.1"]},
      {0, 3, 5}),
@@ -198,3 +201,56 @@ def test_compressed_tensors_static_input_keeps_the_weight_granularity(strategy):
 def test_compressed_tensors_static_input_must_be_per_tensor():
     with pytest.raises(ValueError, match="static activation scales must be per tensor"):
         scheme_from_config(_ct_static("channel", "token"))
+
+
+def _ct_fp8(weights=None, acts=None, **group):
+    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel", **(weights or {})},
+             **group}
+    if acts is not None:
+        group["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, **acts}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": group}}
+
+
+_BLOCK = {"strategy": "block", "block_structure": [128, 128]}
+
+
+@pytest.mark.parametrize("config, match", [
+    # vLLM runs block FP8 without input_activations weight-only (W8A16): not per-token-group FP8 activations.
+    (_ct_fp8(_BLOCK), "block FP8"),
+    (_ct_fp8(_BLOCK, {"strategy": "tensor", "dynamic": False}), "block FP8"),
+    # vLLM has no scheme for asymmetric or dynamic FP8 weights.
+    (_ct_fp8({"symmetric": False}, {}), r"'symmetric'\] is false: asymmetric FP8 weights"),
+    (_ct_fp8({"dynamic": True}), r"'dynamic'\] is set"),
+    # Activations vLLM's W8A8 FP8 does not take (it falls back to weight-only): not read as FP8 W8A8.
+    (_ct_fp8(acts={"type": "int"}), "FP8 activations"),
+    (_ct_fp8(acts={"num_bits": 4}), "FP8 activations"),
+    (_ct_fp8({"strategy": "tensor"}, {"strategy": "tensor", "dynamic": False, "symmetric": False}),
+     "asymmetric static FP8 activations"),
+])
+def test_compressed_tensors_fp8_that_vllm_reads_otherwise_is_refused(config, match):
+    with pytest.raises(ValueError, match=match):
+        scheme_from_config(config)
+
+
+def test_compressed_tensors_block_fp8_with_dynamic_activations():
+    s = scheme_from_config(_ct_fp8(_BLOCK, {"strategy": "group", "group_size": 128}))
+    assert (s.weight.block_size, s.activation.mode) == ((128, 128), "dynamic_per_token_group")
+
+
+def test_compressed_tensors_group_format_overrides_the_global_one():
+    # llm-compressor writes "mixed-precision" globally and each group's own format (vLLM reads the group's).
+    weights = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 64}
+    config = {"quant_method": "compressed-tensors", "format": "mixed-precision", "config_groups": {"group_0": {
+        "targets": ["Linear"], "format": "pack-quantized", "weights": weights}}}
+    s = scheme_from_config(config)
+    assert (s.weight.bits, s.weight.group_size, s.weight.symmetric) == (4, 64, False)
+    fp8 = _ct_fp8(acts={})
+    fp8["config_groups"]["group_0"]["format"] = "pack-quantized"  # the group's format, not the global one
+    with pytest.raises(ValueError, match="pack-quantized"):
+        scheme_from_config(fp8)
+
+
+def test_compressed_tensors_transforms_are_refused():
+    config = dict(_ct_fp8(acts={}), transform_config={"config_groups": {"u": {"type": "hadamard"}}})
+    with pytest.raises(ValueError, match="transform_config"):
+        scheme_from_config(config)
