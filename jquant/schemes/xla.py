@@ -66,6 +66,12 @@ def _row_scales(qt: QTensor) -> jax.Array | None:
 BLOCKWISE_FP8_MAX_BYTES = 2**28
 
 
+def blockwise_fp8_fits(blocks: int, m: int, n: int) -> bool:
+    """Whether the fp32 partials ``[blocks, m, n]`` of ``blockwise_fp8_dot`` stay within
+    ``BLOCKWISE_FP8_MAX_BYTES``."""
+    return blocks * m * n * 4 <= BLOCKWISE_FP8_MAX_BYTES
+
+
 def _fp8_blocks(xq: QTensor, qw: QTensor) -> tuple[int, int] | None:
     """(K group, weight rows per block) where block-scaled FP8 (1 × G activation groups, Bn × G weight
     blocks) can run as one batched FP8 dot per K group on this device, else None."""
@@ -78,12 +84,12 @@ def _fp8_blocks(xq: QTensor, qw: QTensor) -> tuple[int, int] | None:
     g = xq.block[-1]
     if xq.block[0] != 1 or qw.block[-1] != g or k % g or qw.group_index is not None:
         return None
-    if (k // g) * m * n * 4 > BLOCKWISE_FP8_MAX_BYTES:
+    if not blockwise_fp8_fits(k // g, m, n):
         return None
     return g, qw.block[0]
 
 
-def _blockwise_fp8_dot(xq: QTensor, qw: QTensor, g: int, rows: int) -> jax.Array:
+def _blockwise_fp8_dot(xq: QTensor, qw: QTensor, rows: int) -> jax.Array:
     """``Σ_b sx[:, b] · sw[:, b] · (xq_b · wq_bᵀ)``: FP8 codes into XLA's dot per K group (cuBLASLt on a
     GPU), the block scales applied to each group's fp32 sum, as block-FP8 kernels promote them.
     Dequantizing the weight to fp32 instead wrote 4 bytes a weight every call: 544 µs for a
@@ -123,7 +129,7 @@ def xla_apply(scheme: Scheme, x: jax.Array, qweight: QTensor, bias: jax.Array | 
             # CUTLASS's epilogue order, s_a · (s_b · acc): fp32 products are not associative.
             y = xs * (ws.T * _contract_last(xq.data, qweight.data))
         elif (blocks := _fp8_blocks(xq, qweight)) is not None:
-            y = _blockwise_fp8_dot(xq, qweight, *blocks)
+            y = _blockwise_fp8_dot(xq, qweight, rows=blocks[1])
         else:
             y = _contract_last(xq.dequantize(jnp.float32), qweight.dequantize(jnp.float32))
         y = y.reshape(*lead, -1)

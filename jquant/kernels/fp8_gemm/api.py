@@ -17,7 +17,7 @@ from jquant.kernels.fp8_gemm.config import Fp8GemmConfig, default_fp8_config
 from jquant.kernels.fp8_gemm.layout import PackedFp8, activation_operands, reference_fp8
 from jquant.kernels.w4a16.api import resolve_kernel_impl
 from jquant.schemes import dispatch as device_lib
-from jquant.schemes.xla import BLOCKWISE_FP8_MAX_BYTES, blockwise_fp8_dot
+from jquant.schemes.xla import blockwise_fp8_dot, blockwise_fp8_fits
 
 
 def resolve_fp8_impl(impl: str, m: int, interpret: bool = False, blocked: bool = False) -> str:
@@ -63,10 +63,9 @@ def fp8_gemm(xq, x_scale, packed: PackedFp8, *, bias=None, out_dtype=jnp.bfloat1
     m = xq.shape[0]
     kind = resolve_fp8_impl(impl, m, interpret, packed.blocked)
     if kind == "xla" and device_lib.native_fp8_dot():
-        blocks = packed.scale.shape[0]
         if not packed.blocked:
             return _xla_fp8_dot(xq, x_scale, packed, bias, out_dtype)
-        if blocks * m * packed.n_pad * 4 <= BLOCKWISE_FP8_MAX_BYTES:   # the W8A8 schemes' XLA path
+        if blockwise_fp8_fits(packed.scale.shape[0], m, packed.n_pad):   # the W8A8 schemes' XLA path
             codes, cols = activation_operands(xq, x_scale, packed, m)
             out = blockwise_fp8_dot(codes, packed.data, cols, packed.scale)[:, :packed.n]
             return (out if bias is None else out + bias).astype(out_dtype)
