@@ -11,8 +11,8 @@ Policy per architecture:
   the Triton-backend Pallas kernels run decode attention (Triton's bf16 dot needs sm_80's mma).
 * CUDA GPUs below 8.0: XLA for everything.
   The 8-bit weight-only GEMM (``w8a16_impl``) runs the same pipeline with 8-bit tiles up to
-  ``W8A16_MGPU_MAX_M`` rows on Hopper; 4-bit MoE experts, laid out by ``prepare_experts``, the
-  grouped W4A16 kernel (``moe_experts_impl``).
+  ``W8A16_MGPU_MAX_M`` rows on Hopper; MoE experts, laid out by ``prepare_experts``, the grouped
+  W4A16 kernel (4-bit weight-only) or the grouped FP8 GEMM (W8A8 FP8) (``moe_experts_impl``).
 * Every GPU: W8A8 FP8 schemes use XLA's native FP8 dot (``native_fp8_dot``; block scales: one
   batched FP8 dot per K group); on Hopper block-FP8 schemes run the Mosaic GPU FP8 GEMM from
   ``FP8_BLOCK_MGPU_MIN_M`` rows (``fp8_gemm_impl``); for one K block it is off (``FP8_GEMM_MGPU``).
@@ -54,9 +54,13 @@ FP8_BLOCK_MGPU_MIN_M = 128
 
 # 4-bit MoE experts run the grouped W4A16 kernel on Hopper once laid out (``prepare_experts``): on the
 # H200 the gpt-oss-20b layer took 609 / 533 / 13198 µs at 1 / 64 / 4096 tokens against 2858 / 3387 /
-# 37413 µs dequantizing the experts into ragged_dot (bench/results/h200/moe.md). Block-FP8 experts
-# stay on XLA: their grouped kernel shares the FP8 GEMM's off switch (``FP8_GEMM_MGPU``).
+# 37413 µs dequantizing the experts into ragged_dot (bench/results/h200/moe.md).
 MOE_W4A16_MGPU = True
+# W8A8 FP8 experts run the grouped FP8 GEMM on Hopper once laid out. XLA's path dequantizes the whole
+# stack to float32 on every call: at DeepSeek-V3's 256 experts (7168 x 2048) that is a 28 GiB buffer,
+# out of memory on an 80 GB H100, where the grouped kernel ran the layer in 4.9 ms at 64 tokens and
+# 11.7 ms at 4096 (bench/results/h100/moe.md).
+MOE_FP8_MGPU = True
 
 TRITON_MIN_CAPABILITY = 80
 
@@ -155,13 +159,16 @@ def w8a16_impl(m: int, capability: int) -> str:
     return "mgpu" if has_wgmma(capability) and m <= W8A16_MGPU_MAX_M else "xla"
 
 
-def moe_experts_impl(weight_only: bool, bits: int, capability: int) -> str:
-    """What runs a stack of experts of a scheme (``weight_only``, weight ``bits``) on a device of
-    ``capability``: ``"mgpu"`` (4-bit weight-only on Hopper, the grouped W4A16 kernel) or ``"xla"``
-    (dequantize + ``jax.lax.ragged_dot``)."""
-    if MOE_W4A16_MGPU and has_wgmma(capability) and weight_only and bits == 4:
-        return "mgpu"
-    return "xla"
+def moe_experts_impl(scheme, capability: int) -> str:
+    """What runs a stack of experts quantized with ``scheme`` (a ``Scheme``) on a device of
+    ``capability``: ``"mgpu"`` on Hopper for 4-bit weight-only experts (the grouped W4A16 kernel) and
+    W8A8 FP8 experts (the grouped FP8 GEMM), else ``"xla"`` (dequantize + ``jax.lax.ragged_dot``)."""
+    if not has_wgmma(capability):
+        return "xla"
+    if scheme.weight_only:
+        return "mgpu" if MOE_W4A16_MGPU and scheme.weight.bits == 4 else "xla"
+    fp8 = scheme.weight.format == "fp8_e4m3" and scheme.activation.format == "fp8_e4m3"
+    return "mgpu" if MOE_FP8_MGPU and fp8 else "xla"
 
 
 def fp8_gemm_impl(m: int, capability: int, blocked: bool = False) -> str:

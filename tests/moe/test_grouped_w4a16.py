@@ -155,25 +155,29 @@ def test_grouped_matmul_runs_the_kernel_when_asked(interpret):
         grouped_matmul(x, quantize_expert_weights(np.ones((3, 128, 128), np.float32), "int8_ch"), sizes, impl="mgpu")
 
 
-def test_prepare_experts_lays_out_4bit_stacks_for_hopper_only():
-    """On Hopper 4-bit weight-only experts become W4A16Experts (the grouped kernel); block FP8 experts,
-    float leaves and any stack on other devices are left as they are."""
-    from jquant.kernels.moe import prepare_experts
+def test_prepare_experts_lays_out_stacks_for_hopper_only():
+    """On Hopper 4-bit weight-only experts become W4A16Experts (the grouped W4A16 kernel) and W8A8 FP8
+    experts Fp8Experts (the grouped FP8 GEMM); 8-bit weight-only experts, float leaves and any stack
+    on other devices are left as they are."""
+    from jquant.kernels.moe import Fp8Experts, prepack_fp8_experts, prepare_experts
     from jquant.schemes import dispatch
 
     hopper = type("Dev", (), {"platform": "gpu", "device_kind": "H200", "compute_capability": "9.0"})()
     ampere = type("Dev", (), {"platform": "gpu", "device_kind": "A100", "compute_capability": "8.0"})()
     rng = np.random.default_rng()
     w = rng.standard_normal((2, 256, 256)).astype(np.float32)
-    params = {"mx": QExperts(quantize_expert_weights(w, "mxfp4"), get_scheme("mxfp4")),
-              "fp8": QExperts(quantize_expert_weights(w, "fp8_e4m3_block128x128"),
-                              get_scheme("fp8_e4m3_block128x128")),
-              "router": jnp.ones((4, 2))}
+    stack = lambda name: QExperts(quantize_expert_weights(w, name), get_scheme(name))
+    params = {"mx": stack("mxfp4"), "fp8": stack("fp8_e4m3_block128x128"), "fp8_ch": stack("fp8_e4m3_channel"),
+              "int8": stack("int8_ch"), "router": jnp.ones((4, 2))}
     on_hopper = prepare_experts(params, hopper)
     assert isinstance(on_hopper["mx"], W4A16Experts)
-    assert on_hopper["fp8"] is params["fp8"] and on_hopper["router"] is params["router"]
+    for name in ("fp8", "fp8_ch"):
+        assert isinstance(on_hopper[name], Fp8Experts) and on_hopper[name].scheme == params[name].scheme
+        chex.assert_trees_all_equal(on_hopper[name].packed, prepack_fp8_experts(params[name].weight))
+    assert on_hopper["int8"] is params["int8"] and on_hopper["router"] is params["router"]
     for device in (ampere, jax.devices("cpu")[0]):
         assert all(prepare_experts(params, device)[k] is params[k] for k in params)
-    assert dispatch.moe_experts_impl(True, 4, 90) == "mgpu"
-    assert dispatch.moe_experts_impl(True, 8, 90) == dispatch.moe_experts_impl(False, 4, 90) == "xla"
-    assert dispatch.moe_experts_impl(True, 4, 80) == "xla"
+    impl = lambda name, cc: dispatch.moe_experts_impl(get_scheme(name), cc)
+    assert impl("mxfp4", 90) == impl("int4_g128", 90) == impl("fp8_e4m3_block128x128", 90) == "mgpu"
+    assert impl("int8_ch", 90) == impl("int8_w8a8", 90) == "xla"
+    assert impl("mxfp4", 80) == impl("fp8_e4m3_block128x128", 89) == impl("fp8_e4m3_channel", 100) == "xla"

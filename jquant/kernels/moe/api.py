@@ -1,9 +1,9 @@
 """The grouped GEMM of a MoE layer: rows of x sorted by expert times each expert's (quantized) weight.
 
 ``grouped_matmul(x, experts, group_sizes)`` has ``jax.lax.ragged_dot``'s contract with the weight in
-PyTorch orientation (``reference.py``). ``choose_impl`` is the one place that picks an
-implementation: the XLA reference on every device until the grouped W4A16 kernel
-(``grouped_w4a16``, run through ``W4A16Experts``) is timed on a Hopper GPU.
+PyTorch orientation (``reference.py``). ``choose_impl`` picks the implementation of a bare stack (the
+XLA reference); ``prepare_experts`` lays a model's stacks out once for the grouped kernels that
+``jquant.schemes.dispatch.moe_experts_impl`` chooses (``W4A16Experts``, ``Fp8Experts``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def choose_impl(experts: QTensor | jax.Array, device: jax.Device | None = None) 
 def prepare_experts(params, device: jax.Device | None = None):
     """``params`` (any pytree) with every ``QExperts`` laid out for the kernel this device runs it
     with (``jquant.schemes.dispatch.moe_experts_impl``): on Hopper a 4-bit weight-only stack becomes
-    ``W4A16Experts`` (the grouped W4A16 kernel); anything else is returned as it is. ``MoE`` runs
+    ``W4A16Experts`` (the grouped W4A16 kernel) and a W8A8 FP8 stack ``Fp8Experts`` (the grouped FP8
+    GEMM, the scheme's activation quantization kept); anything else is returned as it is. ``MoE`` runs
     either the same way. Call it once after loading, as ``Scheme.process_weights_after_loading``.
 
     Examples:
@@ -51,6 +52,7 @@ def prepare_experts(params, device: jax.Device | None = None):
       'QExperts'
     """
     from jquant.kernels.moe.experts import QExperts
+    from jquant.kernels.moe.grouped_fp8 import Fp8Experts
     from jquant.kernels.moe.grouped_w4a16 import W4A16Experts
     from jquant.kernels.w4a16.from_qtensor import W4_FORMATS
     from jquant.schemes import dispatch
@@ -58,10 +60,14 @@ def prepare_experts(params, device: jax.Device | None = None):
     capability = dispatch.compute_capability(device)
 
     def lay_out(q):
-        if (isinstance(q, QExperts) and q.weight.fmt in W4_FORMATS
-                and dispatch.moe_experts_impl(q.scheme.weight_only, q.scheme.weight.bits, capability) == "mgpu"):
-            return W4A16Experts.from_qexperts(q)
-        return q
+        if not isinstance(q, QExperts) or dispatch.moe_experts_impl(q.scheme, capability) != "mgpu":
+            return q
+        if q.scheme.weight_only:
+            return W4A16Experts.from_qexperts(q) if q.weight.fmt in W4_FORMATS else q
+        try:
+            return Fp8Experts.from_qexperts(q)
+        except ValueError:   # scale blocks the FP8 GEMM has no layout for (not tensor, channel, 128 × 128)
+            return q
 
     return jax.tree.map(lay_out, params, is_leaf=lambda q: isinstance(q, QExperts))
 

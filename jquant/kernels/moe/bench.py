@@ -14,14 +14,20 @@ past the L2:
 
 * ``quantized``: the layer as a user runs it: ``QExperts`` laid out by ``prepare_experts`` for this
   device (the record's ``impl``: ``mgpu``, the grouped kernel, or ``xla``);
-* ``bf16_ragged_dot``: the layer on bf16 experts, ``jax.lax.ragged_dot``;
+* ``bf16_ragged_dot``: the layer on bf16 experts, ``jax.lax.ragged_dot``. XLA (JAX 0.11.2) computes
+  it as every row times every expert, masked (the CPU lowering shows it; on the H100 the gpt-oss-20b
+  layer at 4096 tokens took 35.4 ms, 32 experts × its 0.82 TFLOP at ~740 TFLOP/s), E times the
+  useful work: at many tokens a weak peer. The records' ``tflop_per_s`` (useful FLOPs,
+  ``expert_flops``) compare each candidate with a dense bf16 GEMM's rate instead;
 * ``dequant_ragged_dot``: the quantized experts dequantized to bf16 inside the program, then the bf16
   layer (what a kernel must beat without changing the format);
 * ``grouped_kernel`` (on Hopper): the same layer with the experts laid out for their grouped Mosaic GPU
-  kernel (``kernel_params``: 4-bit experts ``W4A16Experts``, block FP8 ``Fp8Experts``), forced;
+  kernel (``kernel_params``: 4-bit experts ``W4A16Experts``, W8A8 FP8 ``Fp8Experts``), forced (the
+  ``quantized`` parameters themselves where ``prepare_experts`` already chose that kernel);
 * ``tokamax`` (int4 formats, when ``import tokamax`` works): the same layer with each grouped GEMM
-  ``tokamax.ragged_dot`` on the same int4 codes and scales as a qwix ``QArray``. tokamax is not a
-  dependency; a record says ``absent`` when it is not installed.
+  ``tokamax.ragged_dot`` on the same int4 codes and scales as a qwix ``QArray``: its Mosaic GPU kernel,
+  else its default chain (``tokamax_impl``; why the kernel refused, ``tokamax_refusals``). tokamax is
+  not a dependency; a record says ``absent`` when it is not installed.
 
 The byte floor of a cell is the bytes it must read at least once: the experts the routing activates
 at this token count (counted from the routing of the cell's x), the router, x and y, at the HBM rate
@@ -101,6 +107,11 @@ class MoEShape:
         options = {**dict(self.options), **{k: v for k, v in sizes.items() if k in ("n_group", "topk_group")}}
         return dataclasses.replace(self, name=f"{self.name}-tiny", options=tuple(options.items()),
                                    **{k: v for k, v in sizes.items() if k not in ("n_group", "topk_group")})
+
+    def expert_flops(self, tokens: int) -> int:
+        """The grouped GEMMs' multiply-adds ×2 for ``tokens`` (each row to ``top_k`` experts: gate/up
+        ``[2I, H]``, down ``[H, I]``), the work a dense bf16 GEMM would do for the same rows."""
+        return 2 * tokens * self.top_k * 3 * self.hidden * self.intermediate
 
     def describe(self) -> dict:
         """The shape as a record holds it."""
@@ -338,13 +349,15 @@ def run(shapes: Iterable[MoEShape] = tuple(SHAPES.values()), tokens: Iterable[in
                     tok_copies = [tokamax_params(q) for q in q_copies]
                 except Exception as e:  # recorded; the cell goes on without it
                     status = f"failed: {type(e).__name__}: {e}"[:200]
+            user_copies = [prepare_experts(q) for q in q_copies]
             kernel_copies = []
-            if dispatch.runs_mosaic_gpu():
+            if _on_kernel(user_copies[0]):   # the user's layout is the kernel's: no second copy in memory
+                kernel_copies = user_copies
+            elif dispatch.runs_mosaic_gpu():
                 try:   # the grouped kernel for the format on the same weights (Hopper)
                     kernel_copies = [kernel_params(q) for q in q_copies]
                 except Exception as e:
                     log(f"  grouped kernel skipped for {shape.name} {scheme}: {type(e).__name__}: {e}")
-            user_copies = [prepare_experts(q) for q in q_copies]
             for t in tokens:
                 try:
                     records.append(_cell(shape, model, scheme, t, xs[t], bf16_copies, q_copies, tok_copies,
@@ -354,8 +367,13 @@ def run(shapes: Iterable[MoEShape] = tuple(SHAPES.values()), tokens: Iterable[in
                     continue
                 if on_records is not None:
                     on_records(records)
-            del qparams, q_copies, tok_copies   # before the next format's stacks are made
+            del qparams, q_copies, tok_copies, user_copies, kernel_copies   # before the next format's stacks are made
     return records
+
+
+def _on_kernel(params: dict) -> bool:
+    """Whether ``params``' experts are laid out for a grouped Mosaic GPU kernel."""
+    return isinstance(params[EXPERT_PARAMS[0]], (W4A16Experts, Fp8Experts))
 
 
 def kernel_params(params: dict, interpret: bool = False) -> dict:
@@ -385,13 +403,14 @@ def _cell(shape: MoEShape, model: MoE, scheme: str, t: int, x: jax.Array, bf16_c
              "dequant_ragged_dot": (lambda p, x: apply(dequantized(p), x), [(p, x) for p in q_copies])}
     if kernel_copies:
         cands["grouped_kernel"] = (apply, [(p, x) for p in kernel_copies])
-    tokamax_impl = None
+    tokamax_impl, tokamax_refusals = None, {}
     for impl in ("mosaic", None) if tok_copies else ():  # its Mosaic GPU kernel, else its default chain
         copies = [tokamax_params(p, impl) for p in tok_copies]
         try:
             jax.block_until_ready(jax.jit(apply)(copies[0], x))
         except Exception as e:  # tokamax refuses this cell: recorded, the cell goes on
             status = f"failed: {type(e).__name__}: {e}"[:200]
+            tokamax_refusals[impl or "default"] = status[len("failed: "):]
             continue
         cands["tokamax"], tokamax_impl, status = (apply, [(p, x) for p in copies]), impl or "default", "ok"
         break
@@ -418,18 +437,20 @@ def _cell(shape: MoEShape, model: MoE, scheme: str, t: int, x: jax.Array, bf16_c
     per_expert, rest = expert_bytes(qparams, shape.num_experts)
     floor = floor_us(qparams)
     weight = qparams[EXPERT_PARAMS[0]].weight
-    impl = "mgpu" if isinstance(user_copies[0][EXPERT_PARAMS[0]], W4A16Experts) else choose_impl(weight)
+    impl = "mgpu" if _on_kernel(user_copies[0]) else choose_impl(weight)
     record = dict(op="moe", bench="moe", **shape.describe(), tokens=t, format=scheme, weight_fmt=weight.fmt,
                   impl=impl, time_us=None if q is None else round(q, 2), baselines=baselines,
                   speedup_vs_bf16=ratio("bf16_ragged_dot"), speedup_vs_dequant=ratio("dequant_ragged_dot"),
                   grouped_kernel_speedup_vs_bf16=(round(median["bf16_ragged_dot"] / median["grouped_kernel"], 3)
                                                   if "grouped_kernel" in median and "bf16_ragged_dot" in median
                                                   else None),
-                  tokamax=status, tokamax_impl=tokamax_impl, active_experts=active,
+                  tokamax=status, tokamax_impl=tokamax_impl, tokamax_refusals=tokamax_refusals, active_experts=active,
                   expert_bytes=round(per_expert), bytes_touched=round(active * per_expert + rest + io_bytes),
                   hbm_bytes_per_s=round(how.hbm_bytes_per_s), byte_floor_us=round(floor, 2),
                   bf16_byte_floor_us=round(floor_us(bf16), 2),
                   pct_of_byte_floor=None if q is None else round(100.0 * floor / q, 1),
+                  expert_flops=shape.expert_flops(t),
+                  tflop_per_s={name: round(shape.expert_flops(t) / us / 1e6, 1) for name, us in median.items()},
                   spread_pct=spread_pct(times["quantized"]) if q else None,
                   baseline_spread_pct={name: spread_pct(times[name]) for name in baselines},
                   attempt_spreads_pct=attempts, copies=len(q_copies), **how.meta)
@@ -450,8 +471,8 @@ def _us(value: float | None) -> str:
 def to_markdown(records: list[dict]) -> str:
     """The records as a table: one row per (shape, format, tokens)."""
     head = ("| shape | format | tokens | experts hit | µs | bf16 ragged_dot µs | dequant+ragged_dot µs | "
-            "tokamax µs | grouped kernel µs | vs bf16 | byte floor µs | % of floor | spread % |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "tokamax µs | grouped kernel µs | vs bf16 | byte floor µs | % of floor | TFLOP/s | spread % |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for r in records:
         b = r["baselines"]
@@ -461,6 +482,7 @@ def to_markdown(records: list[dict]) -> str:
         rows.append(f"| {r['shape']} | {r['format']} | {r['tokens']} | {r['active_experts']}/{r['num_experts']} | "
                     f"{cell(r['time_us'])} | {cell(b.get('bf16_ragged_dot'))} | {cell(b.get('dequant_ragged_dot'))} | "
                     f"{tokamax} | {b.get('grouped_kernel', '')} | {cell(r['speedup_vs_bf16'])} | {r['byte_floor_us']} | "
-                    f"{cell(r['pct_of_byte_floor'])} | {max(spreads, default='')} |")
+                    f"{cell(r['pct_of_byte_floor'])} | {r.get('tflop_per_s', {}).get('quantized', '')} | "
+                    f"{max(spreads, default='')} |")
     detail = "one MoE layer (router, top-k, grouped gate/up, activation, grouped down, combine), bf16 activations"
     return markdown_title("MoE layer benchmark", records, detail) + head + "\n".join(rows) + "\n"
