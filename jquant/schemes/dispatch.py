@@ -14,8 +14,9 @@ Policy per architecture:
   ``W8A16_MGPU_MAX_M`` rows on Hopper; MoE experts, laid out by ``prepare_experts``, the grouped
   W4A16 kernel (4-bit weight-only) or the grouped FP8 GEMM (W8A8 FP8) (``moe_experts_impl``).
 * Every GPU: W8A8 FP8 schemes use XLA's native FP8 dot (``native_fp8_dot``; block scales: one
-  batched FP8 dot per K group); on Hopper block-FP8 schemes run the Mosaic GPU FP8 GEMM from
-  ``FP8_BLOCK_MGPU_MIN_M`` rows (``fp8_gemm_impl``); for one K block it is off (``FP8_GEMM_MGPU``).
+  batched FP8 dot per K group); on Hopper they lay their weights out for the Mosaic GPU FP8 GEMM,
+  which runs block scales from ``FP8_BLOCK_MGPU_MIN_M`` rows and one K block up to
+  ``FP8_GEMM_MGPU_MAX_M`` rows (``fp8_gemm_impl``), XLA's FP8 dot on that layout otherwise.
 * CPU and other platforms: XLA; the 4-bit GEMM's "auto" runs the fp32 reference there (``cc == 0``),
   and a Pallas kernel runs only when asked for in interpret mode.
 
@@ -43,14 +44,18 @@ MGPU_LARGE_WEIGHT = 8192 * 8192
 # 1025 µs at M = 1024) and lost at M = 8192 (8192³: 2886 vs 1700 µs; bench/results/h200/gemm8.md);
 # M between 1024 and 8192 has not been timed.
 W8A16_MGPU_MAX_M = 1024
-# The FP8 W8A8 GEMM kernel with one K block (per-token × per-channel or per-tensor scales) stays off:
-# on the H100 it beat XLA's FP8 dot at M = 1 and 8192 but lost at 256 on 8192×8192 (bench/results/h100/
-# gemm8.md), and on the H200 XLA's FP8 dot reaches 1090 TFLOP/s at 1024×28672×8192 (docs/design/gemm8.md).
-FP8_GEMM_MGPU = False
+# The FP8 W8A8 GEMM kernel with one K block (per-token × per-channel or per-tensor scales) runs up to
+# this many rows, XLA's FP8 dot above: on the H100 the kernel took 43.0-46.3 µs at M = 2, 4, 8 on
+# 8192×8192 against 43.4-62.0 (57.9 against 76.8 at M = 1), and 99.3-104.6 µs at M = 1-16 on
+# 28672×8192 against 106.3-110.5; XLA's dot won at M = 32 and 256 on 8192×8192 (51.5 against 56.9,
+# 74.8 against 81.1) (bench/results/h100/gemm8*.md). On the H200 XLA's FP8 dot reaches 1090 TFLOP/s
+# at 1024×28672×8192 (docs/design/gemm8.md).
+FP8_GEMM_MGPU_MAX_M = 16
 # Block FP8 (DeepSeek's 128 × 128 weight blocks) runs the kernel from this many rows: on the H100 it was
-# 1.18-4.5× faster than XLA's path (one FP8 dot per K group, or dequantize + dot) at M = 128 to 8192 on
-# 8192×8192 and the four DeepSeek-V3 shapes, and ~10 % slower at M = 1 (bench/results/h100/gemm8*.md).
-FP8_BLOCK_MGPU_MIN_M = 128
+# as fast as or faster than XLA's path (one FP8 dot per K group) at every M from 2 to 8192 measured on
+# 8192×8192, 28672×8192 and the four DeepSeek-V3 shapes (1.1-1.2× at M = 2-8, 2.2-2.6× at M = 32,
+# 1.18-4.5× from 128), and ~10 % slower at M = 1 (bench/results/h100/gemm8*.md).
+FP8_BLOCK_MGPU_MIN_M = 2
 
 # 4-bit MoE experts run the grouped W4A16 kernel on Hopper once laid out (``prepare_experts``): on the
 # H200 the gpt-oss-20b layer took 609 / 533 / 13198 µs at 1 / 64 / 4096 tokens against 2858 / 3387 /
@@ -172,14 +177,11 @@ def moe_experts_impl(scheme, capability: int) -> str:
 
 
 def fp8_gemm_impl(m: int, capability: int, blocked: bool = False) -> str:
-    """The FP8 W8A8 GEMM's "auto" choice for ``m`` rows: ``"mgpu"`` on Hopper for block scales
-    (``blocked``) from ``FP8_BLOCK_MGPU_MIN_M`` rows, or at any M when ``FP8_GEMM_MGPU``; else ``"xla"``."""
+    """The FP8 W8A8 GEMM's "auto" choice for ``m`` rows: on Hopper ``"mgpu"`` for block scales
+    (``blocked``) from ``FP8_BLOCK_MGPU_MIN_M`` rows, for one K block up to ``FP8_GEMM_MGPU_MAX_M``
+    rows; else ``"xla"`` (XLA's FP8 dot on the same layout)."""
     if not has_wgmma(capability):
         return "xla"
-    return "mgpu" if FP8_GEMM_MGPU or (blocked and m >= FP8_BLOCK_MGPU_MIN_M) else "xla"
-
-
-def fp8_gemm_registered(block_scales: bool) -> bool:
-    """Whether W8A8 FP8 schemes (``block_scales``: DeepSeek's blocks) lay their weights out for the FP8
-    GEMM on Hopper (``fp8_gemm_impl`` then picks the kernel or XLA by M)."""
-    return FP8_GEMM_MGPU or block_scales
+    if blocked:
+        return "mgpu" if m >= FP8_BLOCK_MGPU_MIN_M else "xla"
+    return "mgpu" if m <= FP8_GEMM_MGPU_MAX_M else "xla"

@@ -82,7 +82,8 @@ def _xla_fp8_dot(xq, x_scale, packed: PackedFp8, bias, out_dtype):
     the W8A8 schemes' XLA path runs it; not the fp32 twin."""
     codes, cols = activation_operands(xq, x_scale, packed, xq.shape[0])
     acc = jax.lax.dot_general(codes, packed.data, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    out = (acc * cols[0][:, None] * packed.scale[0][None, :])[:, :packed.n]
+    # CUTLASS's epilogue order, s_a · (s_b · acc), as the schemes' XLA path: fp32 products are not associative.
+    out = (cols[0][:, None] * (packed.scale[0][None, :] * acc))[:, :packed.n]
     if bias is not None:
         out = out + bias
     return out.astype(out_dtype)

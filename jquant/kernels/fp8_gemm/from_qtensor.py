@@ -1,9 +1,8 @@
 """The FP8 GEMM as a registry implementation for W8A8 FP8 schemes on Hopper: the e4m3 weight (per
 tensor, per channel or 128 × 128 blocks) laid out once by ``prepack_fp8``; ``apply`` quantizes the
 activations exactly as the scheme says (``quantize_activation``: per token, per tensor, static or
-per 1 × 128 group) and runs ``fp8_gemm``, which picks the kernel or XLA's FP8 dot by M. Block-FP8
-schemes take it on Hopper (the kernel from ``dispatch.FP8_BLOCK_MGPU_MIN_M`` rows); the others only
-with ``dispatch.FP8_GEMM_MGPU``, XLA's native FP8 dot serving them until then."""
+per 1 × 128 group) and runs ``fp8_gemm``, which picks the kernel or XLA's FP8 dot on the same layout
+by M (``dispatch.fp8_gemm_impl``)."""
 
 from __future__ import annotations
 
@@ -44,9 +43,7 @@ def pack_fp8_qtensor(qt: QTensor) -> PackedFp8 | None:
 
 
 def _supports(scheme: Scheme, capability: int, platform: str) -> bool:
-    block_scales = scheme.activation.mode == "dynamic_per_token_group"
-    return (dispatch.fp8_gemm_registered(block_scales) and platform == "gpu" and dispatch.has_wgmma(capability)
-            and not scheme.weight_only and scheme.weight.format == "fp8_e4m3"
+    return (platform == "gpu" and dispatch.has_wgmma(capability) and not scheme.weight_only and scheme.weight.format == "fp8_e4m3"
             and scheme.activation.format == "fp8_e4m3")
 
 

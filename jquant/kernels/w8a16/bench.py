@@ -7,8 +7,8 @@ schemes (``int8_ch``, FP8 e4m3 per channel with bf16 activations) through their 
 W8A16 kernel forced (``mgpu``) and XLA's dequantize + dot for the same math (``xla``); the W8A8 FP8
 schemes (per tensor, per token × channel, 128×128 blocks) and INT8 W8A8 through theirs (XLA's FP8
 dot, or dequantize + dot for blocks; XLA's int8 × int8 → int32 dot), plus for the W8A8 FP8 schemes
-the FP8 GEMM kernel forced (``mgpu``: activations quantized as the scheme says; the dispatch keeps
-it off until it is timed, ``dispatch.FP8_GEMM_MGPU``). Records: op, scheme, impl, M, N, K, µs, the
+the FP8 GEMM kernel forced (``mgpu``: activations quantized as the scheme says; the dispatch runs it
+by M, ``dispatch.fp8_gemm_impl``). Records: op, scheme, impl, M, N, K, µs, the
 XLA bf16 baseline of the same run, TB/s, TFLOP/s, % of the byte floor, the speedup over bf16, the
 kernel's launch (``config``, for ``mgpu``), device, JAX version, commit.
 """

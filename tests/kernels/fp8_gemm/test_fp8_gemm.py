@@ -15,7 +15,7 @@ from cuda_lowering import lower_for_cuda
 from jquant.kernels.fp8_gemm import (Fp8GemmConfig, default_fp8_config, fp8_gemm, prepack_fp8, reference_fp8,
                                      resolve_fp8_impl)
 from jquant.kernels.fp8_gemm.api import run_kernel
-from jquant.kernels.fp8_gemm.from_qtensor import pack_fp8_qtensor
+from jquant.kernels.fp8_gemm.from_qtensor import fp8_scheme_gemm, pack_fp8_qtensor
 from jquant.schemes import dispatch
 from jquant.schemes.scheme import candidate_impls
 from jquant.schemes.xla import quantize_activation, xla_apply
@@ -127,11 +127,11 @@ def test_launches_the_kernel_cannot_run_are_refused():
     assert default_fp8_config(9, 256, blocked=True).block_b == 32
 
 
-def test_scheme_runs_the_kernel_on_hopper_once_enabled(monkeypatch):
+def test_scheme_lays_its_weight_out_for_the_fp8_gemm_on_hopper_only():
     hopper = type("Dev", (), {"platform": "gpu", "device_kind": "H200", "compute_capability": "9.0"})()
+    ada = type("Dev", (), {"platform": "gpu", "device_kind": "L40S", "compute_capability": "8.9"})()
     scheme = jquant.get_scheme("fp8_e4m3_channel")
-    assert candidate_impls(scheme, hopper)[0].name == "xla"      # XLA's FP8 dot until timed
-    monkeypatch.setattr(dispatch, "FP8_GEMM_MGPU", True)
+    assert candidate_impls(scheme, ada)[0].name == "xla"
     assert candidate_impls(scheme, hopper)[0].name == "pallas_fp8"
     assert candidate_impls(jquant.get_scheme("int8_ch"), hopper)[0].name != "pallas_fp8"
     rng = np.random.default_rng()
@@ -143,11 +143,10 @@ def test_scheme_runs_the_kernel_on_hopper_once_enabled(monkeypatch):
     chex.assert_trees_all_close(y, ref, rtol=1e-4, atol=_scheme_atol(ref))
 
 
-def test_block_scheme_adds_the_bias_to_the_rounded_output(monkeypatch):
+def test_block_scheme_adds_the_bias_to_the_rounded_output():
     # Block FP8 adds its bias in x's dtype after the GEMM, as XLA's path and vLLM's block-FP8 linear do;
     # per-channel schemes add it in fp32 inside the epilogue (CUTLASS's ScaledEpilogueBias).
     hopper = type("Dev", (), {"platform": "gpu", "device_kind": "H200", "compute_capability": "9.0"})()
-    monkeypatch.setattr(dispatch, "FP8_GEMM_MGPU", True)
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((5, 256)), jnp.bfloat16)
     bias = jnp.asarray(rng.standard_normal(256) * 3, jnp.float32)
@@ -163,8 +162,9 @@ def test_block_scheme_adds_the_bias_to_the_rounded_output(monkeypatch):
 
 def test_dispatch_and_config():
     assert resolve_fp8_impl("auto", 1, interpret=True) == "mgpu"
-    assert dispatch.fp8_gemm_impl(1, 90) == ("mgpu" if dispatch.FP8_GEMM_MGPU else "xla")
-    assert dispatch.fp8_gemm_impl(1, 89) == "xla"
+    most = dispatch.FP8_GEMM_MGPU_MAX_M
+    assert dispatch.fp8_gemm_impl(1, 90) == dispatch.fp8_gemm_impl(most, 90) == "mgpu"
+    assert dispatch.fp8_gemm_impl(most + 1, 90) == dispatch.fp8_gemm_impl(1, 89) == "xla"
     assert default_fp8_config(64, 256).swap_ab and not default_fp8_config(65, 256).swap_ab
     assert default_fp8_config(256, 256).compute_wgs == 2 and default_fp8_config(256, 256, blocked=True).compute_wgs == 1
     with pytest.raises(ValueError, match="compute_wgs must be 1, or 2"):
@@ -211,23 +211,24 @@ def test_xla_path_uses_the_fp8_dot_where_there_is_one(monkeypatch):
     chex.assert_trees_all_close(y, reference_fp8(xq, xs, packed, bias, jnp.float32), rtol=1e-5, atol=1e-4)
 
 
-def test_block_fp8_runs_the_kernel_from_128_rows_and_xla_per_k_group_below(monkeypatch):
-    """Block-FP8 schemes lay their weights out for the FP8 GEMM on Hopper; below FP8_BLOCK_MGPU_MIN_M rows
-    XLA runs one FP8 dot per K group on that layout, the scheme's own XLA path bit for bit."""
+def test_fp8_schemes_run_xla_on_the_kernel_layout_where_the_kernel_does_not(monkeypatch):
+    """W8A8 FP8 schemes lay their weights out for the FP8 GEMM on Hopper; where fp8_gemm_impl picks XLA
+    (block scales below FP8_BLOCK_MGPU_MIN_M rows, one K block above FP8_GEMM_MGPU_MAX_M rows) XLA's
+    FP8 dot runs on that layout, the scheme's own XLA path bit for bit."""
     hopper = type("Dev", (), {"platform": "gpu", "device_kind": "H100", "compute_capability": "9.0"})()
     block, channel = jquant.get_scheme("fp8_e4m3_block128x128"), jquant.get_scheme("fp8_e4m3_channel")
-    assert candidate_impls(block, hopper)[0].name == "pallas_fp8"
-    assert candidate_impls(channel, hopper)[0].name == ("pallas_fp8" if dispatch.FP8_GEMM_MGPU else "xla")
+    assert candidate_impls(block, hopper)[0].name == candidate_impls(channel, hopper)[0].name == "pallas_fp8"
     least = dispatch.FP8_BLOCK_MGPU_MIN_M
     assert dispatch.fp8_gemm_impl(least, 90, blocked=True) == "mgpu"
     assert dispatch.fp8_gemm_impl(least - 1, 90, blocked=True) == "xla"
     assert dispatch.fp8_gemm_impl(4096, 89, blocked=True) == "xla"
-    assert dispatch.fp8_gemm_impl(4096, 90) == ("mgpu" if dispatch.FP8_GEMM_MGPU else "xla")
+    assert dispatch.fp8_gemm_impl(4096, 90) == "xla"
     rng = np.random.default_rng()
-    qw = block.quantize_weight(rng.standard_normal((384, 256)).astype(np.float32))
-    x = jnp.asarray(rng.standard_normal((7, 256)), jnp.bfloat16)
     monkeypatch.setattr(dispatch, "native_fp8_dot", lambda device=None: True)
-    xq = quantize_activation(block, x)
-    y = fp8_gemm(xq.data, xq.scale, pack_fp8_qtensor(qw), impl="xla", out_dtype=jnp.bfloat16)
-    chex.assert_trees_all_equal(y, xla_apply(block, x, qw, None))
-    assert float(jnp.abs(y.astype(jnp.float32)).max()) > 0
+    bias = jnp.asarray(rng.standard_normal(384), jnp.float32)
+    for scheme, rows in [(block, least - 1), (channel, dispatch.FP8_GEMM_MGPU_MAX_M + 3)]:
+        qw = scheme.quantize_weight(rng.standard_normal((384, 256)).astype(np.float32))
+        x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)
+        y = fp8_scheme_gemm(scheme, x, pack_fp8_qtensor(qw), bias)   # auto: XLA at these rows
+        chex.assert_trees_all_equal(y, xla_apply(scheme, x, qw, bias))
+        assert float(jnp.abs(y.astype(jnp.float32)).max()) > 0
