@@ -23,13 +23,24 @@ def run_meta() -> dict:
 
 
 def markdown_title(title: str, records: list[dict], detail: str = "") -> str:
-    """``# title`` and the run line every results table opens with: device, JAX version, date, commit
-    (from the first record) and ``detail``, then a blank line."""
+    """``# title`` and the run line every results table opens with: device, JAX version, date and commit
+    of the first record (of every run, in order, where the records come from several) and ``detail``,
+    then a blank line.
+
+    Examples:
+      >>> recs = [dict(device="gpu:H100", jax_version="0.11.2", date="2026-12-05T16:47", commit="b6a6264"),
+      ...         dict(device="gpu:H100", jax_version="0.11.2", date="2026-12-05T17:14", commit="e81228d")]
+      >>> markdown_title("Decode", recs).splitlines()[2]
+      'gpu:H100, JAX 0.11.2, runs 2026-12-05T16:47 (commit b6a6264), 2026-12-05T17:14 (commit e81228d)'
+    """
     meta = records[0] if records else {}
-    commit = f", commit {meta['commit']}" if "commit" in meta else ""
+    runs = sorted(dict.fromkeys((r.get("date", ""), r.get("commit")) for r in records), key=lambda run: run[0])
+    if len(runs) > 1:
+        when = "runs " + ", ".join(f"{date} (commit {commit})" for date, commit in runs)
+    else:
+        when = meta.get("date", "") + (f", commit {meta['commit']}" if "commit" in meta else "")
     detail = f"; {detail}" if detail else ""
-    return (f"# {title}\n\n{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, "
-            f"{meta.get('date', '')}{commit}{detail}\n\n")
+    return f"# {title}\n\n{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, {when}{detail}\n\n"
 
 
 def write_records(records: list[dict], out_dir, stem: str,

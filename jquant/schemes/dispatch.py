@@ -46,15 +46,15 @@ MGPU_LARGE_WEIGHT = 8192 * 8192
 W8A16_MGPU_MAX_M = 1024
 # The FP8 W8A8 GEMM kernel with one K block (per-token × per-channel or per-tensor scales) runs up to
 # this many rows, XLA's FP8 dot above: on the H100 the kernel took 43.0-46.3 µs at M = 2, 4, 8 on
-# 8192×8192 against 43.4-62.0 (57.9 against 76.8 at M = 1), and 99.3-104.6 µs at M = 1-16 on
-# 28672×8192 against 106.3-110.5; XLA's dot won at M = 32 and 256 on 8192×8192 (51.5 against 56.9,
+# 8192×8192 against 43.4-62.0 (57.9 against 76.8 at M = 1), and 99.3-109.9 µs at M = 1-16 on
+# 28672×8192 against 106.3-114.8; XLA's dot won at M = 32 and 256 on 8192×8192 (51.5 against 56.9,
 # 74.8 against 81.1) (bench/results/h100/gemm8*.md). On the H200 XLA's FP8 dot reaches 1090 TFLOP/s
 # at 1024×28672×8192 (docs/design/gemm8.md).
 FP8_GEMM_MGPU_MAX_M = 16
 # Block FP8 (DeepSeek's 128 × 128 weight blocks) runs the kernel from this many rows: on the H100 it was
 # as fast as or faster than XLA's path (one FP8 dot per K group) at every M from 2 to 8192 measured on
-# 8192×8192, 28672×8192 and the four DeepSeek-V3 shapes (1.1-1.2× at M = 2-8, 2.2-2.6× at M = 32,
-# 1.18-4.5× from 128), and ~10 % slower at M = 1 (bench/results/h100/gemm8*.md).
+# 8192×8192, 28672×8192 and the four DeepSeek-V3 shapes (1.08-1.34× at M = 2-8, 1.8× at 16, 2.2-2.6×
+# at 32, 1.18-6× from 64), and ~10 % slower at M = 1 (bench/results/h100/gemm8*.md).
 FP8_BLOCK_MGPU_MIN_M = 2
 
 # 4-bit MoE experts run the grouped W4A16 kernel on Hopper once laid out (``prepare_experts``): on the

@@ -468,6 +468,16 @@ def _us(value: float | None) -> str:
     return "failed" if value is None else f"{value:.1f}"
 
 
+def _status_cell(status: str) -> str:
+    """A table cell for a candidate's status: ``failed (out of memory)`` for an allocation failure, else
+    the status's first line, cut short (the record keeps the whole message)."""
+    if not status.startswith("failed"):
+        return status
+    if "RESOURCE_EXHAUSTED" in status or "Out of memory" in status:
+        return "failed (out of memory)"
+    return " ".join(status.split())[:60]
+
+
 def to_markdown(records: list[dict]) -> str:
     """The records as a table: one row per (shape, format, tokens)."""
     head = ("| shape | format | tokens | experts hit | µs | bf16 ragged_dot µs | dequant+ragged_dot µs | "
@@ -475,12 +485,15 @@ def to_markdown(records: list[dict]) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for r in records:
-        b = r["baselines"]
-        tokamax = b.get("tokamax", r.get("tokamax", ""))
+        b, failed = r["baselines"], r.get("failed", {})
+        tokamax = b.get("tokamax", _status_cell(r.get("tokamax", "")))
         spreads = [v for v in (r["spread_pct"], *r.get("baseline_spread_pct", {}).values()) if v is not None]
-        cell = lambda v: "failed" if v is None else v
+        # A candidate that did not run says why; a ratio against one that did not is "—".
+        cell = lambda v, name=None: (v if v is not None else "—" if name is None
+                                     else _status_cell(f"failed: {failed[name]}") if name in failed else "failed")
         rows.append(f"| {r['shape']} | {r['format']} | {r['tokens']} | {r['active_experts']}/{r['num_experts']} | "
-                    f"{cell(r['time_us'])} | {cell(b.get('bf16_ragged_dot'))} | {cell(b.get('dequant_ragged_dot'))} | "
+                    f"{cell(r['time_us'], 'quantized')} | {cell(b.get('bf16_ragged_dot'), 'bf16_ragged_dot')} | "
+                    f"{cell(b.get('dequant_ragged_dot'), 'dequant_ragged_dot')} | "
                     f"{tokamax} | {b.get('grouped_kernel', '')} | {cell(r['speedup_vs_bf16'])} | {r['byte_floor_us']} | "
                     f"{cell(r['pct_of_byte_floor'])} | {r.get('tflop_per_s', {}).get('quantized', '')} | "
                     f"{max(spreads, default='')} |")
