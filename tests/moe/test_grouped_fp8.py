@@ -51,6 +51,30 @@ def test_moe_layer_on_the_kernel(interpret):
                                 atol=2e-2 * float(jnp.abs(ref).max()))
 
 
+@pytest.mark.parametrize("name", ["fp8_e4m3_channel", "fp8_e4m3_tensor"])
+def test_gptoss_layer_on_the_kernel_with_one_k_block(name, interpret):
+    """Per-channel and per-tensor FP8 experts (what ``prepare_experts`` lays out on Hopper) in a gpt-oss
+    layer: router and expert biases, the clamped SwiGLU, K = 2880 / 2 · 90 not a multiple of the tiles."""
+    model = MoE(num_experts=4, top_k=2, hidden=180, intermediate=180, router_bias=True, expert_bias=True,
+                activation="gptoss_swiglu")
+    rng = np.random.default_rng()
+    params = {"router_weight": jnp.asarray(rng.standard_normal((4, 180)) * 0.1, jnp.float32),
+              "router_bias": jnp.asarray(rng.standard_normal(4) * 0.1, jnp.float32),
+              "gate_up_proj": jnp.asarray(rng.standard_normal((4, 360, 180)) * 0.1, jnp.float32),
+              "gate_up_bias": jnp.asarray(rng.standard_normal((4, 360)) * 0.1, jnp.float32),
+              "down_proj": jnp.asarray(rng.standard_normal((4, 180, 180)) * 0.1, jnp.float32),
+              "down_bias": jnp.asarray(rng.standard_normal((4, 180)) * 0.1, jnp.float32)}
+    qparams, _ = quantize_experts(params, name)
+    fast = {k: Fp8Experts.from_qexperts(v, interpret=interpret) if isinstance(v, QExperts) else v
+            for k, v in qparams.items()}
+    x = jnp.asarray(rng.standard_normal((9, 180)) * 2, jnp.bfloat16)
+    ref = model.apply({"params": qparams}, x).astype(jnp.float32)
+    y = model.apply({"params": fast}, x).astype(jnp.float32)
+    # Interpreted, the kernel's fp32 sums equal XLA's; on the GPU wgmma's accumulator differs slightly.
+    chex.assert_trees_all_close(y, ref, atol=(2e-2 if ON_GPU else 1e-3) * float(jnp.abs(ref).max()))
+    assert bool(jnp.isfinite(y).all()) and float(jnp.abs(ref).max()) > 0
+
+
 @pytest.mark.skipif(ON_GPU, reason="the GPU run compiles for real")
 def test_lowers_for_sm90():
     scheme = get_scheme("fp8_e4m3_block128x128")
