@@ -8,7 +8,11 @@ layout                                  tensors
                                         model's dtype): ``[1]`` per tensor, ``[N, 1]`` per channel,
                                         ``[ceil(N/bh), ceil(K/bw)]`` per block; ``input_scale`` fp32
                                         ``[1]`` when activations are static
-``modelopt/fp8``                        ``weight``; ``weight_scale`` fp32 ``[]``; ``input_scale`` fp32 ``[]``
+``modelopt/fp8``                        ``weight``; ``weight_scale`` fp32, by ``quant_algo``: ``FP8``
+                                        ``[]`` with ``input_scale`` fp32 ``[]``;
+                                        ``FP8_PER_CHANNEL_PER_TOKEN`` ``[N]``; ``FP8_PB_WO``
+                                        ``[N/128, 1, K/128, 1]`` (128 × 128 blocks, N and K
+                                        multiples of 128); those two store no ``input_scale``
 ``fp8`` (vLLM / AutoFP8)                ``weight``; ``weight_scale`` fp32 ``[]`` or ``[N, 1]``;
                                         ``input_scale`` fp32 ``[]``
 ``fp8-block`` (DeepSeek V3)             ``weight``; ``weight_scale_inv`` fp32 ``[ceil(N/bh), ceil(K/bw)]``
@@ -19,7 +23,8 @@ layout                                  tensors
 ``to_checkpoint(qt, layout, input_scale=...)`` adds the activation scale; ``from_checkpoint`` checks
 it (a single float) but returns only the weight. ``from_checkpoint(..., dtype=...)`` sets the
 QTensor's logical dtype (default float32, whatever the stored scale's dtype); ``block_size=(bh, bw)``
-gives the block of block-scaled tensors (default 128 × 128). Every export is exact: the scales are
+gives the block of block-scaled tensors (default 128 × 128); ``modelopt``'s ``granularity=`` (what the
+config's ``quant_algo`` stores) refuses scales of any other shape. Every export is exact: the scales are
 stored in their own dtype (compressed-tensors) or widened to float32.
 """
 
@@ -174,37 +179,94 @@ def _detect_compressed_tensors(tensors: dict) -> bool:
     return _is_fp8_weight(tensors) and "weight_scale" in tensors and "weight_packed" not in tensors
 
 
-# ---- ModelOpt FP8 and vLLM fp8 (per tensor / per channel) -------------------------------------------
+# ---- ModelOpt FP8 (quant_algo FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO) -------------------------------
 
-def _to_scaled(layout, granularities):
-    def to_fn(qt: QTensor, input_scale=None) -> dict[str, np.ndarray]:
-        granularity = _check_qtensor(qt, layout, granularities)
-        scale = _fp32_scale(qt)
-        scale = scale.reshape(()) if granularity == "tensor" else scale
-        return {"weight": np.asarray(qt.data), "weight_scale": scale, **_input_scale(input_scale, ())}
-    return to_fn
+_MODELOPT = "modelopt/fp8"
+_MODELOPT_BLOCK = (128, 128)  # vLLM's ModelOptFp8PbWoLinearMethod reads FP8_PB_WO in these blocks only
 
 
-def _from_scaled(layout, per_channel):
-    def from_fn(tensors: dict, dtype=jnp.float32) -> QTensor:
-        weight = _read_weight(tensors, layout)
-        scale = _read_scale(tensors, "weight_scale", layout, _FP32)
-        _check_input_scale(tensors, layout, ((), (1,)))
-        n, k = weight.shape
-        if scale.size == 1 and scale.ndim <= 1:
-            block = (n, k)
-        elif per_channel and scale.shape == (n, 1):
-            block = (1, k)
-        else:
-            expected = "[] or [1]" + (f" or [{n}, 1]" if per_channel else "")
-            raise ValueError(f"{layout}: tensor 'weight_scale' has shape {scale.shape}, but weight "
-                             f"{weight.shape} needs {expected}")
-        return _qtensor(weight, scale, block, dtype)
-    return from_fn
+def _modelopt_scale_shapes(n: int, k: int) -> dict[str, tuple]:
+    """``weight_scale`` shapes vLLM's ModelOpt FP8 linear methods load for a weight [n, k], by granularity."""
+    bh, bw = _MODELOPT_BLOCK
+    block = ((n // bh, 1, k // bw, 1),) if n % bh == 0 and k % bw == 0 else ()
+    return {"tensor": ((), (1,)), "channel": ((n,),), "block": block}
+
+
+def _modelopt_expected(granularity: str, n: int, k: int) -> str:
+    if granularity == "block" and not _modelopt_scale_shapes(n, k)["block"]:
+        return f"N and K multiples of {_MODELOPT_BLOCK[0]} for block scales (FP8_PB_WO)"
+    return " or ".join(str(list(s)) for s in _modelopt_scale_shapes(n, k)[granularity]) + f" ({granularity})"
+
+
+def to_modelopt(qt: QTensor, input_scale=None) -> dict[str, np.ndarray]:
+    granularity = _check_qtensor(qt, _MODELOPT, ("tensor", "channel", "block"))
+    tensors = {"weight": np.asarray(qt.data)}
+    scale = _fp32_scale(qt)
+    if granularity == "tensor":
+        return {**tensors, "weight_scale": scale.reshape(()), **_input_scale(input_scale, ())}
+    if input_scale is not None:
+        raise ValueError(f"{_MODELOPT}: only per-tensor weights (quant_algo FP8) store a static input_scale; "
+                         f"{granularity} scaled ones quantize activations dynamically")
+    if granularity == "channel":
+        return {**tensors, "weight_scale": scale.reshape(qt.shape[0])}
+    shapes = _modelopt_scale_shapes(*qt.shape)["block"]
+    if tuple(qt.block) != _MODELOPT_BLOCK or not shapes:
+        raise ValueError(f"{_MODELOPT} stores {_MODELOPT_BLOCK[0]} × {_MODELOPT_BLOCK[1]} block scales of weights "
+                         f"whose N and K are multiples of them (FP8_PB_WO); QTensor with shape {qt.shape} has "
+                         f"block {qt.block}")
+    return {**tensors, "weight_scale": scale.reshape(shapes[0])}
+
+
+def from_modelopt(tensors: dict, dtype=jnp.float32, granularity: str | None = None) -> QTensor:
+    weight = _read_weight(tensors, _MODELOPT)
+    scale = _read_scale(tensors, "weight_scale", _MODELOPT, _FP32)
+    n, k = weight.shape
+    shapes = _modelopt_scale_shapes(n, k)
+    if granularity is not None and granularity not in shapes:
+        raise ValueError(f"{_MODELOPT}: granularity must be one of {sorted(shapes)}, got {granularity!r}")
+    candidates = (granularity,) if granularity else tuple(shapes)
+    fits = [g for g in candidates if scale.shape in shapes[g]]
+    if not fits:
+        expected = " or ".join(_modelopt_expected(g, n, k) for g in candidates)
+        raise ValueError(f"{_MODELOPT}: tensor 'weight_scale' has shape {scale.shape}, but weight {weight.shape} "
+                         f"needs {expected}")
+    found = fits[0]
+    if found == "tensor":
+        _check_input_scale(tensors, _MODELOPT, ((), (1,)))
+    elif "input_scale" in tensors:
+        # vLLM's per-channel and block methods quantize activations dynamically and load no input_scale.
+        raise ValueError(f"{_MODELOPT}: {found} scaled weights (FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO) take "
+                         "dynamic activations; tensor 'input_scale' has no place beside them")
+    block = {"tensor": (n, k), "channel": (1, k), "block": _MODELOPT_BLOCK}[found]
+    return _qtensor(weight, scale, block, dtype, found)
 
 
 def _detect_modelopt(tensors: dict) -> bool:
     return _is_fp8_weight(tensors) and "weight_scale" in tensors and "weight_scale_2" not in tensors
+
+
+# ---- vLLM fp8 (per tensor / per channel) ------------------------------------------------------------
+
+def to_fp8(qt: QTensor, input_scale=None) -> dict[str, np.ndarray]:
+    granularity = _check_qtensor(qt, "fp8", ("tensor", "channel"))
+    scale = _fp32_scale(qt)
+    scale = scale.reshape(()) if granularity == "tensor" else scale
+    return {"weight": np.asarray(qt.data), "weight_scale": scale, **_input_scale(input_scale, ())}
+
+
+def from_fp8(tensors: dict, dtype=jnp.float32) -> QTensor:
+    weight = _read_weight(tensors, "fp8")
+    scale = _read_scale(tensors, "weight_scale", "fp8", _FP32)
+    _check_input_scale(tensors, "fp8", ((), (1,)))
+    n, k = weight.shape
+    if scale.size == 1 and scale.ndim <= 1:
+        block = (n, k)
+    elif scale.shape == (n, 1):
+        block = (1, k)
+    else:
+        raise ValueError(f"fp8: tensor 'weight_scale' has shape {scale.shape}, but weight {weight.shape} needs "
+                         f"[] or [1] or [{n}, 1]")
+    return _qtensor(weight, scale, block, dtype)
 
 
 # ---- DeepSeek-style block FP8 -----------------------------------------------------------------------
@@ -226,8 +288,6 @@ def from_fp8_block(tensors: dict, dtype=jnp.float32, block_size=_DEFAULT_BLOCK) 
 
 register_layout(_CT, to_compressed_tensors, from_compressed_tensors, fmts=(_FMT,),
                 detect=_detect_compressed_tensors)
-register_layout("modelopt/fp8", _to_scaled("modelopt/fp8", ("tensor",)),
-                _from_scaled("modelopt/fp8", per_channel=False), fmts=(_FMT,), detect=_detect_modelopt)
-register_layout("fp8", _to_scaled("fp8", ("tensor", "channel")), _from_scaled("fp8", per_channel=True),
-                fmts=(_FMT,))
+register_layout(_MODELOPT, to_modelopt, from_modelopt, fmts=(_FMT,), detect=_detect_modelopt)
+register_layout("fp8", to_fp8, from_fp8, fmts=(_FMT,))
 register_layout(_BLOCK, to_fp8_block, from_fp8_block, fmts=(_FMT,))

@@ -90,6 +90,10 @@ def layout_meta(scheme: Scheme) -> dict:
         # The config's block (weight_block_size / block_structure): a scale grid that also fits the
         # layout's default 128 × 128 (192 × 192 in blocks of 96) would otherwise load with the wrong one.
         return {"dtype": jnp.float32, "block_size": tuple(weight.block_size)}
+    if layout == "modelopt" and weight.family == "fp8":
+        # The quant_algo fixes the scale granularity: a scale of another shape (per channel under "FP8") would
+        # otherwise load as what it looks like.
+        return {"dtype": jnp.float32, "variant": "fp8", "granularity": weight.granularity}
     if layout in ("fp8", "fp8-block", "compressed-tensors", "modelopt", "gpt-oss"):
         return {"dtype": jnp.float32}
     return {}
@@ -189,7 +193,9 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
                              f"with no scale tensor beside it, but the quantization_config ({scheme.name}) "
                              "quantizes this module; a weight_scale / weight_scale_inv is missing")
         if value is not None:
-            used.add(f"{name}.weight")
+            # A float k_proj / v_proj (on the ignore list) still carries the KV-cache scales the checkpoint
+            # stores (ModelOpt's kv_cache_quant_algo); as beside quantized projections, no linear layer reads them.
+            used.update(f"{name}.{k}" for k in ("weight", *_KV_CACHE_SCALES) if f"{name}.{k}" in tensors)
             value = value.T if leaf_name == "kernel" else value
             if value.shape != tuple(ref.shape):
                 raise ValueError(f"parameter {path!r}: checkpoint tensor {name}.weight has shape "

@@ -2,8 +2,9 @@
 
 Accepted: ``fp8`` (with ``weight_block_size`` and ``scale_fmt``), ``awq`` (GEMM-packed ``version``s),
 ``gptq`` (with ``checkpoint_format``), ``compressed-tensors`` (``pack-quantized``, ``float-quantized``,
-``nvfp4-pack-quantized``), ``modelopt`` (FP8, NVFP4; flat or under ``"quantization"``), ``mxfp4`` and
-``bitsandbytes`` (4-bit). Anything else, or a malformed config, raises a ValueError that names the key.
+``nvfp4-pack-quantized``), ``modelopt`` (``quant_algo`` FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, NVFP4,
+W4A16_NVFP4; flat or under ``"quantization"``), ``mxfp4`` and ``bitsandbytes`` (4-bit). Anything else, or
+a malformed config, raises a ValueError that names the key.
 ``skipped_modules`` reads the same config's ignore list: the modules that stay in float.
 """
 
@@ -224,18 +225,37 @@ def _int_quantized(weights: dict, acts: dict | None, where: str) -> Scheme:
     return bs.int8_w8a8(static_activations=not dynamic)
 
 
+# quant_algo values vLLM's ModelOpt configs accept that jquant does not read, and why.
+_MODELOPT_REFUSED = {
+    "MXFP8": "MXFP8 checkpoints (E4M3 codes, an E8M0 scale per 32 values) have no jquant scheme or layout yet",
+    "MIXED_PRECISION": "it sets a quant_algo per layer (quantized_layers), and jquant reads one scheme per "
+                       "checkpoint",
+}
+
+
 def _modelopt(cfg: dict) -> Scheme:
     inner = cfg.get("quantization", cfg)
     if not isinstance(inner, dict):
         raise ValueError(f"quantization_config['quantization'] must be a dict, got {inner!r}")
-    algo = _get(inner, "quant_algo", str)
-    if algo.upper() == "FP8":
+    where = "quantization_config['quantization']" if inner is not cfg else "quantization_config"
+    algo = _get(inner, "quant_algo", str, where=where).upper()  # as vLLM reads it: ModelOpt may write lowercase
+    if algo == "FP8":
         return bs.fp8_tensor(static_activations=True, layout="modelopt")
-    if algo.upper() == "NVFP4":
-        where = "quantization_config['quantization']" if inner is not cfg else "quantization_config"
+    if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+        return bs.fp8_channel(layout="modelopt")
+    if algo == "FP8_PB_WO":
+        # "Weight-only" by name, but vLLM's ModelOptFp8PbWoLinearMethod runs it W8A8: 128 × 128 weight blocks,
+        # activations quantized per token in groups of 128, as fp8_block computes.
+        return bs.fp8_block((128, 128), layout="modelopt")
+    if algo in ("NVFP4", "W4A16_NVFP4"):
+        # W4A16_NVFP4 stores NVFP4's weight tensors without an input_scale; jquant's NVFP4 runs weight-only,
+        # as vLLM runs W4A16_NVFP4 (Marlin).
         _nvfp4_group(_get(inner, "group_size", int, 16, where=where), where)
         return bs.nvfp4(convention="modelopt")
-    raise ValueError(f"quantization_config['quant_algo'] must be 'FP8' or 'NVFP4' for modelopt, got {algo!r}")
+    if algo in _MODELOPT_REFUSED:
+        raise ValueError(f"{where}['quant_algo'] {algo!r} is not supported: {_MODELOPT_REFUSED[algo]}")
+    raise ValueError(f"{where}['quant_algo'] must be 'FP8', 'FP8_PER_CHANNEL_PER_TOKEN', 'FP8_PB_WO', 'NVFP4' or "
+                     f"'W4A16_NVFP4' for modelopt, got {algo!r}")
 
 
 def _nvfp4_group(group: int, where: str) -> None:
