@@ -203,6 +203,11 @@ def _nvfp4_from(names: _NVFP4Names):
         scale = _array(tensors, "weight_scale", ml_dtypes.float8_e4m3fn, names.layout)
         shape = _check_packed(packed, scale, (names.packed, "weight_scale"), nvfp4.BLOCK_SIZE, names.layout)
         global_scale = _scalar(tensors, names.global_scale, names.layout)
+        if names.input_scale in tensors:
+            # A W4A4 checkpoint's static activation scale: NVFP4 runs weight-only here, as vLLM runs it on
+            # Hopper (Marlin, W4A16), which loads the scale and leaves it unused. Read and shape-checked
+            # (nvfp4_input_global_scale gives it to a caller that quantizes activations), not applied.
+            _scalar(tensors, names.input_scale, names.layout)
         return _nvfp4_qtensor(packed, scale, global_scale, shape, names.convention, dtype)
 
     return from_checkpoint

@@ -62,6 +62,35 @@ def test_save_load_bit_identical(tmp_path, tiny, name):
     np.testing.assert_array_equal(fwd(loaded), fwd(qparams))
 
 
+@pytest.mark.parametrize("config,input_scale", [
+    (dict(CONFIGS["ct_nvfp4"], config_groups={"group_0": dict(
+        CONFIGS["ct_nvfp4"]["config_groups"]["group_0"],
+        input_activations={"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+                           "dynamic": "local"})}), "input_global_scale"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}, "input_scale")])
+def test_nvfp4_w4a4_checkpoints_load_weight_only(tmp_path, tiny, config, input_scale):
+    """NVFP4 W4A4 exports store a static activation scale beside every projection; NVFP4 runs weight-only
+    (as vLLM on Hopper), so the loader reads the scale and the weights come back bit for bit."""
+    from jquant.checkpoint.safetensors_file import load_file, save_file
+
+    model, params, ids = tiny
+    qparams, _ = quantize_params(params, [(PROJ, scheme_from_config(config))], prepare=False)
+    save_hf_checkpoint(qparams, tmp_path, quantization_config=config)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    shape = (1,) if input_scale == "input_global_scale" else ()
+    for key in [k for k in tensors if k.endswith("_proj.weight_scale")]:
+        tensors[key.replace("weight_scale", input_scale)] = np.full(shape, 0.02, np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    loaded = load_hf_checkpoint(tmp_path, params, prepare=False)
+    for x, y in zip(jax.tree_util.tree_leaves(qparams), jax.tree_util.tree_leaves(loaded)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    key = next(k for k in tensors if k.endswith(input_scale))
+    tensors[key] = np.full((2, 2), 0.02, np.float32)   # not a scalar: refused, naming the tensor
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=input_scale):
+        load_hf_checkpoint(tmp_path, params, prepare=False)
+
+
 def test_float_checkpoint_round_trip(tmp_path, tiny):
     model, params, ids = tiny
     save_hf_checkpoint(params, tmp_path)
