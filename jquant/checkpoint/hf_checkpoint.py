@@ -163,7 +163,7 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
     from jquant.checkpoint.safetensors_file import load_file
 
     directory = pathlib.Path(directory)
-    files = _safetensors_files(directory)
+    files = safetensors_files(directory)
     tensors: dict[str, np.ndarray] = {}
     origin: dict[str, str] = {}
     for f in files:
@@ -228,7 +228,8 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
         used.update(prefix + k for k in own)
         out[path] = QParam(scheme.process_weights_after_loading(qt) if prepare else qt, scheme, input_scale)
     _share_fused_input_scales(out)
-    extra = sorted(set(tensors) - used)
+    # Attention-level KV-cache scales belong to the cache (jquant.checkpoint.kv_cache reads them), not to a parameter.
+    extra = sorted(k for k in set(tensors) - used if not KV_SCALE_NAME.match(k))
     if extra:
         raise ValueError(f"checkpoint tensors {extra[:8]}{'...' if len(extra) > 8 else ''} match no model parameter")
     if quantize is not None:
@@ -242,6 +243,9 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
 
 
 _KV_CACHE_SCALES = frozenset({"output_scale", "k_scale", "v_scale"})
+# Where vLLM's maybe_remap_kv_scale_name finds a layer's KV-cache scales: beside the attention
+# (compressed-tensors, fp8; the deprecated single kv_scale) or under k_proj / v_proj (ModelOpt).
+KV_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:(k|v)_proj\.(k|v)_scale|(k|v)_scale|(kv)_scale)$")
 
 
 class _Reads(dict):
@@ -262,7 +266,7 @@ class _Reads(dict):
         return super().get(key, default)
 
 
-def _safetensors_files(directory: pathlib.Path) -> list[pathlib.Path]:
+def safetensors_files(directory: pathlib.Path) -> list[pathlib.Path]:
     """The shards to read: those ``model.safetensors.index.json`` maps tensors to when it exists (as
     vLLM filters them, so a stale shard beside the index is not read), else every ``*.safetensors``."""
     index = directory / "model.safetensors.index.json"

@@ -286,7 +286,8 @@ _METHODS = {
 }
 
 
-def _method(quantization_config: dict) -> str:
+def quant_method(quantization_config: dict) -> str:
+    """The config's quantization method, as vLLM names it (hf_quant_config.json's nested form: modelopt)."""
     if not isinstance(quantization_config, dict):
         raise TypeError(f"quantization_config must be a dict, got {type(quantization_config).__name__}")
     if "quantization_config" in quantization_config:
@@ -325,7 +326,7 @@ def scheme_from_config(quantization_config: dict) -> Scheme:
           ...
       ValueError: quant_method 'hqq' is not supported; supported: [...]
     """
-    return _METHODS[_method(quantization_config)](quantization_config)
+    return _METHODS[quant_method(quantization_config)](quantization_config)
 
 
 def _names(cfg: dict, key: str, where: str = "quantization_config") -> list[str]:
@@ -429,4 +430,4 @@ def skipped_modules(quantization_config: dict) -> Callable[[str], bool]:
     modules holding no entry of ``modules_in_block_to_quantize``;
     mxfp4: names or globs), bitsandbytes ``llm_int8_skip_modules`` (name components or dotted
     prefixes) and ModelOpt ``exclude_modules`` (names, substrings or globs)."""
-    return _SKIPS[_method(quantization_config)](quantization_config)
+    return _SKIPS[quant_method(quantization_config)](quantization_config)

@@ -104,6 +104,36 @@ def load_file(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return out
 
 
+def load_tensors(path: str | os.PathLike, names) -> dict[str, np.ndarray]:
+    """The tensors of ``names`` that the safetensors file ``path`` holds, read alone (a checkpoint's
+    scalar KV-cache scales without its weights); ValueErrors as ``load_file``'s."""
+    where = os.fspath(path)
+    try:
+        with safetensors.safe_open(where, "numpy") as f:
+            wanted = sorted(set(names) & set(f.offset_keys()))
+    except safetensors.SafetensorError as e:
+        raise ValueError(_rejection(where, e)) from e
+    if not wanted:
+        return {}
+    with open(where, "rb") as f:   # the package validated the header: offsets tile the data
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        out = {}
+        for name in wanted:
+            entry = header[name]
+            code, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            if code not in _NAMES.values():
+                raise ValueError(f"{where!r}: tensor {name!r} has dtype {code!r}, which jquant does not read")
+            f.seek(8 + n + begin)
+            data = f.read(end - begin)
+            if len(data) != end - begin:
+                raise ValueError(f"{where!r} changed while it was read (tensor {name!r} cut short); read it again")
+            sub = code in SUBBYTE_DTYPES
+            arr = np.frombuffer(data, np.uint8 if sub else DTYPES[code]).copy()
+            out[name] = _unpack_f4(arr, shape) if sub else arr.reshape(shape)
+    return out
+
+
 def _pack_f4(arr: np.ndarray, name: str, where: str) -> np.ndarray:
     if arr.ndim == 0 or arr.shape[-1] % 2:
         raise ValueError(f"{where!r}: float4_e2m1fn tensor {name!r} of shape {arr.shape} cannot be stored: F4 packs "
