@@ -132,9 +132,14 @@ def test_qtensor_is_the_scheme_format_and_dequantizes_to_the_loop(name, act_orde
     assert (qt.group_index is not None) == (act_order and spec.group_size is not None)
     y = scheme.apply(jnp.asarray(x[:8]), scheme.process_weights_after_loading(qt))
     chex.assert_trees_all_close(y, x[:8] @ np.asarray(result.weight).T, rtol=1e-4, atol=1e-4)
-    # The kernel entry point and a list of batches give the same QTensor.
-    chex.assert_trees_all_equal(gptq_quantize_kernel(w.T, [x[:300], x[300:]], scheme=name, act_order=act_order)
-                                .dequantize(), result.weight)
+    # The kernel entry point ([K, N]) with a list of batches: the QTensor of gptq_quantize_weight on those
+    # batches' Hessian. Its float32 sum differs from one batch's in the last bits, which can flip a rare
+    # rounding (int8_ch: 16 of 16384 codes on an AVX-512 Xeon), as float32 against float64 does above.
+    batches = [x[:300], x[300:]]
+    qk = gptq_quantize_kernel(w.T, batches, scheme=name, act_order=act_order)
+    chex.assert_trees_all_equal(qk, gptq_quantize_weight(w, accumulate_hessian(batches, w.shape[1]), scheme=name,
+                                                         act_order=act_order))
+    assert np.mean(np.asarray(qk.dequantize()) != np.asarray(result.weight)) < 0.005
 
 
 @pytest.mark.parametrize("checkpoint_format", ["gptq", "gptq_v2"])
