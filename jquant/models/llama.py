@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import flax.linen as nn
 import flax.struct
@@ -411,11 +411,11 @@ def new_cache(model: LlamaForCausalLM, batch: int, max_len: int, kv_cache_dtype:
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "greedy", "eos_id", "kv_cache_dtype",
-                                             "page_size", "forward"))
+                                             "page_size", "forward", "scales"))
 def _generate(model, params, prompt_ids, rng, temperature, max_new_tokens, greedy, eos_id, kv_cache_dtype,
-              page_size, forward):
+              page_size, forward, scales):
     batch, prompt_len = prompt_ids.shape
-    cache = new_cache(model, batch, prompt_len + max_new_tokens, kv_cache_dtype, page_size)
+    cache = new_cache(model, batch, prompt_len + max_new_tokens, kv_cache_dtype, page_size, **dict(scales))
     apply = model.apply if forward is None else forward
 
     def pick(logits, key):
@@ -443,13 +443,16 @@ def _generate(model, params, prompt_ids, rng, temperature, max_new_tokens, greed
 
 def generate(model: LlamaForCausalLM, params, prompt_ids, max_new_tokens: int, greedy: bool = True, *,
              rng: jax.Array | None = None, temperature: float = 1.0, eos_id: int | None = None,
-             kv_cache_dtype: str | None = None, page_size: int = 16, forward: Callable | None = None) -> jax.Array:
+             kv_cache_dtype: str | None = None, page_size: int = 16, forward: Callable | None = None,
+             k_scales: Sequence[float] | None = None, v_scales: Sequence[float] | None = None) -> jax.Array:
     """``max_new_tokens`` tokens after ``prompt_ids`` [batch, P] (equal-length prompts, no padding):
     one prefill through the KV cache, then one decode step per token inside ``lax.scan``.
     Greedy takes the argmax; otherwise tokens are sampled at ``temperature`` from ``rng``.
     ``kv_cache_dtype`` (a vLLM name: ``bf16``, ``fp8``, ``int8_per_token_head``, ``turboquant_3bit_nc``,
     ...) stores the cache paged in that format, ``page_size`` tokens a page; None keeps a dense cache in
-    the model's dtype. Returns int32 [batch, max_new_tokens]; after ``eos_id`` a row repeats ``eos_id``.
+    the model's dtype; ``k_scales`` / ``v_scales``: its static per-tensor scales, one per layer (a
+    checkpoint's: ``jquant.checkpoint.kv_cache_settings(...).cache_options()``; default 1.0).
+    Returns int32 [batch, max_new_tokens]; after ``eos_id`` a row repeats ``eos_id``.
     ``forward(params, token_ids, cache) -> (logits, cache)`` runs each step in place of ``model.apply``
     (hashable: ``jquant.parallel.generate`` passes its tensor-parallel ``TensorParallel.apply``).
 
@@ -481,9 +484,13 @@ def generate(model: LlamaForCausalLM, params, prompt_ids, max_new_tokens: int, g
         raise ValueError("sampling (greedy=False) needs an rng key")
     if kv_cache_dtype is not None:
         kv_cache_spec(kv_cache_dtype)  # an unknown name fails here, before tracing
+    scales = tuple((name, tuple(float(v) for v in value)) for name, value in
+                   (("k_scales", k_scales), ("v_scales", v_scales)) if value is not None)
+    if scales and kv_cache_dtype is None:
+        raise ValueError("k_scales / v_scales are a paged cache's static scales: pass a kv_cache_dtype too")
     rng = jax.random.key(0) if rng is None else rng
     return _generate(model, params, prompt_ids, rng, jnp.float32(temperature), max_new_tokens, greedy, eos_id,
-                     kv_cache_dtype, page_size, forward)
+                     kv_cache_dtype, page_size, forward, scales)
 
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))

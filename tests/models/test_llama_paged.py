@@ -154,21 +154,43 @@ def test_under_jit_a_negative_length_or_an_outside_page_is_nan_and_spares_the_ca
                         [np.asarray(y)[bt[1]] for y in jax.tree.leaves(after.layers) if np.ndim(y) >= 3])
 
 
+def _greedy(params, ids, cache, new_tokens):
+    """``new_tokens`` greedy tokens after ``ids`` by a prefill and single steps over ``cache`` (generate's twin)."""
+    step = jax.jit(MODEL.apply)
+    logits, cache = step(params, ids, cache)
+    tokens = []
+    for _ in range(new_tokens):
+        tokens.append(jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32))
+        logits, cache = step(params, tokens[-1][:, None], cache)
+    return np.stack(tokens, axis=1)
+
+
 def test_generate_with_a_quantized_cache(params):
     ids = _ids(2, 6, 8)
     paged = generate(MODEL, params, ids, 5, kv_cache_dtype="int8_per_token_head", page_size=4)
     cache = new_cache(MODEL, 2, 11, "int8_per_token_head", page_size=4)
-    step = jax.jit(MODEL.apply)
-    logits, cache = step(params, ids, cache)
-    want = []
-    for _ in range(5):
-        want.append(jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32))
-        logits, cache = step(params, want[-1][:, None], cache)
-    np.testing.assert_array_equal(np.asarray(paged), np.stack(want, axis=1))
+    np.testing.assert_array_equal(np.asarray(paged), _greedy(params, ids, cache, 5))
     tq = generate(MODEL, params, ids, 5, kv_cache_dtype="turboquant_3bit_nc")
     assert tq.shape == (2, 5) and (np.asarray(tq) >= 0).all()
     with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
         generate(MODEL, params, ids, 2, kv_cache_dtype="fp4")
+
+
+def test_generate_uses_a_checkpoints_static_scales(params):
+    """k_scales / v_scales reach generate's fp8 pages (what kv_cache_settings reads from a checkpoint): its
+    tokens are the loop's over new_cache with those scales, and scales that clip K change them."""
+    ids = _ids(2, 6, 9)
+    scales = dict(k_scales=[0.002, 0.5, 1.0, 2.0, 0.002], v_scales=[0.01, 0.25, 1.0, 4.0, 0.01])
+    got = generate(MODEL, params, ids, 5, kv_cache_dtype="fp8", page_size=4, **scales)
+    cache = new_cache(MODEL, 2, 11, "fp8", page_size=4, **scales)
+    assert [float(layer.k_scale) for layer in cache.layers] == [np.float32(v) for v in scales["k_scales"]]
+    np.testing.assert_array_equal(np.asarray(got), _greedy(params, ids, cache, 5))
+    unit = generate(MODEL, params, ids, 5, kv_cache_dtype="fp8", page_size=4)
+    assert (np.asarray(unit) != np.asarray(got)).any()   # K clipped at ±448 · 0.002: another attention
+    with pytest.raises(ValueError, match="pass a kv_cache_dtype"):
+        generate(MODEL, params, ids, 2, k_scales=[1.0] * 5)
+    with pytest.raises(ValueError, match="one scale per layer"):
+        generate(MODEL, params, ids, 2, kv_cache_dtype="fp8", k_scales=[1.0])
 
 
 def test_decode_step_donates_the_cache(params):
