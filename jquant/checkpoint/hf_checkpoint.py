@@ -193,9 +193,7 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
                              f"with no scale tensor beside it, but the quantization_config ({scheme.name}) "
                              "quantizes this module; a weight_scale / weight_scale_inv is missing")
         if value is not None:
-            # A float k_proj / v_proj (on the ignore list) still carries the KV-cache scales the checkpoint
-            # stores (ModelOpt's kv_cache_quant_algo); as beside quantized projections, no linear layer reads them.
-            used.update(f"{name}.{k}" for k in ("weight", *_KV_CACHE_SCALES) if f"{name}.{k}" in tensors)
+            used.add(f"{name}.weight")   # KV-cache scales beside a float k_proj / v_proj: KV_SCALE_NAME below
             value = value.T if leaf_name == "kernel" else value
             if value.shape != tuple(ref.shape):
                 raise ValueError(f"parameter {path!r}: checkpoint tensor {name}.weight has shape "
@@ -245,7 +243,7 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
 _KV_CACHE_SCALES = frozenset({"output_scale", "k_scale", "v_scale"})
 # Where vLLM's maybe_remap_kv_scale_name finds a layer's KV-cache scales: beside the attention
 # (compressed-tensors, fp8; the deprecated single kv_scale) or under k_proj / v_proj (ModelOpt).
-KV_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:(k|v)_proj\.(k|v)_scale|(k|v)_scale|(kv)_scale)$")
+KV_SCALE_NAME = re.compile(r"^model\.layers\.(?P<layer>\d+)\.self_attn\.(?:(?P<proj>[kv])_proj\.)?(?P<which>k|v|kv)_scale$")
 
 
 class _Reads(dict):

@@ -95,9 +95,9 @@ def kv_cache_settings(directory, num_layers: int, quantization_config: dict | No
             names = [k for k in handle.offset_keys() if KV_SCALE_NAME.match(k)]
         for name, value in load_tensors(f, names).items():
             m = KV_SCALE_NAME.match(name)
-            layer, which = int(m.group(1)), next(g for g in m.groups()[1:] if g is not None)
-            if m.group(2) is not None and m.group(2) != m.group(3):
-                raise ValueError(f"tensor {name!r}: a {m.group(3)}_scale under {m.group(2)}_proj")
+            layer, which = int(m["layer"]), m["which"]
+            if m["proj"] not in (None, which):
+                raise ValueError(f"tensor {name!r}: a {which}_scale under {m['proj']}_proj")
             if layer >= num_layers:
                 raise ValueError(f"tensor {name!r} belongs to layer {layer}, but the model has {num_layers} layers")
             scale = float(value.reshape(-1)[0]) if value.size == 1 else math.nan
