@@ -2,8 +2,8 @@
 
 from jquant.apps.bench import main
 from jquant.bench.timing import (Roofline, Timing, array_bytes, copies_for, device_bytes,
-                                 measure_hbm_bandwidth, roofline, spread_pct, time_fn,
-                                 time_interleaved, time_steadiest)
+                                 device_hbm_bytes_per_s, measure_hbm_bandwidth, roofline, spread_pct,
+                                 time_fn, time_interleaved, time_steadiest)
 
-__all__ = ["Roofline", "Timing", "array_bytes", "copies_for", "device_bytes", "main", "measure_hbm_bandwidth",
-           "roofline", "spread_pct", "time_fn", "time_interleaved", "time_steadiest"]
+__all__ = ["Roofline", "Timing", "array_bytes", "copies_for", "device_bytes", "device_hbm_bytes_per_s", "main",
+           "measure_hbm_bandwidth", "roofline", "spread_pct", "time_fn", "time_interleaved", "time_steadiest"]

@@ -10,6 +10,7 @@ dispatch (``copies_for``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import pathlib
@@ -22,8 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jquant.schemes import dispatch
+
 H200_L2_BYTES = 60 * 2**20
-H200_HBM_BYTES_PER_S = 4.18e12      # measured: f32 ``x + 1`` over 4 GiB (bench/README.md, Rooflines)
+# The H200's rate, measured: f32 ``x + 1`` over 4 GiB (bench/README.md, Rooflines). A reference for
+# records of that device; a benchmark takes its floor from ``device_hbm_bytes_per_s``.
+H200_HBM_BYTES_PER_S = 4.18e12
 _CHECKOUT = pathlib.Path(__file__).resolve().parents[2]   # the checkout holding the jquant package
 
 
@@ -203,13 +208,31 @@ def measure_hbm_bandwidth(nbytes: int = 2**30) -> float:
     return 2 * nbytes / (t.median_us * 1e-6)
 
 
+@functools.cache
+def device_hbm_bytes_per_s() -> float:
+    """The HBM rate of the device this process runs on, in bytes/s: ``measure_hbm_bandwidth`` over
+    1 GiB on a GPU, over 4 MiB elsewhere (a CPU run only checks a benchmark's plumbing), measured once
+    per process. The benchmarks' byte floors use it, so their % of floor is against the device that ran
+    them, not the H200's 4.18 TB/s.
+
+    Examples:
+      >>> from jquant.bench import device_hbm_bytes_per_s
+      >>> rate = device_hbm_bytes_per_s()
+      >>> rate > 0 and device_hbm_bytes_per_s() == rate  # measured on the first call only
+      True
+    """
+    return measure_hbm_bandwidth(2**30 if dispatch.is_gpu() else 2**22)
+
+
 @dataclasses.dataclass(frozen=True)
 class Roofline:
     """Figures for one timed op: achieved bandwidth and rate, and the share of the byte floor.
 
     Examples:
       >>> from jquant.bench import roofline
-      >>> r = roofline(time_us=200.0, nbytes=418_000_000, flops=2 * 10**10)  # half the H200's 4.18 TB/s
+      >>> from jquant.bench.timing import H200_HBM_BYTES_PER_S
+      >>> r = roofline(time_us=200.0, nbytes=418_000_000, flops=2 * 10**10,  # half the H200's 4.18 TB/s
+      ...              hbm_bytes_per_s=H200_HBM_BYTES_PER_S)
       >>> [f"{value:.2f}" for value in (r.tb_per_s, r.tflop_per_s, r.byte_floor_us, r.pct_of_byte_floor)]
       ['2.09', '100.00', '100.00', '50.00']
     """
@@ -220,9 +243,10 @@ class Roofline:
     pct_of_byte_floor: float
 
 
-def roofline(time_us: float, nbytes: int, flops: int,
-             hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S) -> Roofline:
-    """``pct_of_byte_floor`` = byte-floor time / measured time (100 % = at the memory roof).
+def roofline(time_us: float, nbytes: int, flops: int, hbm_bytes_per_s: float) -> Roofline:
+    """``pct_of_byte_floor`` = byte-floor time / measured time (100 % = at the memory roof), the floor
+    being ``nbytes`` at ``hbm_bytes_per_s`` (no default: the device's own rate, ``device_hbm_bytes_per_s``
+    in a benchmark).
 
     Examples:
       A weight read of 4 MB in 2 µs on a device of 4 TB/s (the byte floor is 1 µs):

@@ -26,7 +26,7 @@ import numpy as np
 
 from jquant.bench.profile import trace_steps
 from jquant.bench.records import markdown_title
-from jquant.bench.timing import array_bytes, device_bytes, measure_hbm_bandwidth
+from jquant.bench.timing import array_bytes, device_bytes, device_hbm_bytes_per_s
 from jquant.checkpoint.hf_checkpoint import PROJECTIONS
 from jquant.kernels.decode_attention.bench import random_pages
 from jquant.kv.cache import PagedCache, token_bytes
@@ -142,7 +142,7 @@ def run(num_layers: int = 8, batches: Iterable[int] = (1, 16), ctxs: Iterable[in
     ``profile_dir``: also write a ``jax.profiler`` trace of a few steps of each cell there (one folder a cell),
     to see where a step's time goes. ``fused``: q/k/v and gate/up as one GEMM each."""
     schemes, kv_dtypes = tuple(schemes), tuple(kv_dtypes)
-    hbm = measure_hbm_bandwidth()
+    hbm = device_hbm_bytes_per_s()
     log(f"  HBM copy rate {hbm / 1e12:.2f} TB/s")
     key = jax.random.key(0)
     records = []

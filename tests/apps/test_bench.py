@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import pytest
 
 import jquant
+from jquant.bench import timing
 from jquant.bench.timing import source_commit
-from jquant.bench import (Timing, array_bytes, copies_for, main, roofline, spread_pct, time_fn,
-                          time_interleaved, time_steadiest)
+from jquant.bench import (Timing, array_bytes, copies_for, device_hbm_bytes_per_s, main, roofline, spread_pct,
+                          time_fn, time_interleaved, time_steadiest)
 from jquant.kernels.w4a16 import bench as bench
 
 
@@ -79,8 +80,22 @@ def test_copies_and_roofline():
     assert r.byte_floor_us == pytest.approx(30.0) and r.pct_of_byte_floor == pytest.approx(100.0)
     assert r.tflop_per_s == pytest.approx(2 * 8192 * 28672 / 30e-6 / 1e12)
     with pytest.raises(ValueError, match="positive"):
-        roofline(0.0, 1, 1)
+        roofline(0.0, 1, 1, hbm_bytes_per_s=4e12)
     assert array_bytes({"a": jnp.ones((4, 4), jnp.bfloat16)}, jnp.ones(3)) == 32 + 12
+
+
+def test_device_hbm_rate_is_measured_once_with_a_probe_for_the_device(monkeypatch):
+    from jquant.schemes import dispatch
+    probes = []
+    monkeypatch.setattr(timing, "measure_hbm_bandwidth", lambda nbytes: probes.append(nbytes) or 3e12)
+    try:
+        for gpu, nbytes in ((False, 2**22), (True, 2**30)):
+            device_hbm_bytes_per_s.cache_clear()
+            monkeypatch.setattr(dispatch, "is_gpu", lambda gpu=gpu: gpu)
+            assert device_hbm_bytes_per_s() == device_hbm_bytes_per_s() == 3e12
+            assert probes.pop() == nbytes and not probes        # one probe a process
+    finally:
+        device_hbm_bytes_per_s.cache_clear()                    # the fake rate must not reach other tests
 
 
 def test_w4a16_run_writes_records(tmp_path):
@@ -97,6 +112,7 @@ def test_w4a16_run_writes_records(tmp_path):
         assert r["impl"] == "auto" and r["config"] is not None   # the kernel-level A/B path
         assert r["spread_pct"] >= 0 and set(r["baseline_spread_pct"]) == set(r["baselines"])
         assert len(r["attempt_spreads_pct"]) == 1      # interpret mode never re-times
+        assert r["hbm_tb_per_s"] == round(device_hbm_bytes_per_s() / 1e12, 3)   # this device's rate
     js, md = bench.write(records, tmp_path)
     assert json.loads(js.read_text()) == records
     assert md.read_text().count("\n| int4_g128 |") == 2

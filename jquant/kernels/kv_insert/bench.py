@@ -5,7 +5,8 @@ A cell is (tokens T, kv_cache_dtype) at Llama-3-8B's KV shape (8 KV heads, head_
 T = 8 is a decode step's batch, 4096 and 32768 a prefill's. The T slots are shuffled over a pool of
 twice as many. Each timed program runs many inserts back to back with the cache donated and carried
 (in place, as in a model step), the new K/V tied to the carry so XLA cannot hoist their quantization
-out of the loop. Useful bytes: the new K and V read in bf16 plus the codes and side arrays written.
+out of the loop. Useful bytes: the new K and V read in bf16 plus the codes and side arrays written;
+their byte floor is at the HBM rate measured on the device (``hbm_tb_per_s``).
 After timing, each kernel's cache must equal the reference's bit for bit (``bit_exact``).
 """
 
@@ -23,7 +24,7 @@ import numpy as np
 from jax import lax
 
 from jquant.bench.records import markdown_title
-from jquant.bench.timing import H200_HBM_BYTES_PER_S, Timing, roofline, spread_pct, time_steadiest
+from jquant.bench.timing import Timing, device_hbm_bytes_per_s, roofline, spread_pct, time_steadiest
 from jquant.kernels.kv_insert import triton
 from jquant.kernels.kv_insert.api import insert
 from jquant.kernels.kv_insert.triton import InsertConfig
@@ -77,12 +78,14 @@ def _same_bits(a, b) -> bool:
 
 
 def run(tokens: Iterable[int] = TOKENS, kv_dtypes: Iterable[str] = KV_DTYPES, page_size: int = 16,
-        reps: int = 9, hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S, interpret: bool = False,
+        reps: int = 9, hbm_bytes_per_s: float | None = None, interpret: bool = False,
         meta: dict | None = None, log: Callable[[str], None] = print,
         configs: Iterable[InsertConfig | None] = (None,), inserts: int | None = None) -> list[dict]:
     """One record per (T, kv dtype, launch config); ``configs`` (None: the default launch) are timed
-    interleaved with the reference. ``inserts``: inserts per timed program (None: ``inserts_per_batch``)."""
+    interleaved with the reference. ``inserts``: inserts per timed program (None: ``inserts_per_batch``).
+    ``hbm_bytes_per_s``: the rate of the byte floor (None: this device's, ``device_hbm_bytes_per_s``)."""
     configs = tuple(configs)
+    hbm_bytes_per_s = hbm_bytes_per_s or device_hbm_bytes_per_s()
     key = jax.random.key(0)
     records = []
     for t in tokens:
@@ -116,6 +119,7 @@ def run(tokens: Iterable[int] = TOKENS, kv_dtypes: Iterable[str] = KV_DTYPES, pa
                            xla_tb_per_s=nbytes / (xt.median_us * 1e-6) / 1e12,
                            speedup_vs_xla=xt.median_us / kt.median_us, byte_floor_us=roof.byte_floor_us,
                            pct_of_byte_floor=roof.pct_of_byte_floor,
+                           hbm_tb_per_s=round(hbm_bytes_per_s / 1e12, 3),
                            bit_exact=_same_bits(caches[f"kernel:{i}"], caches["xla"]), inserts_per_batch=n,
                            **(meta or {}))
                 records.append(rec)

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 
 from jquant.bench.profile import trace_steps
 from jquant.bench.records import markdown_title, run_meta
-from jquant.bench.timing import (array_bytes, copies_for, measure_hbm_bandwidth, spread_pct, time_interleaved,
+from jquant.bench.timing import (array_bytes, copies_for, device_hbm_bytes_per_s, spread_pct, time_interleaved,
                                  time_steadiest)
 from jquant.kernels.moe.api import choose_impl, prepare_experts
 from jquant.kernels.moe.experts import EXPERT_PARAMS, QExperts
@@ -327,7 +327,7 @@ def run(shapes: Iterable[MoEShape] = tuple(SHAPES.values()), tokens: Iterable[in
     """
     how = _How(reps=reps, warmup=1 if cpu else 3, retries=0 if cpu else 1, max_spread_pct=25.0,
                min_batch_s=1e-3 if cpu else 10e-3, max_copies=1 if cpu else 64,
-               hbm_bytes_per_s=measure_hbm_bandwidth(2**22 if cpu else 2**30), meta=run_meta(), log=log,
+               hbm_bytes_per_s=device_hbm_bytes_per_s(), meta=run_meta(), log=log,
                profile_dir=profile_dir)
     records: list[dict] = []
     key = jax.random.key(0)

@@ -8,9 +8,9 @@ layout, for kernel-level A/Bs.
 
 Each record (JSON) holds op, impl, prepared_impl, scheme, M, N, K, time_us, baselines
 {name: time_us}, device, jax_version, commit, date, the launch config, TB/s, TFLOP/s, speedup vs
-bf16, % of the byte floor, and the batch spread ((slowest − fastest) / median, %) of the kernel and
-of each baseline. The baselines and kernels of one cell are timed interleaved, a batch of each in
-turn (``time_interleaved``).
+bf16, % of the byte floor at the HBM rate measured on the device (``hbm_tb_per_s``), and the batch
+spread ((slowest − fastest) / median, %) of the kernel and of each baseline. The baselines and
+kernels of one cell are timed interleaved, a batch of each in turn (``time_interleaved``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import jquant
-from jquant.bench.timing import (H200_HBM_BYTES_PER_S, array_bytes, copies_for, roofline,
+from jquant.bench.timing import (array_bytes, copies_for, device_hbm_bytes_per_s, roofline,
                                  spread_pct, time_interleaved, time_steadiest)
 from jquant.kernels.w4a16 import (IMPLS, PackedW4NK, default_mgpu_config, resolve_impl,
                                    w4a16_matmul)
@@ -111,7 +111,7 @@ def _scheme_op(prepared: jquant.Prepared, m: int) -> str:
 def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
         schemes: Iterable[str] = SCHEMES, configs: dict | None = None,
         impls: Iterable[str] = ("scheme",), interpret: bool = False, reps: int = 9,
-        hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S, log: Callable[[str], None] = print,
+        hbm_bytes_per_s: float | None = None, log: Callable[[str], None] = print,
         max_copies: int = 64, max_spread_pct: float = 25.0, retries: int = 2) -> list[dict]:
     """Measures every (shape, M) for int4 (and the M=1 row for the other schemes).
 
@@ -121,7 +121,8 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
     those (e.g. a sweep's winners); missing entries use ``default_mgpu_config``.
     A cell whose widest batch spread (kernel or baseline) exceeds ``max_spread_pct`` is timed
     again, up to ``retries`` times; its record keeps the steadiest attempt and lists every
-    attempt's widest spread (``attempt_spreads_pct``).
+    attempt's widest spread (``attempt_spreads_pct``). ``hbm_bytes_per_s``: the rate of the byte floor
+    (None: this device's, ``device_hbm_bytes_per_s``).
     """
     configs = configs or {}
     impls = tuple(impls)
@@ -135,7 +136,8 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
     records = []
     key = jax.random.PRNGKey(0)
     meta = run_meta()
-    how = _Timing(impls, configs, interpret, key, max_copies, warmup, reps, hbm_bytes_per_s,
+    how = _Timing(impls, configs, interpret, key, max_copies, warmup, reps,
+                  hbm_bytes_per_s or device_hbm_bytes_per_s(),
                   max_spread_pct, retries, meta, log)
     for n, k in shapes:
         w_bf16 = [jax.random.normal(jax.random.fold_in(key, c), (k, n), jnp.bfloat16)
@@ -241,7 +243,8 @@ def _cell(weight: _SchemeWeight, n: int, k: int, m: int, w_bf16: list, dequant: 
                    config=dataclasses.asdict(cfg) if cfg else None,
                    tb_per_s=round(roof.tb_per_s, 3),
                    tflop_per_s=round(roof.tflop_per_s, 2),
-                   pct_of_byte_floor=round(roof.pct_of_byte_floor, 1), **how.meta)
+                   pct_of_byte_floor=round(roof.pct_of_byte_floor, 1),
+                   hbm_tb_per_s=round(how.hbm_bytes_per_s / 1e12, 3), **how.meta)
         if "xla_bf16" in baselines:
             rec["speedup_vs_bf16"] = round(baselines["xla_bf16"] / t.median_us, 3)
         records.append(rec)

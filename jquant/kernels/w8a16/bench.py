@@ -9,8 +9,9 @@ schemes (per tensor, per token × channel, 128×128 blocks) and INT8 W8A8 throug
 dot, or dequantize + dot for blocks; XLA's int8 × int8 → int32 dot), plus for the W8A8 FP8 schemes
 the FP8 GEMM kernel forced (``mgpu``: activations quantized as the scheme says; the dispatch runs it
 by M, ``dispatch.fp8_gemm_impl``). Records: op, scheme, impl, M, N, K, µs, the
-XLA bf16 baseline of the same run, TB/s, TFLOP/s, % of the byte floor, the speedup over bf16, the
-kernel's launch (``config``, for ``mgpu``), device, JAX version, commit.
+XLA bf16 baseline of the same run, TB/s, TFLOP/s, % of the byte floor at the HBM rate measured on the
+device (``hbm_tb_per_s``), the speedup over bf16, the kernel's launch (``config``, for ``mgpu``),
+device, JAX version, commit.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 
 import jquant
 from jquant.bench.records import markdown_title
-from jquant.bench.timing import (H200_HBM_BYTES_PER_S, array_bytes, copies_for, roofline, spread_pct,
+from jquant.bench.timing import (array_bytes, copies_for, device_hbm_bytes_per_s, roofline, spread_pct,
                                  time_interleaved)
 from jquant.kernels.fp8_gemm.config import default_fp8_config
 from jquant.kernels.fp8_gemm.from_qtensor import fp8_scheme_gemm, pack_fp8_qtensor
@@ -92,12 +93,13 @@ def _launch(m: int, packed):
 
 def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
         names: Iterable[str] | None = None, reps: int = 9, interpret: bool = False,
-        hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S, meta: dict | None = None,
+        hbm_bytes_per_s: float | None = None, meta: dict | None = None,
         log: Callable[[str], None] = print, max_copies: int = 64,
         on_records: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Times every (shape, M, scheme) cell with its XLA bf16 baseline, interleaved. ``interpret``
     runs the kernel in interpret mode (CPU plumbing check; its timings mean nothing).
-    ``on_records`` gets the records so far after every M (a run cut short keeps its rows)."""
+    ``on_records`` gets the records so far after every M (a run cut short keeps its rows).
+    ``hbm_bytes_per_s``: the rate of the byte floor (None: this device's, ``device_hbm_bytes_per_s``)."""
     table = schemes()
     names = tuple(names or table)
     unknown = [n for n in names if n not in table]
@@ -106,6 +108,7 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
     if interpret:
         max_copies = 1
     meta = meta or {}
+    hbm_bytes_per_s = hbm_bytes_per_s or device_hbm_bytes_per_s()
     key = jax.random.PRNGKey(0)
     records = []
     for n, k in shapes:
@@ -147,7 +150,8 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                            spread_pct=spread_pct(t), baseline_spread_pct=spread_pct(times["xla_bf16"]),
                            config=dataclasses.asdict(cfg) if cfg else None,
                            tb_per_s=round(roof.tb_per_s, 3), tflop_per_s=round(roof.tflop_per_s, 2),
-                           pct_of_byte_floor=round(roof.pct_of_byte_floor, 1), **meta)
+                           pct_of_byte_floor=round(roof.pct_of_byte_floor, 1),
+                           hbm_tb_per_s=round(hbm_bytes_per_s / 1e12, 3), **meta)
                 records.append(rec)
                 log(f"  {name:24s} {n}x{k} M={m:<5d} {impl:6s} {rec['time_us']:9.1f} us  bf16 {bf16:9.1f}"
                     f"  x{rec['speedup_vs_bf16']:.2f}  {rec['tflop_per_s']:.0f} TFLOP/s")

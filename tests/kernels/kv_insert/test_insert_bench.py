@@ -3,6 +3,7 @@
 import pytest
 
 from jquant.apps import cli
+from jquant.bench import device_hbm_bytes_per_s
 from jquant.kernels.kv_insert import InsertConfig, bench
 
 
@@ -17,6 +18,9 @@ def test_run_times_kernels_and_reference_and_checks_their_bits():
     r = records[0]
     # 8 tokens x 8 heads x (bf16 K and V read: 512 B + int8 codes and float32 scales written: 264 B).
     assert r["useful_bytes"] == 8 * 8 * (512 + 264) and r["time_us"] > 0 and r["baselines"]["xla"] > 0
+    # the floor is at the rate measured on this device, which the record carries
+    assert r["hbm_tb_per_s"] == round(device_hbm_bytes_per_s() / 1e12, 3)
+    assert r["byte_floor_us"] == pytest.approx(1e6 * r["useful_bytes"] / device_hbm_bytes_per_s())
     table = bench.to_markdown(records)
     assert "| int8_per_token_head | 8 | default |" in table and "| 4/2w |" in table and "(reference)" in table
 

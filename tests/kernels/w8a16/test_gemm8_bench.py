@@ -32,6 +32,7 @@ def test_gemm8_bench_writes_records_for_every_scheme_and_impl(tmp_path, capsys):
         assert r["baselines"]["xla_bf16"] > 0 and "commit" in r and "jax_version" in r
         assert r["w8a8"] == (r["scheme"] == "fp8_e4m3_block128x128")
         assert (r["config"] is not None) == (r["impl"] == "mgpu")
+        assert r["hbm_tb_per_s"] > 0                     # the rate of the floor, measured on this device
     assert "| int8_ch | no | 128×256 | 1 | mgpu |" in (tmp_path / "gemm8.md").read_text()
 
 
