@@ -52,13 +52,22 @@ def test_attention_bench_plumbing():
     assert "| turboquant_3bit_nc | 2 | 64 |" in attention_bench.to_markdown(recs)
 
 
+def test_attention_floor_is_at_the_rate_given_and_recorded():
+    recs = attention_bench.run(batches=(2,), ctxs=(64,), kv_dtypes=("bf16",), reps=1, interpret=True,
+                               hbm_bytes_per_s=2e12, meta={"device": "cpu"}, log=lambda s: None)
+    assert recs[0]["hbm_tb_per_s"] == 2.0
+    assert recs[0]["byte_floor_us"] == round(1e6 * recs[0]["kv_bytes"] / 2e12, 2)
+
+
 def test_attention_sweep_rows_name_their_launch():
     from jquant.kernels.decode_attention import TuningConfig
-    configs = (None, TuningConfig(block_tokens=64, kv_heads_per_program=2))
+    configs = (None, TuningConfig(block_tokens=64, kv_heads_per_program=2),
+               TuningConfig(block_tokens=32, operand_dtype="float16"))
     recs = attention_bench.run(batches=(2,), ctxs=(64,), kv_dtypes=("bf16", "turboquant_3bit_nc"), reps=1,
                                interpret=True, meta={"device": "cpu"}, log=lambda s: None, configs=configs)
-    # several KV heads a program is a launch of the non-TurboQuant kernel only
+    # several KV heads a program and an operand dtype are launches of the non-TurboQuant kernel only
     assert [(r["kv_dtype"], r["config"] and r["config"]["kv_heads_per_program"]) for r in recs] == \
-        [("bf16", None), ("bf16", 2), ("turboquant_3bit_nc", None)]
+        [("bf16", None), ("bf16", 2), ("bf16", 1), ("turboquant_3bit_nc", None)]
     table = attention_bench.to_markdown(recs)
     assert "| bf16 | 2 | 64 | default |" in table and "| bf16 | 2 | 64 | 64 tok, 2 heads |" in table
+    assert "| bf16 | 2 | 64 | 32 tok, 1 heads, float16 |" in table

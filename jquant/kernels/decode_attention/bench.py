@@ -3,7 +3,7 @@
 
 A cell is (batch, context, kv_cache_dtype) at 32 query / 8 KV heads, head_dim 128 (Llama-3-8B). Every
 sequence holds ``ctx`` tokens in shuffled pages. The byte floor counts the K and V pages and side
-arrays each call must read once.
+arrays each call must read once, at the HBM rate measured on the device (``hbm_tb_per_s``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jquant.bench.records import markdown_title
-from jquant.bench.timing import (H200_HBM_BYTES_PER_S, copies_for, roofline, spread_pct, time_interleaved,
+from jquant.bench.timing import (copies_for, device_hbm_bytes_per_s, roofline, spread_pct, time_interleaved,
                                  time_steadiest)
-from jquant.kernels.decode_attention.config import SHARED_BYTES, TuningConfig, shared_bytes
+from jquant.kernels.decode_attention.config import OPERAND_DTYPES, SHARED_BYTES, TuningConfig, shared_bytes
 from jquant.kernels.decode_attention.paged_cache import cache_decode_attention
 from jquant.kv.dtypes import kv_cache_spec
 from jquant.kv.paged import PagedKVCache, allocate
@@ -28,11 +28,12 @@ KV_DTYPES = ("bf16", "fp8_e4m3", "fp8_per_token_head", "int8_per_token_head", "t
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # ``jquant bench attention --sweep``: launches timed beside the default in each cell. Neither the block /
 # warps / stages grid nor 16-128 splits beat the default beyond the cells' noise
-# (bench/results/h200/attention_sweep.md); an ncu profile of the fp8 kernel (B=8, ctx 32k: 576 programs
-# of 4 warps, DRAM 31 %, issue slots 38 % busy) says it is latency-bound, so the sweep now puts several
-# KV heads in a program (more bytes in flight per step, no padded q rows). TurboQuant cells time the
-# launches of one head per program only.
-SWEEP = tuple(TuningConfig(block_tokens=b, kv_heads_per_program=h) for h in (1, 2, 4) for b in (64, 128))
+# (bench/results/h200/attention_sweep.md), nor did 2 or 4 KV heads a program on the H100
+# (bench/results/h100/attention_sweep.md). An ncu profile of the fp8 kernel (B=8, ctx 32k: DRAM 31 %,
+# issue slots 38 % busy) and its SASS (config.py) say it is bound by the instructions that widen codes,
+# so the sweep now sets the operand dtype both ways at 64- and 128-token steps. TurboQuant cells (their
+# own kernel, one head a program, its own operands) time the launches that set neither.
+SWEEP = tuple(TuningConfig(block_tokens=b, operand_dtype=o) for o in OPERAND_DTYPES for b in (64, 128))
 
 
 def random_pages(layer: PagedKVCache, key) -> PagedKVCache:
@@ -85,12 +86,14 @@ def _to_jax_layout(pages):
 
 
 def run(batches: Iterable[int] = (8,), ctxs: Iterable[int] = (32768,), kv_dtypes: Iterable[str] = KV_DTYPES,
-        page_size: int = 16, reps: int = 9, hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S,
+        page_size: int = 16, reps: int = 9, hbm_bytes_per_s: float | None = None,
         interpret: bool = False, meta: dict | None = None, log: Callable[[str], None] = print,
         configs: Iterable[TuningConfig | None] = (None,)) -> list[dict]:
     """One record per (batch, ctx, kv dtype, launch config); ``configs`` (None: the default launch)
-    are timed interleaved with the baselines, so a sweep compares them within one cell."""
+    are timed interleaved with the baselines, so a sweep compares them within one cell.
+    ``hbm_bytes_per_s``: the rate of the byte floor (None: this device's, ``device_hbm_bytes_per_s``)."""
     configs = tuple(configs)
+    hbm_bytes_per_s = hbm_bytes_per_s or device_hbm_bytes_per_s()
     key = jax.random.key(0)
     records = []
     for batch in batches:
@@ -112,8 +115,8 @@ def run(batches: Iterable[int] = (8,), ctxs: Iterable[int] = (32768,), kv_dtypes
                 # the kernel forced, as bench gemm8 does: a sweep times the kernel whatever auto would pick
                 impl = "xla" if interpret else "pallas"
                 cands = dict(base)
-                cell_configs = [c for c in configs if c is None or c.kv_heads_per_program == 1
-                                or layer.spec.kind != "turboquant"]
+                cell_configs = [c for c in configs if c is None or layer.spec.kind != "turboquant"
+                                or (c.kv_heads_per_program == 1 and c.operand_dtype is None)]
                 too_big = [c for c in cell_configs if c is not None and layer.spec.kind != "turboquant"
                            and shared_bytes(c, layer.head_dim, layer.k_pages.dtype.itemsize) > SHARED_BYTES]
                 for c in too_big:
@@ -149,7 +152,8 @@ def _record(name, batch, ctx, page_size, cfg, t, times, baselines, attempts, nby
                attempt_spreads_pct=attempts, kv_bytes=nbytes,
                config=dataclasses.asdict(cfg) if cfg else None,
                byte_floor_us=round(roof.byte_floor_us, 2), tb_per_s=round(roof.tb_per_s, 3),
-               pct_of_byte_floor=round(roof.pct_of_byte_floor, 1), **(meta or {}))
+               pct_of_byte_floor=round(roof.pct_of_byte_floor, 1),
+               hbm_tb_per_s=round(hbm_bytes_per_s / 1e12, 3), **(meta or {}))
     if "jax_paged_attention_bf16" in baselines:
         rec["speedup_vs_jax_bf16"] = round(baselines["jax_paged_attention_bf16"] / t.median_us, 3)
     return rec
@@ -172,8 +176,9 @@ def to_markdown(records: list[dict]) -> str:
 
 def _launch(config: dict | None) -> str:
     """A launch config in a table cell: ``default``, or the fields a sweep sets (tokens a step, KV heads
-    a program, splits when fixed)."""
+    a program, splits and operand dtype when fixed)."""
     if not config:
         return "default"
     splits = f" splits {config['num_splits']}" if config.get("num_splits") else ""
-    return f"{config['block_tokens']} tok, {config.get('kv_heads_per_program', 1)} heads{splits}"
+    operand = f", {config['operand_dtype']}" if config.get("operand_dtype") else ""
+    return f"{config['block_tokens']} tok, {config.get('kv_heads_per_program', 1)} heads{splits}{operand}"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
@@ -26,6 +28,8 @@ class TuningConfig:
       each token's heads are read as one contiguous run, and a program has that many times more
       bytes in flight per step. A non-finite K or V value of one head then also reaches the
       sibling heads of its program (NaN in, NaN out: o_proj mixes all heads anyway).
+    operand_dtype: "bfloat16" or "float16", what K, V, q and the probabilities are widened to for
+      the tensor cores; None: ``operand_dtype_for`` the pages (float16 for FP8 and float16 pages).
 
     Examples:
       >>> from jquant.kernels.decode_attention import TuningConfig
@@ -43,6 +47,7 @@ class TuningConfig:
     num_warps: int = 4
     num_stages: int = 2
     kv_heads_per_program: int = 1
+    operand_dtype: str | None = None
 
     def __post_init__(self):
         if self.block_tokens < 16 or self.block_tokens & (self.block_tokens - 1):
@@ -56,6 +61,35 @@ class TuningConfig:
         h = self.kv_heads_per_program
         if not isinstance(h, int) or h < 1 or h & (h - 1):
             raise ValueError(f"kv_heads_per_program must be a power of two ≥ 1, got {h!r}")
+        if self.operand_dtype not in (None, *OPERAND_DTYPES):
+            raise ValueError(f"operand_dtype must be None or one of {OPERAND_DTYPES}, got {self.operand_dtype!r}")
+
+
+OPERAND_DTYPES = ("bfloat16", "float16")
+# Pages whose codes widen to float16 exactly and in one instruction per pair: e4m3 and e5m2 codes are
+# float16 values, and sm_90 converts a pair in one F2FP where bfloat16 takes a detour through float32.
+# In the fp8 per-(token, head) kernel at B=8, ctx 32k (SASS of the loop, Triton 3.9's ptxas for sm_90)
+# a warp issues 1109 instructions a 128-token step with float16 operands against 1528 with bfloat16
+# (256 F2F and 136 F2FP less). int8 stays bfloat16: 1481 against 1529, no gain (its integer-to-bfloat16
+# trick is already short).
+_FLOAT16_PAGES = ("float8_e4m3fn", "float8_e5m2", "float16")
+
+
+def operand_dtype_for(config: TuningConfig, page_dtype) -> str:
+    """What the kernel widens codes and q to: ``config.operand_dtype``, else float16 for FP8 and float16
+    pages, bfloat16 for the rest.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jquant.kernels.decode_attention.config import TuningConfig, operand_dtype_for
+      >>> operand_dtype_for(TuningConfig(), jnp.float8_e4m3fn), operand_dtype_for(TuningConfig(), jnp.bfloat16)
+      ('float16', 'bfloat16')
+      >>> operand_dtype_for(TuningConfig(operand_dtype="bfloat16"), jnp.float8_e4m3fn)
+      'bfloat16'
+    """
+    if config.operand_dtype is not None:
+        return config.operand_dtype
+    return "float16" if np.dtype(page_dtype).name in _FLOAT16_PAGES else "bfloat16"
 
 
 # sm_90's shared memory per program (227 KB opt-in), as the H100 reports it when a launch asks for more.

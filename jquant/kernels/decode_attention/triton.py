@@ -5,9 +5,10 @@ heads (their GQA groups, padded to 16 rows for Triton's dot; with several heads 
 see ``TuningConfig``) and one contiguous run of the context. Each loop step gathers
 ``block_tokens`` rows of K and V straight from the page pool (row = slot * kv_heads + head of the
 flattened ``[slots * kv_heads, head_dim]`` view: one contiguous head_dim run per token), widens the
-codes to bf16 in registers, and folds the per-(token, head) scales into the logits (K) and the
-probabilities (V), so no dequantized copy of the cache exists. Each split writes its unnormalised
-output, running max and sum; ``combine`` merges them by log-sum-exp.
+codes to bf16 or f16 in registers (``config.operand_dtype_for``), and folds the per-(token, head)
+scales into the logits (K) and the probabilities (V), so no dequantized copy of the cache exists.
+Each split writes its unnormalised output, running max and sum; ``combine`` merges them by
+log-sum-exp.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jquant.kernels.decode_attention.config import TuningConfig, fit_launch, split_plan
+from jquant.kernels.decode_attention.config import TuningConfig, fit_launch, operand_dtype_for, split_plan
 
 # A finite "minus infinity": exp(mask - max) is 0 and mask - mask stays finite, so a split with
 # no tokens leaves m = _MASK, l = 0 and never produces a NaN.
@@ -34,10 +35,11 @@ def pool_rows(bt_ref, b, h, tok, *, page_size, kv_heads, max_pages, num_pages):
     return (page * page_size + lax.rem(tok, page_size)) * kv_heads + h
 
 
-def _kernel(lengths_ref, bt_ref, q_ref, k_ref, v_ref, *rest, page_size, kv_heads, max_pages,
-            num_pages, block_tokens, split_tokens, sm_scale, per_token, heads, group):
+def _kernel(lengths_ref, bt_ref, q_ref, qs_ref, k_ref, v_ref, *rest, page_size, kv_heads, max_pages,
+            num_pages, block_tokens, split_tokens, per_token, heads, group, operand):
     """``kv_heads``: head blocks of the pool view (KV heads / ``heads``); ``heads`` KV heads of
-    ``group`` query heads each per program (q rows ``r`` of head ``r // group``)."""
+    ``group`` query heads each per program (q rows ``r`` of head ``r // group``). ``qs``: what a q
+    row's logits are multiplied by (the softmax scale over the row's power-of-two prescale)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -51,7 +53,8 @@ def _kernel(lengths_ref, bt_ref, q_ref, k_ref, v_ref, *rest, page_size, kv_heads
     end = jnp.minimum(length, start + split_tokens)
     n_steps = lax.div(jnp.maximum(end - start, 0) + (block_tokens - 1), block_tokens)
 
-    q = q_ref[...].astype(jnp.bfloat16)                       # [G16, heads · D]
+    q = q_ref[...]                                            # [G16, heads · D] in ``operand``
+    qs = qs_ref[...]                                          # [G16]
     g16, d = q.shape
     iota = lax.iota(jnp.int32, block_tokens)
     if heads > 1:
@@ -77,11 +80,11 @@ def _kernel(lengths_ref, bt_ref, q_ref, k_ref, v_ref, *rest, page_size, kv_heads
         # 3.9's ptxas). A valid token's NaN reaches the output either way.
         row = pool_rows(bt_ref, b, h, jnp.where(valid, tok, start), page_size=page_size, kv_heads=kv_heads,
                         max_pages=max_pages, num_pages=num_pages)
-        k = k_ref[row, :].astype(jnp.bfloat16)                # [T, heads · D]
+        k = k_ref[row, :].astype(operand)                     # [T, heads · D]
         logits = plt.dot(q, k, trans_b=True)                  # [G16, T] f32
         if per_token:
             logits = logits * per_row(ks_ref[row])
-        logits = jnp.where(valid[None, :], logits * sm_scale, _MASK)
+        logits = jnp.where(valid[None, :], logits * qs[:, None], _MASK)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[:, None])
@@ -89,7 +92,17 @@ def _kernel(lengths_ref, bt_ref, q_ref, k_ref, v_ref, *rest, page_size, kv_heads
         if per_token:
             p = p * per_row(vs_ref[row])
         p = jnp.where(valid[None, :], p, 0.0)
-        acc = alpha[:, None] * acc + plt.dot(p.astype(jnp.bfloat16), v_ref[row, :].astype(jnp.bfloat16))
+        v = v_ref[row, :].astype(operand)
+        if per_token and operand == jnp.float16:
+            # p · v_scale can sit far below float16's normal range (2^-14: V scales of 1e-5 are
+            # plausible), so each row is divided by its largest term for the dot and multiplied back
+            # after; bfloat16 has float32's range and needs none of this. A NaN or zero row keeps 1.
+            top = jnp.max(p, axis=1)
+            top = jnp.where(top > 0, top, 1.0)
+            pv = plt.dot((p * (1.0 / top)[:, None]).astype(operand), v) * top[:, None]
+        else:
+            pv = plt.dot(p.astype(operand), v)
+        acc = alpha[:, None] * acc + pv
         return acc, m_new, l_new
 
     init = (jnp.zeros((g16, d), jnp.float32), jnp.full((g16,), _MASK, jnp.float32),
@@ -132,9 +145,11 @@ def partials(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, sm
     qg = qg.reshape(batch, blocks, rows, heads * d)
     if g16 != rows:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, g16 - rows), (0, 0)))
+    operand = jnp.dtype(operand_dtype_for(config, k_pages.dtype))
+    qg, qs = _operand_q(qg, operand, sm_scale)
     per_token = k_scale is not None
     # Pool views of one row per (slot, head block): a token's ``heads`` heads are contiguous.
-    args = [lengths.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1), qg,
+    args = [lengths.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1), qg, qs,
             k_pages.reshape(-1, heads * d), v_pages.reshape(-1, heads * d)]
     if per_token:
         scale_rows = (-1,) if heads == 1 else (-1, heads)
@@ -142,12 +157,13 @@ def partials(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, sm
                  v_scale.astype(jnp.float32).reshape(scale_rows)]
     whole = lambda a: pl.BlockSpec(a.shape, lambda b, h, s, n=a.ndim: (0,) * n)
     in_specs = [whole(args[0]), whole(args[1]),
-                pl.BlockSpec((None, None, g16, heads * d), lambda b, h, s: (b, h, 0, 0))]
-    in_specs += [whole(a) for a in args[3:]]
+                pl.BlockSpec((None, None, g16, heads * d), lambda b, h, s: (b, h, 0, 0)),
+                pl.BlockSpec((None, None, g16), lambda b, h, s: (b, h, 0))]
+    in_specs += [whole(a) for a in args[4:]]
     kernel = functools.partial(
         _kernel, page_size=page_size, kv_heads=blocks, max_pages=max_pages, num_pages=num_pages,
-        block_tokens=block, split_tokens=split_tokens, sm_scale=float(sm_scale),
-        per_token=per_token, heads=heads, group=group)
+        block_tokens=block, split_tokens=split_tokens, per_token=per_token, heads=heads, group=group,
+        operand=operand)
     out_shape = [jax.ShapeDtypeStruct((splits, batch, blocks, g16, d), jnp.float32),
                  jax.ShapeDtypeStruct((splits, batch, blocks, g16), jnp.float32),
                  jax.ShapeDtypeStruct((splits, batch, blocks, g16), jnp.float32)]
@@ -163,6 +179,25 @@ def partials(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, sm
     )(*args)
     heads_of = lambda a: a[:, :, :, :rows].reshape(splits, batch, hkv, group, *a.shape[4:])
     return heads_of(o), heads_of(m), heads_of(l)
+
+
+def _operand_q(qg, operand, sm_scale: float):
+    """q rows in the dot's operand dtype and the factor each row's logits take (``[..., G16]`` float32).
+
+    bfloat16: q rounded, every row's factor the softmax scale. float16 (5 exponent bits): each row is first
+    scaled by a power of two that puts its largest finite value in [2^13, 2^14), so no row overflows
+    float16 or falls into its subnormals whatever q's magnitude, and the factor carries the power back
+    exactly. Non-finite values stay as they are (NaN in, NaN out) and do not steer the scale.
+    """
+    if operand == jnp.bfloat16:
+        return qg.astype(operand), jnp.full(qg.shape[:-1], sm_scale, jnp.float32)
+    qf = qg.astype(jnp.float32)
+    amax = jnp.max(jnp.where(jnp.isfinite(qf), jnp.abs(qf), 0.0), axis=-1)
+    _, exp = jnp.frexp(amax)                                  # amax < 2^exp
+    shift = jnp.clip(14 - exp, -120, 120)                     # a float32 power of two either way
+    one = jnp.float32(1.0)
+    qs = jnp.float32(sm_scale) * jnp.ldexp(one, -shift)
+    return (qf * jnp.ldexp(one, shift)[..., None]).astype(operand), qs
 
 
 def combine(o, m, l):

@@ -174,6 +174,53 @@ def test_a_nan_scale_stays_in_its_head(interpret):
     assert np.isnan(out[0, :4]).all() and np.isfinite(out[0, 4:]).all()
 
 
+@pytest.mark.parametrize("kind", ["fp8_tok", "fp8_tensor"])
+@pytest.mark.parametrize("operand", [None, "bfloat16", "float16"])
+@pytest.mark.parametrize("q_mag,k_mag,v_mag", [(1e5, 1e-5, 1.0), (1e-7, 1e7, 1.0), (1.0, 1.0, 1e-6),
+                                               (1.0, 1.0, 1e4)])
+def test_operands_keep_the_range_of_q_and_scales(kind, operand, q_mag, k_mag, v_mag, interpret):
+    """FP8 pages widen to float16 for the tensor cores (5 exponent bits, largest 65504, subnormal
+    below 6.1e-5) unless told otherwise. q of 1e5 would overflow it and q of 1e-7 sink into its
+    subnormals, and per-token V scales of ~1e-8 would flush every probability · scale to 0: each is
+    scaled into range and back, so the result equals the float64 attention at any magnitude."""
+    lengths, page_size, hq, hkv, d = (0, 1, 16, 17, 40), 16, 8, 2, 64
+    rng = np.random.default_rng()
+    q, k, v, bt, ln, ks, vs, kf, vf = _cache(rng, batch=len(lengths), hq=hq, hkv=hkv, d=d,
+                                             page_size=page_size, lengths=lengths, kind=kind)
+    q = (q.astype(np.float32) * q_mag).astype(ml_dtypes.bfloat16)
+    ks, vs = (ks * np.float32(k_mag)).astype(np.float32), (vs * np.float32(v_mag)).astype(np.float32)
+    kf, vf = kf * np.float64(np.float32(k_mag)), vf * np.float64(np.float32(v_mag))
+    ref = _dense(q, kf, vf, bt, ln, page_size, 1 / math.sqrt(d))
+    out = decode_attention(*map(jnp.asarray, (q, k, v, bt, ln)), k_scale=jnp.asarray(ks),
+                           v_scale=jnp.asarray(vs), impl="pallas", interpret=interpret,
+                           config=TuningConfig(block_tokens=32, num_splits=2, operand_dtype=operand))
+    assert _rel(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("operand", ["bfloat16", "float16"])
+def test_a_non_finite_q_stays_in_its_row(operand, interpret):
+    """An infinite or NaN q value of one head gives that head NaN and leaves the heads beside it in the
+    program as they were: it does not steer the float16 prescale of the rows."""
+    rng = np.random.default_rng()
+    q, k, v, bt, ln, ks, vs, kf, vf = _cache(rng, batch=2, hq=8, hkv=2, d=32, page_size=4,
+                                             lengths=(9, 30), kind="fp8_tok")
+    q[0, 1, 3], q[1, 4, 0] = np.inf, np.nan
+    ref = _dense(q, kf, vf, bt, ln, 4, 1 / math.sqrt(32))
+    out = np.asarray(decode_attention(
+        *map(jnp.asarray, (q, k, v, bt, ln)), k_scale=jnp.asarray(ks), v_scale=jnp.asarray(vs),
+        impl="pallas", config=TuningConfig(block_tokens=16, operand_dtype=operand), interpret=interpret),
+        np.float64)
+    bad = np.zeros((2, 8), bool)
+    bad[0, 1] = bad[1, 4] = True
+    assert not np.isfinite(out[bad]).any()
+    assert _rel(out[~bad], ref[~bad]) < 2e-2
+
+
+def test_operand_dtype_must_be_a_16_bit_float():
+    with pytest.raises(ValueError, match="operand_dtype must be None or one of"):
+        TuningConfig(operand_dtype="float8_e4m3fn")
+
+
 def test_kv_heads_per_program_must_divide_the_kv_heads():
     a = _args()   # 2 KV heads
     with pytest.raises(ValueError, match="must divide the KV heads"):
