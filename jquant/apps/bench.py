@@ -7,7 +7,7 @@ kernel, FP8 W8A8) the same way; ``attention`` times paged decode attention per
 into the paged cache per ``kv_cache_dtype`` against XLA; ``decode`` times one donated decode step of a
 Llama-3-8B-shaped stack per weight scheme × KV dtype, with the bf16 model in the same run; ``gptq`` times
 GPTQ of one Llama-3-8B-shaped layer (Hessians and the column loop); ``moe`` times one MoE layer (gpt-oss-20b,
-DeepSeek-V3 shapes) per expert format and token count against the same layer on bf16 experts. All need a
+DeepSeek-V3, Qwen3-30B-A3B shapes) per expert format and token count against the same layer on bf16 experts. All need a
 CUDA GPU (Hopper for the Mosaic GPU kernels); ``--interpret`` (w4a16, gemm8) runs the same plumbing on CPU,
 whose timings mean nothing.
 """
@@ -125,11 +125,13 @@ def _moe_parser(sub) -> None:
     # Defaults live in jquant.kernels.moe.bench (SHAPES, TOKENS), imported only to run: keep --help fast.
     moe = sub.add_parser("moe", help="one MoE layer per expert format x tokens against bf16 ragged_dot")
     moe.add_argument("--out", default="bench/results", help="folder for moe.json and moe.md")
-    moe.add_argument("--shapes", default=None, help="comma list of gpt-oss-20b, deepseek-v3 (default both)")
+    moe.add_argument("--shapes", default=None,
+                     help="comma list of gpt-oss-20b, deepseek-v3, qwen3-30b-a3b (default all)")
     moe.add_argument("--tokens", type=_ints, default=None, help="tokens per call (default 1,8,64,512,4096)")
     moe.add_argument("--formats", default=None,
                      help="comma list of registered schemes for every shape (default each shape's own: "
-                          "gpt-oss-20b mxfp4,int4_g32; deepseek-v3 fp8_e4m3_block128x128,int4_g128,mxfp4)")
+                          "gpt-oss-20b mxfp4,int4_g32; deepseek-v3 fp8_e4m3_block128x128,int4_g128,mxfp4; "
+                          "qwen3-30b-a3b fp8_e4m3_block128x128,int4_g128)")
     moe.add_argument("--reps", type=int, default=9)
     moe.add_argument("--profile", default=None, metavar="DIR",
                      help="also write a jax.profiler trace of a few calls of the quantized layer and of the "

@@ -102,6 +102,9 @@ def test_shapes_are_the_models():
     assert go.router_bias and go.expert_bias and go.dtype == jnp.bfloat16
     tiny = bench.SHAPES["deepseek-v3"].tiny().model()
     assert (tiny.num_experts, tiny.n_group, tiny.topk_group, tiny.scoring) == (16, 4, 2, "sigmoid")
+    qw = bench.SHAPES["qwen3-30b-a3b"].model()
+    assert (qw.num_experts, qw.top_k, qw.hidden, qw.intermediate) == (128, 8, 2048, 768)
+    assert (qw.scoring, qw.normalize_weights, qw.shared_expert, qw.activation) == ("softmax", True, False, "swiglu")
 
 
 def test_tokamax_runs_the_same_int4_weights_inside_the_layer(fake_tokamax):

@@ -134,6 +134,11 @@ SHAPES = {
                              ("routed_scaling_factor", 2.5)),
                             (("num_experts", 16), ("top_k", 4), ("hidden", 128), ("intermediate", 128),
                              ("n_group", 4), ("topk_group", 2))),
+    # Qwen3-30B-A3B: 128 experts, top-8 of a softmax renormalized, hidden 2048, intermediate 768, no shared
+    # expert; its FP8 checkpoint is block-128 FP8. A block-FP8 layer whose bf16 ragged_dot fits one GPU:
+    # DeepSeek-V3's masked product (256 experts × 32768 rows × 7168 at 4096 tokens) does not.
+    "qwen3-30b-a3b": MoEShape("qwen3-30b-a3b", 128, 8, 2048, 768, ("fp8_e4m3_block128x128", "int4_g128"), (),
+                              (("num_experts", 16), ("top_k", 4), ("hidden", 128), ("intermediate", 128))),
 }
 
 
