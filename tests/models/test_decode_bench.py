@@ -71,3 +71,5 @@ def test_attention_sweep_rows_name_their_launch():
     table = attention_bench.to_markdown(recs)
     assert "| bf16 | 2 | 64 | default |" in table and "| bf16 | 2 | 64 | 64 tok, 2 heads |" in table
     assert "| bf16 | 2 | 64 | 32 tok, 1 heads, float16 |" in table
+    recs[1]["config"]["num_stages"] = 3
+    assert "| bf16 | 2 | 64 | 64 tok, 2 heads, 3 stages |" in attention_bench.to_markdown(recs)

@@ -19,7 +19,7 @@ import numpy as np
 from jquant.bench.records import markdown_title
 from jquant.bench.timing import (copies_for, device_hbm_bytes_per_s, roofline, spread_pct, time_interleaved,
                                  time_steadiest)
-from jquant.kernels.decode_attention.config import OPERAND_DTYPES, SHARED_BYTES, TuningConfig, shared_bytes
+from jquant.kernels.decode_attention.config import SHARED_BYTES, TuningConfig, shared_bytes
 from jquant.kernels.decode_attention.paged_cache import cache_decode_attention
 from jquant.kv.dtypes import kv_cache_spec
 from jquant.kv.paged import PagedKVCache, allocate
@@ -29,11 +29,14 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # ``jquant bench attention --sweep``: launches timed beside the default in each cell. Neither the block /
 # warps / stages grid nor 16-128 splits beat the default beyond the cells' noise
 # (bench/results/h200/attention_sweep.md), nor did 2 or 4 KV heads a program on the H100
-# (bench/results/h100/attention_sweep.md). An ncu profile of the fp8 kernel (B=8, ctx 32k: DRAM 31 %,
-# issue slots 38 % busy) and its SASS (config.py) say it is bound by the instructions that widen codes,
-# so the sweep now sets the operand dtype both ways at 64- and 128-token steps. TurboQuant cells (their
-# own kernel, one head a program, its own operands) time the launches that set neither.
-SWEEP = tuple(TuningConfig(block_tokens=b, operand_dtype=o) for o in OPERAND_DTYPES for b in (64, 128))
+# (bench/results/h100/attention_sweep.md). float16 operands for FP8 pages (the default) cut the loop's
+# instructions by a fifth but the time by 2-5 % on the H100 (bench/results/h100/attention_operands.md):
+# the fp8 kernel waits on its loads more than it issues, so the sweep puts more bytes in flight (deeper
+# pipelines, 256-token steps over 8 warps) beside the bfloat16-operand launch. TurboQuant cells (their
+# own kernel, one head a program, its own operands) time the launches that set none of these.
+SWEEP = (TuningConfig(operand_dtype="bfloat16"), TuningConfig(num_stages=3), TuningConfig(num_stages=4),
+         TuningConfig(num_warps=8), TuningConfig(block_tokens=256, num_warps=8),
+         TuningConfig(block_tokens=256, num_warps=8, num_stages=3))
 
 
 def random_pages(layer: PagedKVCache, key) -> PagedKVCache:
@@ -175,10 +178,12 @@ def to_markdown(records: list[dict]) -> str:
 
 
 def _launch(config: dict | None) -> str:
-    """A launch config in a table cell: ``default``, or the fields a sweep sets (tokens a step, KV heads
-    a program, splits and operand dtype when fixed)."""
+    """A launch config in a table cell: ``default``, or tokens a step and KV heads a program, then each
+    other field the sweep set away from its default (splits, warps, stages, operand dtype)."""
     if not config:
         return "default"
-    splits = f" splits {config['num_splits']}" if config.get("num_splits") else ""
-    operand = f", {config['operand_dtype']}" if config.get("operand_dtype") else ""
-    return f"{config['block_tokens']} tok, {config.get('kv_heads_per_program', 1)} heads{splits}{operand}"
+    default = dataclasses.asdict(TuningConfig())
+    names = {"num_splits": "splits", "num_warps": "warps", "num_stages": "stages", "operand_dtype": ""}
+    rest = "".join(f", {v} {names[k]}".rstrip() for k, v in config.items()
+                   if k in names and v != default[k])
+    return f"{config['block_tokens']} tok, {config.get('kv_heads_per_program', 1)} heads{rest}"
