@@ -9,9 +9,10 @@ Llama-3-8B-shaped int4 step ran 56 W4A16 GEMMs of 9.8 µs each where their 4-bit
 Float kernels ``[K, N]`` are concatenated along N. Quantized ones can be fused while they are plain
 QTensors (``quantize_params(..., prepare=False)``, then ``prepare_params``) when their rows are
 quantized independently of each other (per-channel, or groups along K, or row blocks the parts align
-with): the fused codes and scales are then exactly those of quantizing the fused float kernel. A
-per-tensor scale (per-tensor FP8, NVFP4's global scale) differs between q, k and v, so such weights
-are refused: fuse the float kernels, then quantize.
+with): the fused codes and scales are then exactly those of quantizing the fused float kernel.
+Per-tensor FP8 parts are requantized at their largest scale, as vLLM loads them
+(``requantize_to_max_scale``). Other scales shared by a whole part (NVFP4's global scale) differ
+between q, k and v, so such weights are refused: fuse the float kernels, then quantize.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import jax.numpy as jnp
+import numpy as np
 
+from jquant.formats.fp8 import FP8_DTYPES, quantize_fp8_static
 from jquant.qtensor import QTensor
 from jquant.schemes.qparam import QParam
 from jquant.schemes.scheme import Prepared
@@ -27,8 +30,61 @@ from jquant.schemes.scheme import Prepared
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+def _per_tensor_fp8(p: QTensor) -> bool:
+    return p.fmt in FP8_DTYPES and p.block == p.shape and p.global_scale is None and p.scale.size == 1
+
+
+def requantize_to_max_scale(parts: list[QTensor]) -> QTensor:
+    """Per-tensor FP8 weights ``[N_i, K]`` (one scale each) as one ``[sum N_i, K]`` tensor at their largest
+    scale, as vLLM's ``requantize_with_max_scale`` fuses q/k/v and gate/up: each part is dequantized to
+    float16, then quantized statically at the max scale (``quantize_fp8_static``: sat(x · (1/s))). The part
+    holding the max scale keeps its codes; the others lose at most half a code step.
+
+    In vLLM the dequantization is PyTorch's ``codes.to(float16) * scale[i]``: a float16 result, and on a
+    CUDA device the float32 0-dim scale is cast to float16 first (the CUDA binary kernels cast every
+    tensor operand to the common dtype; on the CPU torch 2.13 keeps it float32). This does the same
+    where the scale is a normal float16 (2^-14 to 65504). A scale outside that range would be flushed or
+    overflow there, destroying the part's weights; such parts are dequantized in float32 instead.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.formats.fp8 import quantize_fp8
+      >>> from jquant.models.fused import requantize_to_max_scale
+      >>> rng = np.random.default_rng(0)
+      >>> q, k = (quantize_fp8(jnp.asarray(rng.standard_normal((4, 8)) * m, jnp.float32), granularity="tensor")
+      ...         for m in (1.0, 0.5))
+      >>> fused = requantize_to_max_scale([q, k])
+      >>> fused.shape, float(fused.scale.reshape(())) == float(q.scale.reshape(()))
+      ((8, 8), True)
+      >>> bool((fused.data[:4] == q.data).all())  # the part at the max scale keeps its codes
+      True
+    """
+    first = parts[0]
+    scales = jnp.stack([p.scale.reshape(()).astype(jnp.float32) for p in parts])
+    top = jnp.max(scales)
+    rows = []
+    for p, s in zip(parts, scales):
+        normal = bool(np.float32(2.0 ** -14) <= s <= np.float32(np.finfo(np.float16).max))
+        s_dq = s.astype(jnp.float16).astype(jnp.float32) if normal else s
+        dq = p.data.astype(jnp.float32) * s_dq
+        if normal:
+            dq = dq.astype(jnp.float16)
+        rows.append(quantize_fp8_static(dq, top, first.fmt).data)
+    data = jnp.concatenate(rows, axis=0)
+    shape = (data.shape[0], *first.shape[1:])
+    return first.replace(data=data, scale=top.reshape(first.scale.shape).astype(first.scale.dtype),
+                         shape=shape, block=shape)
+
+
 def _concat_qtensors(parts: list[QTensor], where: str) -> QTensor:
     first = parts[0]
+    if all(_per_tensor_fp8(p) for p in parts):
+        same = all((p.fmt, p.k_axis, p.shape[1:], p.data.ndim) == (first.fmt, first.k_axis, first.shape[1:], 2)
+                   for p in parts)
+        if not same or first.k_axis != 1:
+            raise ValueError(f"{where}: per-tensor FP8 parts of different formats or input sizes, or not "
+                             "[N, K]; quantize them with one scheme")
+        return requantize_to_max_scale(parts)
     for p in parts:
         if isinstance(p.scale, QTensor) or p.k_axis != 1 or p.data.ndim != 2 or len(p.block) != 2:
             raise ValueError(f"{where}: {p.fmt} weights with nested scales, flat codes or no [N, K] "

@@ -1,9 +1,11 @@
 """Fused q/k/v and gate/up projections: the fused model computes what the unfused one does, fused
-quantized weights are exactly those of quantizing the fused float kernel, and weights whose scales
-span the parts are refused by name."""
+quantized weights are exactly those of quantizing the fused float kernel, per-tensor FP8 parts are
+requantized at their largest scale as vLLM does, and other weights whose scales span the parts are
+refused by name."""
 
 import chex
 import jax
+import ml_dtypes
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,7 +13,8 @@ import pytest
 from jquant.checkpoint.hf_checkpoint import PROJECTIONS, hf_module_name
 from jquant.flax.linen import quantized_apply
 from jquant.flax.rules import prepare_params, quantize_params
-from jquant.models.fused import fuse_projections
+from jquant.formats.fp8 import quantize_fp8
+from jquant.models.fused import fuse_projections, requantize_to_max_scale
 from jquant.models.llama import LlamaConfig, LlamaForCausalLM, decode_step, new_cache
 
 CONFIG = LlamaConfig(vocab_size=101, hidden_size=256, intermediate_size=384, num_layers=2, num_heads=4,
@@ -78,8 +81,77 @@ def test_quantized_fused_decode_step_equals_unfused(params):
     np.testing.assert_allclose(outs[1], outs[0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("scheme, match", [("fp8_e4m3_tensor", "span the output rows"),
-                                           ("nvfp4", "global scale"),
+def _vllm_requantize(parts):
+    """vLLM's requantize_with_max_scale, step by step in numpy: codes.to(float16) * scale (the float32
+    scale cast to float16 by the CUDA multiply), then sat(x * (1 / max scale)) to e4m3."""
+    scales = [np.float32(np.asarray(p.scale).reshape(())) for p in parts]
+    top = max(scales)
+    out = []
+    for p, s in zip(parts, scales):
+        dq = (np.asarray(p.data).astype(np.float32) * np.float32(np.float16(s))).astype(np.float16)
+        q = np.clip(dq.astype(np.float32) * (np.float32(1.0) / top), -448, 448)
+        out.append(q.astype(ml_dtypes.float8_e4m3fn))
+    return np.concatenate(out), top
+
+
+def test_per_tensor_fp8_parts_fuse_at_their_largest_scale(params):
+    """q, k, v quantized per tensor have three scales; one GEMM takes one, so each part is requantized at
+    the largest, as vLLM loads such checkpoints: the codes are vLLM's bit for bit, the part at the max
+    scale keeps its own, the others move by at most half an e4m3 step, and the fused model's logits
+    stay those of the separate projections to within that rounding."""
+    parts, _ = quantize_params(params["params"], [(PROJECTIONS, "fp8_e4m3_tensor")], prepare=False)
+    fused = fuse_projections(parts)
+    layer = parts["layers_0"]
+    names = ("q_proj", "k_proj", "v_proj")
+    weights = [layer[n]["kernel"].weight for n in names]
+    got = fused["layers_0"]["qkv_proj"]["kernel"].weight
+    want, top = _vllm_requantize(weights)
+    assert len({float(np.asarray(w.scale).reshape(())) for w in weights}) == 3   # the parts differ
+    np.testing.assert_array_equal(np.asarray(got.data).view(np.uint8), want.view(np.uint8))
+    assert float(np.asarray(got.scale).reshape(())) == top and got.shape == (512, 256)
+    rows = np.cumsum([0] + [w.shape[0] for w in weights])
+    for w, a, b in zip(weights, rows[:-1], rows[1:]):
+        before = np.asarray(w.data).astype(np.float32) * np.float32(np.asarray(w.scale).reshape(()))
+        after = np.asarray(got.data[a:b]).astype(np.float32) * top
+        if float(np.asarray(w.scale).reshape(())) == top:
+            np.testing.assert_array_equal(np.asarray(got.data[a:b]).view(np.uint8), np.asarray(w.data).view(np.uint8))
+        assert (np.abs(after - before) <= np.maximum(np.abs(before) * 2.0 ** -4, top * 2.0 ** -10)).all()
+    ids = _ids(2, 7, 3)
+    want_logits, _ = quantized_apply(UNFUSED, {"params": prepare_params(parts)}, ids)
+    got_logits, _ = quantized_apply(FUSED, {"params": prepare_params(fused)}, ids)
+    float_logits, _ = UNFUSED.apply(params, ids)
+    requantized = np.linalg.norm(np.asarray(got_logits) - np.asarray(want_logits))
+    quantized = np.linalg.norm(np.asarray(want_logits) - np.asarray(float_logits))
+    assert requantized <= quantized   # requantizing costs less than quantizing did
+
+
+def test_requantizing_never_flushes_a_tiny_scale():
+    """Scales below float16's smallest value (weights of ~1e-6: scales ~1e-8) would be flushed to 0 by
+    vLLM's float16 dequantization, and every weight with them; here such parts are dequantized in
+    float32, so they survive the requantization within half an e4m3 step."""
+    rng = np.random.default_rng()
+    parts = [quantize_fp8(jnp.asarray(rng.standard_normal((8, 16)) * m, jnp.float32), granularity="tensor")
+             for m in (1e-6, 2e-6)]
+    scales = [float(np.asarray(p.scale).reshape(())) for p in parts]
+    assert max(scales) < 2.0 ** -24 and not _vllm_requantize(parts)[0].astype(np.float32).any()
+    both = requantize_to_max_scale(parts)
+    top = max(scales)
+    for p, s, rows in zip(parts, scales, (slice(0, 8), slice(8, 16))):
+        before = np.asarray(p.data).astype(np.float32) * s
+        after = np.asarray(both.data[rows]).astype(np.float32) * top
+        assert (np.abs(after - before) <= np.maximum(np.abs(before) * 2.0 ** -4, top * 2.0 ** -10)).all()
+
+
+def test_per_tensor_parts_of_different_formats_are_refused():
+    x = jnp.ones((4, 8), jnp.float32)
+    a = quantize_fp8(x, "fp8_e4m3", granularity="tensor").replace(k_axis=1)
+    b = quantize_fp8(x, "fp8_e5m2", granularity="tensor").replace(k_axis=1)
+    from jquant.models.fused import _concat_qtensors
+    with pytest.raises(ValueError, match="here/qkv_proj: per-tensor FP8 parts of different formats"):
+        _concat_qtensors([a, b], "here/qkv_proj")
+
+
+@pytest.mark.parametrize("scheme, match", [("nvfp4", "global scale"),
                                            ("nf4_dq", "nested scales")])
 def test_parts_sharing_a_scale_are_refused(params, scheme, match):
     parts, _ = quantize_params(params["params"], [(PROJECTIONS, scheme)], prepare=False)
