@@ -26,15 +26,18 @@ from jquant.kv.paged import PagedKVCache, allocate
 
 KV_DTYPES = ("bf16", "fp8_e4m3", "fp8_per_token_head", "int8_per_token_head", "turboquant_3bit_nc")
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-# ``jquant bench attention --sweep``: launches timed beside the default in each cell. Neither the block /
-# warps / stages grid nor 16-128 splits beat the default beyond the cells' noise
-# (bench/results/h200/attention_sweep.md), nor did 2 or 4 KV heads a program on the H100
+# ``jquant bench attention --sweep``: launches timed beside the default in each cell. On the H200
+# (bench/results/h200/attention_sweep.md) the block / warps / stages grid found nothing, 16-128 splits
+# beat the then default of 9 by 3-8 % (fp8) and 12-20 % (TurboQuant), so the default now takes ~2048
+# programs (config.TARGET_PROGRAMS); 2 or 4 KV heads a program lost on the H100
 # (bench/results/h100/attention_sweep.md). float16 operands for FP8 pages (the default) cut the loop's
 # instructions by a fifth but the time by 2-5 % on the H100 (bench/results/h100/attention_operands.md):
-# the fp8 kernel waits on its loads more than it issues, so the sweep puts more bytes in flight (deeper
-# pipelines, 256-token steps over 8 warps) beside the bfloat16-operand launch. TurboQuant cells (their
-# own kernel, one head a program, its own operands) time the launches that set none of these.
-SWEEP = (TuningConfig(operand_dtype="bfloat16"), TuningConfig(num_stages=3), TuningConfig(num_stages=4),
+# the fp8 kernel waits on its loads more than it issues. So the sweep times the bfloat16-operand launch,
+# 9 splits (the first default at B = 8, 8 KV heads) and more bytes in flight (deeper pipelines,
+# 256-token steps over 8 warps). TurboQuant cells (their own kernel, one head a program, their own
+# operands) time every launch but the operand one.
+SWEEP = (TuningConfig(operand_dtype="bfloat16"), TuningConfig(num_splits=9), TuningConfig(num_stages=3),
+         TuningConfig(num_stages=4),
          TuningConfig(num_warps=8), TuningConfig(block_tokens=256, num_warps=8),
          TuningConfig(block_tokens=256, num_warps=8, num_stages=3))
 

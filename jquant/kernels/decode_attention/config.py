@@ -69,9 +69,10 @@ OPERAND_DTYPES = ("bfloat16", "float16")
 # Pages whose codes widen to float16 exactly and in one instruction per pair: e4m3 and e5m2 codes are
 # float16 values, and sm_90 converts a pair in one F2FP where bfloat16 takes a detour through float32.
 # In the fp8 per-(token, head) kernel at B=8, ctx 32k (SASS of the loop, Triton 3.9's ptxas for sm_90)
-# a warp issues 1109 instructions a 128-token step with float16 operands against 1528 with bfloat16
-# (256 F2F and 136 F2FP less). int8 stays bfloat16: 1481 against 1529, no gain (its integer-to-bfloat16
-# trick is already short).
+# a warp issues 1216 instructions a 128-token step with float16 operands against 1528 with bfloat16
+# (1094 against 1473 per tensor), and the H100 ran it 2.5 % (per tensor 3-5 %) faster
+# (bench/results/h100/attention_operands.md). int8 stays bfloat16: 1481 against 1529, no gain (its
+# integer-to-bfloat16 trick is already short).
 _FLOAT16_PAGES = ("float8_e4m3fn", "float8_e5m2", "float16")
 
 
@@ -126,7 +127,7 @@ def fit_launch(config: TuningConfig | None, head_dim: int, code_bytes: int, page
       >>> fit_launch(TuningConfig(block_tokens=128, kv_heads_per_program=4), 128, 1, 16)
       Traceback (most recent call last):
           ...
-      ValueError: decode attention launch TuningConfig(block_tokens=128, num_splits=None, num_warps=4, num_stages=2, kv_heads_per_program=4) needs ~286720 bytes of shared memory for head_dim 128 and 1-byte codes; sm_90 has 232448: fewer block_tokens, kv_heads_per_program or num_stages
+      ValueError: decode attention launch TuningConfig(block_tokens=128, num_splits=None, num_warps=4, num_stages=2, kv_heads_per_program=4, operand_dtype=None) needs ~286720 bytes of shared memory for head_dim 128 and 1-byte codes; sm_90 has 232448: fewer block_tokens, kv_heads_per_program or num_stages
     """
     if config is not None:
         need = shared_bytes(config, head_dim, code_bytes)
@@ -143,8 +144,13 @@ def fit_launch(config: TuningConfig | None, head_dim: int, code_bytes: int, page
     return config
 
 
-# Programs wanted in flight: 132 SMs × 4, so every SM holds several loads at once.
-TARGET_PROGRAMS = 528
+# Programs wanted over a call: 132 SMs × 16, so the last wave of programs is small whether 2 or 3 fit
+# an SM at once (the fp8 kernel's 198 or 168 registers a thread). With 132 × 4 (the first default: 576
+# programs at B = 8, 8 KV heads) 2 or 3 fit an SM, 1.5-2.2 waves, and the last wave idled most of the
+# chip: on the H200 (bench/results/h200/attention_sweep.md, B = 8, ctx 32k) 32 splits (2048 programs)
+# took 289 µs against the default's 314 for fp8 per token-head, and 64 splits of 64-token steps 567
+# against 705 for turboquant_3bit_nc.
+TARGET_PROGRAMS = 2112
 
 
 def splits_for(batch: int, kv_heads: int, max_tokens: int, block_tokens: int) -> int:
@@ -157,7 +163,16 @@ def splits_for(batch: int, kv_heads: int, max_tokens: int, block_tokens: int) ->
 
 def split_plan(batch: int, kv_heads: int, max_tokens: int, config: TuningConfig) -> tuple[int, int]:
     """(splits, tokens per split): ``config.num_splits`` or ``splits_for``, each split a whole number
-    of loop steps and none of them empty of table slots."""
+    of loop steps and none of them empty of table slots.
+
+    Examples:
+      B = 8 sequences × 8 KV heads over 32k tokens: 32 splits of 1024 (2048 programs); one sequence of
+      1k tokens: one 128-token step a split.
+
+      >>> from jquant.kernels.decode_attention.config import TuningConfig, split_plan
+      >>> split_plan(8, 8, 32768, TuningConfig()), split_plan(1, 8, 1024, TuningConfig())
+      ((32, 1024), (8, 128))
+    """
     block = config.block_tokens
     splits = config.num_splits or splits_for(batch, kv_heads, max_tokens, block)
     split_tokens = -(-(-(-max_tokens // splits)) // block) * block
