@@ -125,6 +125,22 @@ def test_per_tensor_fp8_parts_fuse_at_their_largest_scale(params):
     assert requantized <= quantized   # requantizing costs less than quantizing did
 
 
+@pytest.mark.parametrize("code, scale, want, not_want", [
+    (0.0234375, 0.45825195, 0.01171875, 0.009765625),  # a float16 scale: the product's float16 rounding
+    (0.34375, 0.7730898, 0.25, 0.28125),  # the scale in float16 (0.77295) is what CUDA multiplies by
+])
+def test_requantizing_rounds_as_vllm_on_cuda(code, scale, want, not_want):
+    """Cells where the float16 steps decide the code: the dequantized value is rounded to float16, and
+    the scale is cast to float16 before the multiply (PyTorch's CUDA kernels; float32 arithmetic gives
+    ``not_want``). The other part holds the max scale, 1.0."""
+    base = quantize_fp8(jnp.ones((1, 2), jnp.float32), granularity="tensor")
+    part = base.replace(data=jnp.full((1, 2), code, jnp.float8_e4m3fn), scale=jnp.full((1, 1), scale, jnp.float32))
+    unit = base.replace(data=jnp.ones((1, 2), jnp.float8_e4m3fn), scale=jnp.ones((1, 1), jnp.float32))
+    fused = requantize_to_max_scale([part, unit])
+    assert float(fused.data[0, 0]) == want != not_want
+    assert float(fused.scale.reshape(())) == 1.0 and (np.asarray(fused.data[1]).astype(np.float32) == 1).all()
+
+
 def test_requantizing_never_flushes_a_tiny_scale():
     """Scales below float16's smallest value (weights of ~1e-6: scales ~1e-8) would be flushed to 0 by
     vLLM's float16 dequantization, and every weight with them; here such parts are dequantized in
