@@ -35,11 +35,10 @@ def pool_rows(bt_ref, b, h, tok, *, page_size, kv_heads, max_pages, num_pages):
     return (page * page_size + lax.rem(tok, page_size)) * kv_heads + h
 
 
-def _kernel(lengths_ref, bt_ref, q_ref, qs_ref, k_ref, v_ref, *rest, page_size, kv_heads, max_pages,
-            num_pages, block_tokens, split_tokens, per_token, heads, group, operand):
+def _kernel(lengths_ref, bt_ref, q_ref, k_ref, v_ref, *rest, page_size, kv_heads, max_pages,
+            num_pages, block_tokens, split_tokens, sm_scale, per_token, heads, group, operand):
     """``kv_heads``: head blocks of the pool view (KV heads / ``heads``); ``heads`` KV heads of
-    ``group`` query heads each per program (q rows ``r`` of head ``r // group``). ``qs``: what a q
-    row's logits are multiplied by (the softmax scale over the row's power-of-two prescale)."""
+    ``group`` query heads each per program (q rows ``r`` of head ``r // group``)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -53,8 +52,7 @@ def _kernel(lengths_ref, bt_ref, q_ref, qs_ref, k_ref, v_ref, *rest, page_size, 
     end = jnp.minimum(length, start + split_tokens)
     n_steps = lax.div(jnp.maximum(end - start, 0) + (block_tokens - 1), block_tokens)
 
-    q = q_ref[...]                                            # [G16, heads · D] in ``operand``
-    qs = qs_ref[...]                                          # [G16]
+    q, qs = _operand_q(q_ref[...], operand, sm_scale)       # [G16, heads · D], [G16, 1] or a scalar
     g16, d = q.shape
     iota = lax.iota(jnp.int32, block_tokens)
     if heads > 1:
@@ -84,7 +82,7 @@ def _kernel(lengths_ref, bt_ref, q_ref, qs_ref, k_ref, v_ref, *rest, page_size, 
         logits = plt.dot(q, k, trans_b=True)                  # [G16, T] f32
         if per_token:
             logits = logits * per_row(ks_ref[row])
-        logits = jnp.where(valid[None, :], logits * qs[:, None], _MASK)
+        logits = jnp.where(valid[None, :], logits * qs, _MASK)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[:, None])
@@ -146,10 +144,9 @@ def partials(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, sm
     if g16 != rows:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, g16 - rows), (0, 0)))
     operand = jnp.dtype(operand_dtype_for(config, k_pages.dtype))
-    qg, qs = _operand_q(qg, operand, sm_scale)
     per_token = k_scale is not None
     # Pool views of one row per (slot, head block): a token's ``heads`` heads are contiguous.
-    args = [lengths.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1), qg, qs,
+    args = [lengths.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1), qg,
             k_pages.reshape(-1, heads * d), v_pages.reshape(-1, heads * d)]
     if per_token:
         scale_rows = (-1,) if heads == 1 else (-1, heads)
@@ -157,13 +154,12 @@ def partials(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, sm
                  v_scale.astype(jnp.float32).reshape(scale_rows)]
     whole = lambda a: pl.BlockSpec(a.shape, lambda b, h, s, n=a.ndim: (0,) * n)
     in_specs = [whole(args[0]), whole(args[1]),
-                pl.BlockSpec((None, None, g16, heads * d), lambda b, h, s: (b, h, 0, 0)),
-                pl.BlockSpec((None, None, g16), lambda b, h, s: (b, h, 0))]
-    in_specs += [whole(a) for a in args[4:]]
+                pl.BlockSpec((None, None, g16, heads * d), lambda b, h, s: (b, h, 0, 0))]
+    in_specs += [whole(a) for a in args[3:]]
     kernel = functools.partial(
         _kernel, page_size=page_size, kv_heads=blocks, max_pages=max_pages, num_pages=num_pages,
-        block_tokens=block, split_tokens=split_tokens, per_token=per_token, heads=heads, group=group,
-        operand=operand)
+        block_tokens=block, split_tokens=split_tokens, sm_scale=float(sm_scale), per_token=per_token,
+        heads=heads, group=group, operand=operand)
     out_shape = [jax.ShapeDtypeStruct((splits, batch, blocks, g16, d), jnp.float32),
                  jax.ShapeDtypeStruct((splits, batch, blocks, g16), jnp.float32),
                  jax.ShapeDtypeStruct((splits, batch, blocks, g16), jnp.float32)]
@@ -181,23 +177,23 @@ def partials(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, sm
     return heads_of(o), heads_of(m), heads_of(l)
 
 
-def _operand_q(qg, operand, sm_scale: float):
-    """q rows in the dot's operand dtype and the factor each row's logits take (``[..., G16]`` float32).
+def _operand_q(q, operand, sm_scale: float):
+    """A program's q rows ``[G16, D]`` in the dot's operand dtype, and what their logits are multiplied by.
 
-    bfloat16: q rounded, every row's factor the softmax scale. float16 (5 exponent bits): each row is first
-    scaled by a power of two that puts its largest finite value in [2^13, 2^14), so no row overflows
-    float16 or falls into its subnormals whatever q's magnitude, and the factor carries the power back
-    exactly. Non-finite values stay as they are (NaN in, NaN out) and do not steer the scale.
+    bfloat16: q rounded, the factor the softmax scale. float16 (5 exponent bits): each row is first
+    scaled so its largest finite magnitude is 2^13, so no row overflows float16 or falls into its
+    subnormals whatever q's magnitude (an extra float32 rounding, 2^-24, beside float16's 2^-11), and
+    its factor ``[G16, 1]`` carries the scale back. A non-finite value neither steers its row's scale
+    nor leaves its row (NaN in, NaN out). In the kernel, once a program: XLA would add two launches a
+    layer to a decode step that is bound by its launches at B = 1.
     """
     if operand == jnp.bfloat16:
-        return qg.astype(operand), jnp.full(qg.shape[:-1], sm_scale, jnp.float32)
-    qf = qg.astype(jnp.float32)
-    amax = jnp.max(jnp.where(jnp.isfinite(qf), jnp.abs(qf), 0.0), axis=-1)
-    _, exp = jnp.frexp(amax)                                  # amax < 2^exp
-    shift = jnp.clip(14 - exp, -120, 120)                     # a float32 power of two either way
-    one = jnp.float32(1.0)
-    qs = jnp.float32(sm_scale) * jnp.ldexp(one, -shift)
-    return (qf * jnp.ldexp(one, shift)[..., None]).astype(operand), qs
+        return q.astype(operand), sm_scale
+    qf = q.astype(jnp.float32)
+    mag = jnp.abs(qf)
+    amax = jnp.max(jnp.where(mag < jnp.inf, mag, 0.0), axis=1, keepdims=True)
+    amax = jnp.maximum(amax, 1e-30)                 # a zero row: any factor; 2^13 / 1e-30 stays finite
+    return (qf * (8192.0 / amax)).astype(operand), amax * (sm_scale / 8192.0)
 
 
 def combine(o, m, l):
