@@ -184,8 +184,8 @@ def _operand_q(q, operand, sm_scale: float):
     scaled so its largest finite magnitude is 2^13, so no row overflows float16 or falls into its
     subnormals whatever q's magnitude (an extra float32 rounding, 2^-24, beside float16's 2^-11), and
     its factor ``[G16, 1]`` carries the scale back. A non-finite value neither steers its row's scale
-    nor leaves its row (NaN in, NaN out). In the kernel, once a program: XLA would add two launches a
-    layer to a decode step that is bound by its launches at B = 1.
+    nor leaves its row (NaN in, NaN out). In the kernel, once a program: in XLA it is a row reduction
+    and its consumers before every layer's kernel, in a decode step bound by its launches at B = 1.
     """
     if operand == jnp.bfloat16:
         return q.astype(operand), sm_scale
