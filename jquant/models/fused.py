@@ -61,7 +61,14 @@ def requantize_to_max_scale(parts: list[QTensor]) -> QTensor:
     """
     first = parts[0]
     scales = jnp.stack([p.scale.reshape(()).astype(jnp.float32) for p in parts])
+    if not bool(jnp.all(jnp.isfinite(scales) & (scales >= 0))):
+        # a NaN max would turn every code of the fused weight into NaN, a negative one flip signs
+        raise ValueError(f"per-tensor FP8 scales must be finite and ≥ 0 to be requantized, got {scales.tolist()}")
     top = jnp.max(scales)
+    if float(top) == 0.0:   # every part dequantizes to zeros: 1 / 0 would make them NaN
+        return first.replace(data=jnp.concatenate([jnp.zeros_like(p.data) for p in parts]),
+                             shape=(sum(p.shape[0] for p in parts), *first.shape[1:]),
+                             block=(sum(p.shape[0] for p in parts), *first.shape[1:]))
     rows = []
     for p, s in zip(parts, scales):
         normal = bool(np.float32(2.0 ** -14) <= s <= np.float32(np.finfo(np.float16).max))

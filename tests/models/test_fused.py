@@ -158,6 +158,19 @@ def test_requantizing_never_flushes_a_tiny_scale():
         assert (np.abs(after - before) <= np.maximum(np.abs(before) * 2.0 ** -4, top * 2.0 ** -10)).all()
 
 
+def test_requantizing_refuses_bad_scales_and_keeps_zero_ones_zero():
+    """A NaN, infinite or negative part scale is refused (its max would make every fused code NaN or flip
+    signs); parts whose scales are all 0 (all-zero weights) stay zeros, not 0 / 0 = NaN."""
+    base = quantize_fp8(jnp.ones((2, 4), jnp.float32), granularity="tensor")
+    for bad in (np.nan, np.inf, -0.5):
+        with pytest.raises(ValueError, match="must be finite and ≥ 0"):
+            requantize_to_max_scale([base, base.replace(scale=jnp.full((1, 1), bad, jnp.float32))])
+    zero = base.replace(scale=jnp.zeros((1, 1), jnp.float32))
+    fused = requantize_to_max_scale([zero, zero])
+    assert fused.shape == (4, 4) and not np.asarray(fused.data).astype(np.float32).any()
+    assert float(fused.scale.reshape(())) == 0.0
+
+
 def test_per_tensor_parts_of_different_formats_are_refused():
     x = jnp.ones((4, 8), jnp.float32)
     a = quantize_fp8(x, "fp8_e4m3", granularity="tensor").replace(k_axis=1)
