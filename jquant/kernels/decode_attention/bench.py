@@ -26,15 +26,12 @@ from jquant.kv.paged import PagedKVCache, allocate
 
 KV_DTYPES = ("bf16", "fp8_e4m3", "fp8_per_token_head", "int8_per_token_head", "turboquant_3bit_nc")
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-# ``jquant bench attention --sweep``: launches timed beside the default in each cell. On the H200
-# (bench/results/h200/attention_sweep.md) the block / warps / stages grid found nothing, 16-128 splits
-# beat the then default of 9 by 3-8 % (fp8) and 12-20 % (TurboQuant), so the default now takes ~2048
-# programs (config.TARGET_PROGRAMS); 2 or 4 KV heads a program lost on the H100
-# (bench/results/h100/attention_sweep.md). float16 operands for FP8 pages (the default) cut the loop's
-# instructions by a fifth but the time by 2-5 % on the H100 (bench/results/h100/attention_operands.md):
-# the fp8 kernel waits on its loads more than it issues. So the sweep times the bfloat16-operand launch,
-# 9 splits (the first default at B = 8, 8 KV heads) and more bytes in flight (deeper pipelines,
-# 256-token steps over 8 warps). TurboQuant cells (their own kernel, one head a program, their own
+# ``jquant bench attention --sweep``: launches timed beside the default in each cell. The fp8 kernel waits
+# on its loads more than it issues (float16 operands cut its instructions by a fifth and its time by 2-5 %
+# on the H100, bench/results/h100/attention_operands.md), so the sweep puts more bytes in flight (deeper
+# pipelines, 256-token steps over 8 warps) beside the bfloat16-operand launch and 9 splits (what
+# TARGET_PROGRAMS = 528 gave at B = 8, 8 KV heads; the H200's split sweep, attention_sweep.md, is why the
+# default now takes ~2048 programs). TurboQuant cells (their own kernel, one head a program, their own
 # operands) time every launch but the operand one.
 SWEEP = (TuningConfig(operand_dtype="bfloat16"), TuningConfig(num_splits=9), TuningConfig(num_stages=3),
          TuningConfig(num_stages=4),

@@ -67,12 +67,10 @@ class TuningConfig:
 
 OPERAND_DTYPES = ("bfloat16", "float16")
 # Pages whose codes widen to float16 exactly and in one instruction per pair: e4m3 and e5m2 codes are
-# float16 values, and sm_90 converts a pair in one F2FP where bfloat16 takes a detour through float32.
-# In the fp8 per-(token, head) kernel at B=8, ctx 32k (SASS of the loop, Triton 3.9's ptxas for sm_90)
-# a warp issues 1216 instructions a 128-token step with float16 operands against 1528 with bfloat16
-# (1094 against 1473 per tensor), and the H100 ran it 2.5 % (per tensor 3-5 %) faster
-# (bench/results/h100/attention_operands.md). int8 stays bfloat16: 1481 against 1529, no gain (its
-# integer-to-bfloat16 trick is already short).
+# float16 values, and sm_90 converts a pair in one F2FP where bfloat16 takes a detour through float32
+# (a fifth of the fp8 loop's instructions). On the H100, B=8, ctx 32k, that made fp8 pages 2.5-5 %
+# faster (bench/results/h100/attention_operands.md). int8 codes keep bfloat16: their integer-to-bfloat16
+# conversion is already short, and float16 saves nothing there.
 _FLOAT16_PAGES = ("float8_e4m3fn", "float8_e5m2", "float16")
 
 
