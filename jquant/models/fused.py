@@ -34,11 +34,12 @@ def _per_tensor_fp8(p: QTensor) -> bool:
     return p.fmt in FP8_DTYPES and p.block == p.shape and p.global_scale is None and p.scale.size == 1
 
 
-def requantize_to_max_scale(parts: list[QTensor]) -> QTensor:
+def requantize_to_max_scale(parts: list[QTensor], where: str = "requantize_to_max_scale") -> QTensor:
     """Per-tensor FP8 weights ``[N_i, K]`` (one scale each) as one ``[sum N_i, K]`` tensor at their largest
     scale, as vLLM's ``requantize_with_max_scale`` fuses q/k/v and gate/up: each part is dequantized to
     float16, then quantized statically at the max scale (``quantize_fp8_static``: sat(x · (1/s))). The part
-    holding the max scale keeps its codes; the others lose at most half a code step.
+    holding the max scale keeps its codes; the others lose at most half a code step. ``where`` names the
+    parts in errors.
 
     In vLLM the dequantization is PyTorch's ``codes.to(float16) * scale[i]``: a float16 result, and on a
     CUDA device the float32 0-dim scale is cast to float16 first (the CUDA binary kernels cast every
@@ -60,15 +61,17 @@ def requantize_to_max_scale(parts: list[QTensor]) -> QTensor:
       True
     """
     first = parts[0]
+    if not all(_per_tensor_fp8(p) and p.data.ndim == 2 and (p.fmt, p.shape[1]) == (first.fmt, first.shape[1])
+               for p in parts):
+        raise ValueError(f"{where}: requantizing needs per-tensor FP8 parts [N_i, K] of one format and K, got "
+                         f"{[(p.fmt, tuple(p.shape), tuple(p.block)) for p in parts]}")
     scales = jnp.stack([p.scale.reshape(()).astype(jnp.float32) for p in parts])
     if not bool(jnp.all(jnp.isfinite(scales) & (scales >= 0))):
         # a NaN max would turn every code of the fused weight into NaN, a negative one flip signs
-        raise ValueError(f"per-tensor FP8 scales must be finite and ≥ 0 to be requantized, got {scales.tolist()}")
+        raise ValueError(f"{where}: per-tensor FP8 scales must be finite and ≥ 0 to be requantized, got "
+                         f"{scales.tolist()}")
     top = jnp.max(scales)
-    if float(top) == 0.0:   # every part dequantizes to zeros: 1 / 0 would make them NaN
-        return first.replace(data=jnp.concatenate([jnp.zeros_like(p.data) for p in parts]),
-                             shape=(sum(p.shape[0] for p in parts), *first.shape[1:]),
-                             block=(sum(p.shape[0] for p in parts), *first.shape[1:]))
+    at = top if float(top) > 0 else jnp.float32(1.0)   # all scales 0: every part is zeros, not 0 / 0
     rows = []
     for p, s in zip(parts, scales):
         normal = bool(np.float32(2.0 ** -14) <= s <= np.float32(np.finfo(np.float16).max))
@@ -76,9 +79,9 @@ def requantize_to_max_scale(parts: list[QTensor]) -> QTensor:
         dq = p.data.astype(jnp.float32) * s_dq
         if normal:
             dq = dq.astype(jnp.float16)
-        rows.append(quantize_fp8_static(dq, top, first.fmt).data)
+        rows.append(quantize_fp8_static(dq, at, first.fmt).data)
     data = jnp.concatenate(rows, axis=0)
-    shape = (data.shape[0], *first.shape[1:])
+    shape = (data.shape[0], first.shape[1])
     return first.replace(data=data, scale=top.reshape(first.scale.shape).astype(first.scale.dtype),
                          shape=shape, block=shape)
 
@@ -86,12 +89,9 @@ def requantize_to_max_scale(parts: list[QTensor]) -> QTensor:
 def _concat_qtensors(parts: list[QTensor], where: str) -> QTensor:
     first = parts[0]
     if all(_per_tensor_fp8(p) for p in parts):
-        same = all((p.fmt, p.k_axis, p.shape[1:], p.data.ndim) == (first.fmt, first.k_axis, first.shape[1:], 2)
-                   for p in parts)
-        if not same or first.k_axis != 1:
-            raise ValueError(f"{where}: per-tensor FP8 parts of different formats or input sizes, or not "
-                             "[N, K]; quantize them with one scheme")
-        return requantize_to_max_scale(parts)
+        if any(p.k_axis != 1 for p in parts):
+            raise ValueError(f"{where}: per-tensor FP8 parts not laid out [N, K] cannot be joined")
+        return requantize_to_max_scale(parts, where)
     for p in parts:
         if isinstance(p.scale, QTensor) or p.k_axis != 1 or p.data.ndim != 2 or len(p.block) != 2:
             raise ValueError(f"{where}: {p.fmt} weights with nested scales, flat codes or no [N, K] "

@@ -176,7 +176,8 @@ def test_per_tensor_parts_of_different_formats_are_refused():
     a = quantize_fp8(x, "fp8_e4m3", granularity="tensor").replace(k_axis=1)
     b = quantize_fp8(x, "fp8_e5m2", granularity="tensor").replace(k_axis=1)
     from jquant.models.fused import _concat_qtensors
-    with pytest.raises(ValueError, match="here/qkv_proj: per-tensor FP8 parts of different formats"):
+    with pytest.raises(ValueError,
+                       match=r"here/qkv_proj: requantizing needs per-tensor FP8 parts \[N_i, K\] of one format"):
         _concat_qtensors([a, b], "here/qkv_proj")
 
 
