@@ -70,8 +70,16 @@ def test_gptoss_layer_on_the_kernel_with_one_k_block(name, interpret):
     x = jnp.asarray(rng.standard_normal((9, 180)) * 2, jnp.bfloat16)
     ref = model.apply({"params": qparams}, x).astype(jnp.float32)
     y = model.apply({"params": fast}, x).astype(jnp.float32)
-    # Interpreted, the kernel's fp32 sums equal XLA's; on the GPU wgmma's accumulator differs slightly.
-    chex.assert_trees_all_close(y, ref, atol=(2e-2 if ON_GPU else 1e-3) * float(jnp.abs(ref).max()))
+    if ON_GPU:   # wgmma's accumulator differs slightly from XLA's
+        chex.assert_trees_all_close(y, ref, atol=2e-2 * float(jnp.abs(ref).max()))
+    else:
+        # Interpreted, the kernel's fp32 sums follow another order than XLA's CPU dots (machine-dependent:
+        # on an AVX-512 Xeon 4 of 1620 outputs came out one bf16 step apart), so a bf16 output may round
+        # the other way: beyond 1e-3 of the range only rare single bf16 steps.
+        err = jnp.abs(y - ref)
+        off = err > 1e-3 * float(jnp.abs(ref).max())
+        step = 2.0 ** (jnp.floor(jnp.log2(jnp.maximum(jnp.abs(ref), 1e-30))) - 7)   # bf16 spacing at |ref|
+        assert bool(jnp.all(jnp.where(off, err <= step, True))) and float(off.mean()) < 0.01, float(err.max())
     assert bool(jnp.isfinite(y).all()) and float(jnp.abs(ref).max()) > 0
 
 
