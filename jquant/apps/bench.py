@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     g8.add_argument("--ms", type=_ints, default=None, help="M values, e.g. 1,16,128")
     g8.add_argument("--schemes", default=None, help="comma list of the 8-bit schemes (default all six)")
     g8.add_argument("--reps", type=int, default=9)
+    g8.add_argument("--sweep", action="store_true",
+                    help="also time the FP8 GEMM launches of jquant.kernels.w8a16.bench.FP8_SWEEP (M >= 128)")
     g8.add_argument("--interpret", action="store_true",
                     help="the forced kernel (the mgpu rows) in interpret mode, so the plumbing runs without a GPU "
                          "(its timings mean nothing); on CPU the scheme rows take XLA's path")
@@ -268,7 +270,7 @@ def _gemm8(parser, args) -> int:
 
     for shape in shapes:
         done += bench.run((shape,), args.ms or bench.MS, names, reps=args.reps, interpret=args.interpret,
-                          meta=meta, on_records=write)
+                          sweep=args.sweep, meta=meta, on_records=write)
     print(f"wrote {written[0]} and {written[1]}" if written else "no records")
     return 0
 

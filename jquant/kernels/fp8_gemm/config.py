@@ -19,7 +19,7 @@ class Fp8GemmConfig:
     block_b: B rows per CTA (wgmma's N: a multiple of 8, at most 256).
     max_concurrent_steps: TMA pipeline depth (each step moves ``BLOCK_K`` of K).
     compute_wgs: 1, or 2 compute warpgroups each owning ``block_a`` rows of a ``2 · block_a``-row x tile
-      plus a copy-issuing warpgroup (x as A, one scale block; ``mosaic_gpu_ws``).
+      plus a copy-issuing warpgroup (x as A; ``mosaic_gpu_ws``).
 
     Examples:
       >>> from jquant.kernels.fp8_gemm import Fp8GemmConfig
@@ -61,8 +61,9 @@ def default_fp8_config(m: int, n_pad: int, blocked: bool = False, out_bytes: int
     the step, as in the W4A16 kernel; with block scales at least ``MIN_SCALE_ROWS`` x rows); above,
     128 × 128 tiles 4 deep, whose fp32 accumulator takes 128 of a thread's 255 registers; from M =
     256, two compute warpgroups of 128 × 128 sharing each weight tile (3 deep: 208 KB of shared
-    memory); with block scales (``blocked``) 64 × 128 and one warpgroup, since the promoted sum
-    needs a second accumulator. An fp32 output (``out_bytes=4``) takes x as A with one warpgroup: its
+    memory); with block scales (``blocked``) 64 × 128 per warpgroup, since the promoted sum needs a
+    second accumulator, and from M = 256 two of them sharing each weight tile, so one promotes while
+    the other's wgmmas run. An fp32 output (``out_bytes=4``) takes x as A with one warpgroup: its
     transposed store does not lower and its tiles overflow the two-warpgroup launch's shared memory.
 
     Examples:
@@ -75,8 +76,8 @@ def default_fp8_config(m: int, n_pad: int, blocked: bool = False, out_bytes: int
       Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=4, compute_wgs=1)
       >>> default_fp8_config(4096, 4096).compute_wgs, default_fp8_config(4096, 4096, out_bytes=4).compute_wgs
       (2, 1)
-      >>> default_fp8_config(4096, 4096, blocked=True).block_a
-      64
+      >>> default_fp8_config(4096, 4096, blocked=True).block_a, default_fp8_config(4096, 4096, blocked=True).compute_wgs
+      (64, 2)
     """
     del n_pad   # a multiple of 256: every block_b here divides it
     if out_bytes == 4:
@@ -86,7 +87,8 @@ def default_fp8_config(m: int, n_pad: int, blocked: bool = False, out_bytes: int
         rows = max(MIN_SCALE_ROWS if blocked else 8, -(-m // 8) * 8)
         return Fp8GemmConfig(swap_ab=True, block_a=64, block_b=rows, max_concurrent_steps=4)
     if blocked:
-        return Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, max_concurrent_steps=4)
+        return Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, max_concurrent_steps=4,
+                             compute_wgs=2 if m >= 256 else 1)
     if m >= 256:
         return Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=3, compute_wgs=2)
     return Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=4)

@@ -52,17 +52,17 @@ def _prepare(scheme: Scheme, qweight: QTensor) -> PackedFp8 | None:
 
 
 def fp8_scheme_gemm(scheme: Scheme, x: jax.Array, packed: PackedFp8, bias: jax.Array | None = None,
-                    input_scale: jax.Array | None = None, *, impl: str = "auto",
+                    input_scale: jax.Array | None = None, *, impl: str = "auto", config=None,
                     interpret: bool = False) -> jax.Array:
     """``x [..., K]`` times the packed weight as the W8A8 FP8 ``scheme`` computes it: x quantized as the
-    scheme says, then ``fp8_gemm`` (``impl``, ``interpret`` as its)."""
+    scheme says, then ``fp8_gemm`` (``impl``, ``config``, ``interpret`` as its)."""
     lead = x.shape[:-1]
     xq = quantize_activation(scheme, x.reshape(-1, x.shape[-1]), input_scale)
     scale = xq.scale if not isinstance(xq.scale, QTensor) else xq.scale.dequantize(jnp.float32)
     # Block FP8: the bias goes onto the rounded output, as XLA's path (and vLLM's block-FP8 linear) does.
     late_bias = bias is not None and scheme.activation.mode == "dynamic_per_token_group"
     y = fp8_gemm(xq.data, scale.astype(jnp.float32), packed, bias=None if late_bias else bias,
-                 out_dtype=x.dtype, impl=impl, interpret=interpret)
+                 out_dtype=x.dtype, impl=impl, config=config, interpret=interpret)
     if late_bias:
         y = y + bias.astype(x.dtype)
     return y.reshape(*lead, packed.n)

@@ -1,9 +1,12 @@
 """The warp-specialized FP8 GEMM for large M (``Fp8GemmConfig.compute_wgs = 2``): two compute
 warpgroups, each owning ``block_a`` rows of a ``2 · block_a``-row x tile and sharing the weight tile,
 plus a warpgroup that only issues the TMA copies (``emit_pipeline_warp_specialized``), as the W4A16
-kernel does for M ≥ 64. Same math as ``fp8_gemm_mgpu`` with one K block (per-token × per-channel or
-per-tensor scales): one fp32 accumulator per warpgroup, both sides' scales and the bias in the
-epilogue, each warpgroup storing its own rows."""
+kernel does for M ≥ 64. Same math as ``fp8_gemm_mgpu``: with one K block (per-token × per-channel or
+per-tensor scales) one fp32 accumulator per warpgroup, both sides' scales in the epilogue; with block
+scales every K step's wgmmas go into a fresh accumulator that is promoted into the warpgroup's fp32
+sum by the step's scales. While one warpgroup promotes, the other's wgmmas keep the tensor cores
+busy: the one-warpgroup block kernel idles them during each promotion. The bias and the store come
+last, each warpgroup storing its own rows."""
 
 from __future__ import annotations
 
@@ -20,68 +23,94 @@ _MEMORY_REGISTERS = 40
 
 def fp8_gemm_mgpu_ws(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8GemmConfig, tiles,
                      interpret: bool = False) -> jax.Array:
-    """``fp8_gemm_mgpu``'s result (x as A, one scale block) with ``config.compute_wgs`` compute
-    warpgroups; ``tiles``: the operand tiling transforms (``fp8_gemm_mgpu``'s)."""
+    """``fp8_gemm_mgpu``'s result (x as A) with ``config.compute_wgs`` compute warpgroups; ``tiles``:
+    the operand tiling transforms (``fp8_gemm_mgpu``'s)."""
     cfg = config
     wgs, ba, bb = cfg.compute_wgs, cfg.block_a, cfg.block_b
     cta_a = wgs * ba
     ra, k_pad = a.shape
     rb = b.shape[0]
-    if cfg.swap_ab or a_scale.shape[0] != 1 or ra % cta_a or rb % bb:
-        raise ValueError(f"fp8 gemm (warp-specialized): x as A, one scale block, A rows {ra} a multiple of "
-                         f"{cta_a} and B rows {rb} of {bb}")
     steps = k_pad // BLOCK_K
+    blocks = a_scale.shape[0]
+    if cfg.swap_ab or blocks not in (1, steps) or ra % cta_a or rb % bb:
+        raise ValueError(f"fp8 gemm (warp-specialized): x as A, 1 or {steps} scale blocks (got {blocks}), A rows "
+                         f"{ra} a multiple of {cta_a} and B rows {rb} of {bb}")
+    blocked = blocks > 1
     has_bias = bias is not None
-    n_vec = 3 if has_bias else 2
+    n_vec = (0 if blocked else 2) + int(has_bias)   # the epilogue's per-row vectors
 
     def kernel(a_gmem, as_gmem, b_gmem, bs_gmem, *rest):
         bias_gmem = rest[0] if has_bias else None
         out_gmem, vec_a, vec_b, vec_bias, vec_barrier, out_smem = rest[-6:]
         ia, ib = jax.lax.axis_index("a"), jax.lax.axis_index("b")
 
-        def step(_, a_smem, b_smem, acc_ref):
-            wg = jax.lax.axis_index("wg")
-            plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * ba, ba)], b_smem.T)
-            plgpu.wgmma_wait(1)   # one wgmma in flight; both tiles are released a step late
-            return acc_ref
+        if blocked:
+            def step(_, a_smem, b_smem, as_smem, bs_smem, total):
+                wg = jax.lax.axis_index("wg")
+
+                def block_dot(acc_ref):
+                    plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * ba, ba)], b_smem.T)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref[...]
+
+                part = pl.run_scoped(block_dot, plgpu.ACC((ba, bb), jnp.float32))
+                sa = plgpu.load(as_smem.at[0, pl.ds(wg * ba, ba)], layout=plgpu.Layout.WGMMA.reduce(1))
+                sb = plgpu.load(bs_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+                return total + (part * jax.lax.broadcast_in_dim(sa, (ba, bb), (0,))
+                                * jax.lax.broadcast_in_dim(sb, (ba, bb), (1,)))
+        else:
+            def step(_, a_smem, b_smem, acc_ref):
+                wg = jax.lax.axis_index("wg")
+                plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * ba, ba)], b_smem.T)
+                plgpu.wgmma_wait(1)   # one wgmma in flight; both tiles are released a step late
+                return acc_ref
 
         def compute_context(eval_pipeline):
             wg = jax.lax.axis_index("wg")
             row0 = ia * cta_a + wg * ba
             cols = pl.ds(ib * bb, bb)
-            copies = [(as_gmem.at[0, pl.ds(row0, ba)], vec_a), (bs_gmem.at[0, cols], vec_b)]
+            # (source, smem, 0: along x's rows / 1: along the weight's); scales multiply, the bias adds
+            vectors = [] if blocked else [(as_gmem.at[0, pl.ds(row0, ba)], vec_a, 0), (bs_gmem.at[0, cols], vec_b, 1)]
             if has_bias:
-                copies.append((bias_gmem.at[cols], vec_bias))
-            for i, (src, dst) in enumerate(copies):
+                vectors.append((bias_gmem.at[cols], vec_bias, 1))
+            for i, (src, dst, _) in enumerate(vectors):
                 plgpu.copy_gmem_to_smem(src, dst.at[wg], vec_barrier.at[i * wgs + wg])
 
-            def with_acc(acc_ref):
-                eval_pipeline(acc_ref)
-                plgpu.wgmma_wait(0)
-                acc = acc_ref[...]
-                for i, (_, dst) in enumerate(copies):
-                    plgpu.barrier_wait(vec_barrier.at[i * wgs + wg])
-                    dim = 0 if i == 0 else 1   # x's scales run along the rows, the rest along the columns
-                    v = plgpu.load(dst.at[wg], layout=plgpu.Layout.WGMMA.reduce(1 - dim))
-                    v = jax.lax.broadcast_in_dim(v.astype(jnp.float32), (ba, bb), (dim,))
-                    acc = acc + v if i == 2 else acc * v
-                out_smem.at[wg][...] = acc.astype(out_dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[pl.ds(row0, ba), cols])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            if blocked:
+                acc = eval_pipeline(plgpu.layout_cast(jnp.zeros((ba, bb), jnp.float32), plgpu.Layout.WGMMA))
+            else:
+                def with_acc(acc_ref):
+                    eval_pipeline(acc_ref)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref[...]
 
-            pl.run_scoped(with_acc, plgpu.ACC((ba, bb), jnp.float32))
+                acc = pl.run_scoped(with_acc, plgpu.ACC((ba, bb), jnp.float32))
+            for i, (_, dst, dim) in enumerate(vectors):
+                plgpu.barrier_wait(vec_barrier.at[i * wgs + wg])
+                v = plgpu.load(dst.at[wg], layout=plgpu.Layout.WGMMA.reduce(1 - dim))
+                v = jax.lax.broadcast_in_dim(v, (ba, bb), (dim,))
+                acc = acc + v if has_bias and i == len(vectors) - 1 else acc * v
+            out_smem.at[wg][...] = acc.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[pl.ds(row0, ba), cols])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+        in_specs = [plgpu.BlockSpec((cta_a, BLOCK_K), lambda t: (ia, t), transforms=tiles,
+                                    delay_release=0 if blocked else 1),
+                    plgpu.BlockSpec((bb, BLOCK_K), lambda t: (ib, t), transforms=tiles,
+                                    delay_release=0 if blocked else 1)]
+        operands = [a_gmem, b_gmem]
+        if blocked:
+            in_specs += [plgpu.BlockSpec((1, cta_a), lambda t: (t, ia)), plgpu.BlockSpec((1, bb), lambda t: (t, ib))]
+            operands += [as_gmem, bs_gmem]
         plgpu.emit_pipeline_warp_specialized(
-            step, grid=(steps,), memory_registers=_MEMORY_REGISTERS,
-            in_specs=[plgpu.BlockSpec((cta_a, BLOCK_K), lambda t: (ia, t), transforms=tiles, delay_release=1),
-                      plgpu.BlockSpec((bb, BLOCK_K), lambda t: (ib, t), transforms=tiles, delay_release=1)],
+            step, grid=(steps,), memory_registers=_MEMORY_REGISTERS, in_specs=in_specs,
             wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=max(2, min(cfg.max_concurrent_steps, steps)),
             compute_context=compute_context,
-        )(a_gmem, b_gmem)
+        )(*operands)
 
     scratch = [plgpu.SMEM((wgs, ba), jnp.float32), plgpu.SMEM((wgs, bb), jnp.float32),
-               plgpu.SMEM((wgs, bb), jnp.float32), plgpu.Barrier(num_barriers=n_vec * wgs),
+               plgpu.SMEM((wgs, bb), jnp.float32), plgpu.Barrier(num_barriers=max(n_vec, 1) * wgs),
                plgpu.SMEM((wgs, ba, bb), out_dtype)]
     call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((ra, rb), out_dtype), grid=(ra // cta_a, rb // bb),
                         grid_names=("a", "b"), num_threads=wgs + 1, thread_name="wg", scratch_types=scratch)

@@ -26,7 +26,7 @@ import jquant
 from jquant.bench.records import markdown_title
 from jquant.bench.timing import (array_bytes, copies_for, device_hbm_bytes_per_s, roofline, spread_pct,
                                  time_interleaved)
-from jquant.kernels.fp8_gemm.config import default_fp8_config
+from jquant.kernels.fp8_gemm.config import Fp8GemmConfig, default_fp8_config
 from jquant.kernels.fp8_gemm.from_qtensor import fp8_scheme_gemm, pack_fp8_qtensor
 from jquant.kernels.fp8_gemm.layout import PackedFp8
 from jquant.kernels.w8a16.api import default_w8_config, w8a16_matmul
@@ -39,6 +39,15 @@ SHAPES = ((28672, 8192), (8192, 28672), (8192, 8192), (4096, 4096))
 # DeepSeek-V3's block-FP8 projections (N × K), for the block scheme.
 DEEPSEEK_SHAPES = ((7168, 2048), (2112, 7168), (24576, 1536), (7168, 16384))
 MS = (1, 16, 64, 128, 256, 1024, 4096, 8192)
+# ``jquant bench gemm8 --sweep``: FP8 GEMM launches (x as A, so M ≥ 128) timed beside the default in each
+# cell. Block FP8 took 330-385 TFLOP/s at M ≥ 4096 with one warpgroup of 64 × 128 that waits for every
+# K step's wgmmas before promoting them (bench/results/h100/gemm8.md); its default from M = 256 is now
+# two such warpgroups sharing the weight tile, and the one-warpgroup launch is timed beside it. One K
+# block (756 TFLOP/s at 8192³ on the H100) tries 64 × 256 per warpgroup (3 stages: 208 KB of shared
+# memory). A block launch keeps 64 × 128 per warpgroup: its promoted sum doubles the accumulator.
+FP8_SWEEP = (Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128),
+             Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, compute_wgs=2, max_concurrent_steps=6),
+             Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, compute_wgs=2, max_concurrent_steps=3))
 
 
 def schemes() -> dict[str, jquant.Scheme]:
@@ -91,14 +100,28 @@ def _launch(m: int, packed):
     return default_w8_config(m, packed)
 
 
+def _sweep(m: int, packed) -> list:
+    """The ``FP8_SWEEP`` launches other than the default that run ``packed`` at ``m`` rows."""
+    if not isinstance(packed, PackedFp8) or m < 128:
+        return []
+    default = _launch(m, packed)
+    return [c for c in FP8_SWEEP if c != default and not (packed.blocked and c.block_a * c.block_b > 64 * 128)]
+
+
+def _label(cfg) -> str:
+    """``mgpu`` and the fields of a swept launch: ``mgpu 64x256 wg2 st3``."""
+    return f"mgpu {cfg.block_a}x{cfg.block_b} wg{cfg.compute_wgs} st{cfg.max_concurrent_steps}"
+
+
 def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
-        names: Iterable[str] | None = None, reps: int = 9, interpret: bool = False,
+        names: Iterable[str] | None = None, reps: int = 9, interpret: bool = False, sweep: bool = False,
         hbm_bytes_per_s: float | None = None, meta: dict | None = None,
         log: Callable[[str], None] = print, max_copies: int = 64,
         on_records: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Times every (shape, M, scheme) cell with its XLA bf16 baseline, interleaved. ``interpret``
     runs the kernel in interpret mode (CPU plumbing check; its timings mean nothing).
-    ``on_records`` gets the records so far after every M (a run cut short keeps its rows).
+    ``on_records`` gets the records so far after every M (a run cut short keeps its rows). ``sweep``
+    also times the ``FP8_SWEEP`` launches of the FP8 GEMM in each cell.
     ``hbm_bytes_per_s``: the rate of the byte floor (None: this device's, ``device_hbm_bytes_per_s``)."""
     table = schemes()
     names = tuple(names or table)
@@ -126,7 +149,7 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
             cands = {"xla_bf16": (jnp.dot, [(xs[c % n_x], wc) for c, wc in enumerate(w_bf16)])}
             timed = {}
             for name, wt in weights.items():
-                for impl, fn, copies in _candidates(wt, m, interpret):
+                for impl, fn, copies, cfg in _candidates(wt, m, interpret, sweep):
                     args = [(xs[c % n_x], p) for c, p in enumerate(copies)]
                     try:
                         jax.block_until_ready(fn(*args[0]))
@@ -134,15 +157,14 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
                         log(f"  FAILED {name} {n}x{k} M={m} {impl}: {type(e).__name__}: {e}")
                         continue
                     cands[f"{name}:{impl}"] = (fn, args)
-                    timed[f"{name}:{impl}"] = (name, impl, copies[0])
+                    timed[f"{name}:{impl}"] = (name, impl, copies[0], cfg)
             times = time_interleaved(cands, warmup=1 if interpret else 3, reps=reps,
                                      min_batch_s=1e-3 if interpret else 10e-3)
             bf16 = times["xla_bf16"].median_us
-            for label, (name, impl, one) in timed.items():
+            for label, (name, impl, one, cfg) in timed.items():
                 t = times[label]
                 nbytes = array_bytes(one, xs[0]) + m * n * 2
                 roof = roofline(t.median_us, nbytes, 2 * m * n * k, hbm_bytes_per_s)
-                cfg = _launch(m, one) if impl == "mgpu" else None
                 rec = dict(op="gemm8", scheme=name, impl=impl, M=m, N=n, K=k,
                            w8a8=not table[name].weight_only, time_us=round(t.median_us, 2),
                            baselines={"xla_bf16": round(bf16, 2)},
@@ -160,19 +182,24 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
     return records
 
 
-def _candidates(wt: _Weight, m: int, interpret: bool):
-    """(impl, fn, weight copies): the scheme as a model runs it; the kernel of its math forced (the
-    W8A16 kernel, or the FP8 GEMM on the activations quantized as the scheme says); XLA's path for the
-    same QTensor."""
+def _candidates(wt: _Weight, m: int, interpret: bool, sweep: bool):
+    """(impl, fn, weight copies, launch or None): the scheme as a model runs it; the kernel of its math
+    forced (the W8A16 kernel, or the FP8 GEMM on the activations quantized as the scheme says), with
+    ``sweep`` also at each swept launch; XLA's path for the same QTensor."""
     scheme = wt.scheme
-    out = [("scheme", jax.jit(lambda x, p, s=scheme: s.apply(x, p)), wt.prepared)]
+    out = [("scheme", jax.jit(lambda x, p, s=scheme: s.apply(x, p)), wt.prepared, None)]
     if wt.packed is not None:
-        if isinstance(wt.packed[0], PackedFp8):
-            forced = lambda x, p, s=scheme: fp8_scheme_gemm(s, x, p, impl="mgpu", interpret=interpret)
+        packed = wt.packed[0]
+        if isinstance(packed, PackedFp8):
+            def forced(cfg):
+                return jax.jit(lambda x, p: fp8_scheme_gemm(scheme, x, p, impl="mgpu", config=cfg, interpret=interpret))
         else:
-            forced = lambda x, p: w8a16_matmul(x, p, impl="mgpu", interpret=interpret)
-        out.append(("mgpu", jax.jit(forced), wt.packed))
-    out.append(("xla", jax.jit(lambda x, q, s=scheme: xla_apply(s, x, q, None)), wt.qweight))
+            def forced(cfg):
+                return jax.jit(lambda x, p: w8a16_matmul(x, p, impl="mgpu", config=cfg, interpret=interpret))
+        out.append(("mgpu", forced(None), wt.packed, _launch(m, packed)))
+        for cfg in _sweep(m, packed) if sweep else []:
+            out.append((_label(cfg), forced(cfg), wt.packed, cfg))
+    out.append(("xla", jax.jit(lambda x, q, s=scheme: xla_apply(s, x, q, None)), wt.qweight, None))
     return out
 
 
