@@ -166,7 +166,9 @@ def test_dispatch_and_config():
     assert dispatch.fp8_gemm_impl(1, 90) == dispatch.fp8_gemm_impl(most, 90) == "mgpu"
     assert dispatch.fp8_gemm_impl(most + 1, 90) == dispatch.fp8_gemm_impl(1, 89) == "xla"
     assert default_fp8_config(64, 256).swap_ab and not default_fp8_config(65, 256).swap_ab
-    assert default_fp8_config(256, 256).compute_wgs == 2 and default_fp8_config(256, 256, blocked=True).compute_wgs == 1
+    assert default_fp8_config(256, 256).compute_wgs == 2 and default_fp8_config(255, 256, blocked=True).compute_wgs == 1
+    assert default_fp8_config(256, 256, blocked=True) == Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128,
+                                                                        compute_wgs=2)
     with pytest.raises(ValueError, match="compute_wgs must be 1, or 2"):
         Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, compute_wgs=2)
     with pytest.raises(ValueError, match="block_b must be a multiple of 8"):

@@ -50,7 +50,24 @@ def test_gemm8_bench_refuses_unknown_schemes_and_cpu_without_interpret(tmp_path,
 def test_the_fp8_kernel_forced_computes_the_schemes_math(name):
     w = jax.random.normal(jax.random.key(0), (128, 256), jnp.bfloat16)
     x = jax.random.normal(jax.random.key(1), (9, 256), jnp.bfloat16)
-    cands = {impl: fn(x, copies[0]) for impl, fn, copies in
-             bench._candidates(bench._weight(bench.schemes()[name], w, 1, print), 9, interpret=True)}
+    cands = {impl: fn(x, copies[0]) for impl, fn, copies, _ in
+             bench._candidates(bench._weight(bench.schemes()[name], w, 1, print), 9, interpret=True, sweep=True)}
+    assert set(cands) == {"scheme", "mgpu", "xla"}   # no swept launch below 128 rows
     chex.assert_trees_all_close(cands["mgpu"].astype(jnp.float32), cands["scheme"].astype(jnp.float32),
                                 rtol=2e-2, atol=2e-2)
+
+
+def test_swept_fp8_launches_compute_the_schemes_math():
+    """At 128 rows the block scheme's sweep runs two warpgroups (its default has one): same result."""
+    w = jax.random.normal(jax.random.key(0), (256, 256), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (128, 256), jnp.bfloat16)
+    wt = bench._weight(bench.schemes()["fp8_e4m3_block128x128"], w, 1, print)
+    launches = bench._candidates(wt, 128, interpret=True, sweep=True)
+    swept = [(impl, fn, cfg) for impl, fn, _, cfg in launches if impl.startswith("mgpu ")]
+    assert [cfg.compute_wgs for _, _, cfg in swept] == [2] and swept[0][0] == "mgpu 64x128 wg2 st6"
+    ref = launches[0][1](x, wt.prepared[0]).astype(jnp.float32)
+    chex.assert_trees_all_close(swept[0][1](x, wt.packed[0]).astype(jnp.float32), ref, rtol=2e-2, atol=2e-2)
+    channel = bench._weight(bench.schemes()["fp8_e4m3_channel"], w, 1, print).packed[0]
+    assert [bench._label(c) for c in bench._sweep(4096, channel)] == [
+        "mgpu 64x128 wg1 st4", "mgpu 64x128 wg2 st6", "mgpu 64x256 wg2 st3"]
+    assert bench._sweep(127, channel) == []
