@@ -20,11 +20,14 @@ class Fp8GemmConfig:
     max_concurrent_steps: TMA pipeline depth (each step moves ``BLOCK_K`` of K).
     compute_wgs: 1, or 2 compute warpgroups each owning ``block_a`` rows of a ``2 · block_a``-row x tile
       plus a copy-issuing warpgroup (x as A; ``mosaic_gpu_ws``).
+    grid_tile_width: 0 (the CTA grid in row-major order of its tiles), or with two compute warpgroups
+      the number of x tiles a strip of the grid spans, walked in ``plgpu.planar_snake`` order: the CTAs
+      resident at once then read a few x tiles and weight tiles that fit in L2, not all of x.
 
     Examples:
       >>> from jquant.kernels.fp8_gemm import Fp8GemmConfig
       >>> Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8)
-      Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, max_concurrent_steps=4, compute_wgs=1)
+      Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, max_concurrent_steps=4, compute_wgs=1, grid_tile_width=0)
       >>> Fp8GemmConfig(swap_ab=False, block_a=96, block_b=128)
       Traceback (most recent call last):
           ...
@@ -36,6 +39,7 @@ class Fp8GemmConfig:
     block_b: int
     max_concurrent_steps: int = 4
     compute_wgs: int = 1
+    grid_tile_width: int = 0
 
     def __post_init__(self):
         if self.compute_wgs not in (1, 2) or self.compute_wgs == 2 and self.swap_ab:
@@ -45,6 +49,10 @@ class Fp8GemmConfig:
             raise ValueError(f"Fp8GemmConfig.block_a must be a positive multiple of 64, got {self.block_a!r}")
         if not isinstance(self.block_b, int) or not 8 <= self.block_b <= 256 or self.block_b % 8:
             raise ValueError(f"Fp8GemmConfig.block_b must be a multiple of 8 in [8, 256], got {self.block_b!r}")
+        if not isinstance(self.grid_tile_width, int) or self.grid_tile_width < 0 or (
+                self.grid_tile_width and self.compute_wgs == 1):
+            raise ValueError(f"Fp8GemmConfig.grid_tile_width must be 0, or ≥ 1 with two compute warpgroups, got "
+                             f"{self.grid_tile_width!r}")
         if not isinstance(self.max_concurrent_steps, int) or self.max_concurrent_steps < 2:
             raise ValueError(f"Fp8GemmConfig.max_concurrent_steps must be ≥ 2, got {self.max_concurrent_steps!r}")
 
@@ -69,11 +77,11 @@ def default_fp8_config(m: int, n_pad: int, blocked: bool = False, out_bytes: int
     Examples:
       >>> from jquant.kernels.fp8_gemm import default_fp8_config
       >>> default_fp8_config(1, 4096)
-      Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, max_concurrent_steps=4, compute_wgs=1)
+      Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, max_concurrent_steps=4, compute_wgs=1, grid_tile_width=0)
       >>> default_fp8_config(1, 4096, blocked=True).block_b
       32
       >>> default_fp8_config(128, 4096)
-      Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=4, compute_wgs=1)
+      Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=4, compute_wgs=1, grid_tile_width=0)
       >>> default_fp8_config(4096, 4096).compute_wgs, default_fp8_config(4096, 4096, out_bytes=4).compute_wgs
       (2, 1)
       >>> default_fp8_config(4096, 4096, blocked=True).block_a, default_fp8_config(4096, 4096, blocked=True).compute_wgs

@@ -42,7 +42,10 @@ def fp8_gemm_mgpu_ws(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8Gemm
     def kernel(a_gmem, as_gmem, b_gmem, bs_gmem, *rest):
         bias_gmem = rest[0] if has_bias else None
         out_gmem, vec_a, vec_b, vec_bias, vec_barrier, out_smem = rest[-6:]
-        ia, ib = jax.lax.axis_index("a"), jax.lax.axis_index("b")
+        if cfg.grid_tile_width:
+            ia, ib = plgpu.planar_snake(jax.lax.axis_index("t"), grid, 0, cfg.grid_tile_width)
+        else:
+            ia, ib = jax.lax.axis_index("a"), jax.lax.axis_index("b")
 
         if blocked:
             def step(_, a_smem, b_smem, as_smem, bs_smem, total):
@@ -112,8 +115,10 @@ def fp8_gemm_mgpu_ws(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8Gemm
     scratch = [plgpu.SMEM((wgs, ba), jnp.float32), plgpu.SMEM((wgs, bb), jnp.float32),
                plgpu.SMEM((wgs, bb), jnp.float32), plgpu.Barrier(num_barriers=max(n_vec, 1) * wgs),
                plgpu.SMEM((wgs, ba, bb), out_dtype)]
-    call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((ra, rb), out_dtype), grid=(ra // cta_a, rb // bb),
-                        grid_names=("a", "b"), num_threads=wgs + 1, thread_name="wg", scratch_types=scratch)
+    grid = (ra // cta_a, rb // bb)
+    call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((ra, rb), out_dtype),
+                        **(dict(grid=(grid[0] * grid[1],), grid_names=("t",)) if cfg.grid_tile_width
+                           else dict(grid=grid, grid_names=("a", "b"))), num_threads=wgs + 1, thread_name="wg", scratch_types=scratch)
     args = [a, a_scale, b, b_scale] + ([bias] if has_bias else [])
     if interpret:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(uninitialized_memory="nan")):

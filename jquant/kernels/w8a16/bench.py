@@ -44,10 +44,15 @@ MS = (1, 16, 64, 128, 256, 1024, 4096, 8192)
 # K step's wgmmas before promoting them (bench/results/h100/gemm8.md); its default from M = 256 is now
 # two such warpgroups sharing the weight tile, and the one-warpgroup launch is timed beside it. One K
 # block (756 TFLOP/s at 8192³ on the H100) tries 64 × 256 per warpgroup (3 stages: 208 KB of shared
-# memory). A block launch keeps 64 × 128 per warpgroup: its promoted sum doubles the accumulator.
+# memory). A block launch keeps 64 × 128 per warpgroup: its promoted sum doubles the accumulator. The
+# snake launches walk the grid in strips of 8 x tiles (``grid_tile_width``), so the CTAs resident at once
+# share their tiles in L2 instead of each wave reading all of x.
 FP8_SWEEP = (Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128),
              Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, compute_wgs=2, max_concurrent_steps=6),
-             Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, compute_wgs=2, max_concurrent_steps=3))
+             Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, compute_wgs=2, grid_tile_width=8),
+             Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, compute_wgs=2, max_concurrent_steps=3),
+             Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, compute_wgs=2, max_concurrent_steps=3,
+                           grid_tile_width=8))
 
 
 def schemes() -> dict[str, jquant.Scheme]:
@@ -109,8 +114,9 @@ def _sweep(m: int, packed) -> list:
 
 
 def _label(cfg) -> str:
-    """``mgpu`` and the fields of a swept launch: ``mgpu 64x256 wg2 st3``."""
-    return f"mgpu {cfg.block_a}x{cfg.block_b} wg{cfg.compute_wgs} st{cfg.max_concurrent_steps}"
+    """``mgpu`` and the fields of a swept launch: ``mgpu 64x256 wg2 st3``, ``… snake8``."""
+    snake = f" snake{cfg.grid_tile_width}" if cfg.grid_tile_width else ""
+    return f"mgpu {cfg.block_a}x{cfg.block_b} wg{cfg.compute_wgs} st{cfg.max_concurrent_steps}{snake}"
 
 
 def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
