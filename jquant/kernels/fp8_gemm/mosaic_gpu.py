@@ -115,9 +115,10 @@ def fp8_gemm_mgpu(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8GemmCon
                     plgpu.wgmma_wait(0)
                     return acc_ref[...]
 
-                part = pl.run_scoped(block_dot, plgpu.ACC((ba, bb), jnp.float32))
+                # the step's scales are read before the wgmmas, so their latency hides under them
                 sa = plgpu.load(as_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
                 sb = plgpu.load(bs_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+                part = pl.run_scoped(block_dot, plgpu.ACC((ba, bb), jnp.float32))
                 return total + (part * jax.lax.broadcast_in_dim(sa, (ba, bb), (0,))
                                 * jax.lax.broadcast_in_dim(sb, (ba, bb), (1,)))
 
