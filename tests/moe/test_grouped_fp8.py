@@ -9,7 +9,7 @@ import pytest
 from conftest import ON_GPU
 from cuda_lowering import lower_for_cuda
 from jquant.kernels.moe import QExperts, quantize_expert_weights
-from jquant.kernels.moe.grouped_fp8 import Fp8Experts, grouped_fp8, prepack_fp8_experts
+from jquant.kernels.moe.grouped_fp8 import Fp8Experts, grouped_fp8, grouped_fp8_config, prepack_fp8_experts
 from jquant.models.moe import MoE, quantize_experts
 from jquant.schemes.scheme import get_scheme
 
@@ -32,6 +32,26 @@ def test_kernel_matches_the_experts_xla_path(name, sizes, interpret):
     for r in range(n):
         np.testing.assert_allclose(y[r], ref[r], atol=1e-2 * np.abs(ref[r]).max() + 1e-6, err_msg=f"row {r}")
     assert not y[n:].any()
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3_block128x128", "fp8_e4m3_channel"])
+def test_two_warpgroup_slots_match_the_experts_xla_path(name, interpret):
+    """128-row slots on two warpgroups (prefill's launch): a group over two slots, an empty expert, a
+    group of one partial slot, rows past the groups."""
+    scheme = get_scheme(name)
+    rng = np.random.default_rng()
+    w = rng.standard_normal((4, 256, 256)) * np.array([1e-2, 1.0, 3.0, 0.1])[:, None, None]
+    q = QExperts(quantize_expert_weights(w.astype(np.float32), scheme), scheme)
+    x = jnp.asarray(rng.standard_normal((310, 256)), jnp.bfloat16)
+    sizes = jnp.asarray([140, 0, 130, 30], jnp.int32)
+    cfg = grouped_fp8_config(64 * 128, 64)
+    assert cfg.compute_wgs == 2 and grouped_fp8_config(127 * 64, 64).compute_wgs == 1
+    y = np.asarray(grouped_fp8(x, prepack_fp8_experts(q.weight), sizes, scheme, config=cfg, interpret=interpret),
+                   np.float32)
+    ref = np.asarray(q.apply(x, sizes), np.float32)
+    for r in range(300):
+        np.testing.assert_allclose(y[r], ref[r], atol=1e-2 * np.abs(ref[r]).max() + 1e-6, err_msg=f"row {r}")
+    assert not y[300:].any()
 
 
 def test_moe_layer_on_the_kernel(interpret):
@@ -89,9 +109,10 @@ def test_lowers_for_sm90():
     rng = np.random.default_rng(0)
     packed = prepack_fp8_experts(quantize_expert_weights(rng.standard_normal((4, 1024, 512)).astype(np.float32),
                                                          scheme))
-    text = lower_for_cuda(lambda x, p, s: grouped_fp8(x, p, s, scheme), jnp.ones((100, 512), jnp.bfloat16), packed,
-                          jnp.array([30, 0, 60, 10], jnp.int32))
-    assert "mosaic_gpu" in text
+    for rows in (100, 600):   # 64-row slots on one warpgroup, 128-row slots on two
+        text = lower_for_cuda(lambda x, p, s: grouped_fp8(x, p, s, scheme), jnp.ones((rows, 512), jnp.bfloat16),
+                              packed, jnp.array([30, 0, rows - 40, 10], jnp.int32))
+        assert "mosaic_gpu" in text
 
 
 def test_bad_input_names_the_problem():

@@ -37,7 +37,7 @@ def fp8_gemm_mgpu(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8GemmCon
     swap AB, else B's).
 
     ``slots`` (MoE experts, A = x, not swap AB): int32 ``(expert_ids, counts)``, one entry per
-    ``block_a`` rows of ``a``; ``b``, ``b_scale`` and ``bias`` are stacked per expert (``[E, …]``)
+    ``block_a · compute_wgs`` rows of ``a``; ``b``, ``b_scale`` and ``bias`` are stacked per expert (``[E, …]``)
     and row tile ``i`` multiplies by expert ``expert_ids[i]``'s; a tile of count 0 does nothing."""
     cfg = config
     if jnp.dtype(out_dtype).itemsize > 2 and (cfg.swap_ab or cfg.compute_wgs > 1):
@@ -47,11 +47,9 @@ def fp8_gemm_mgpu(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8GemmCon
         raise ValueError(f"fp8 gemm: block scales need tiles of at least {MIN_SCALE_ROWS} rows on each side (a "
                          f"scale row's TMA copy must land 128-byte aligned), got {cfg}")
     if cfg.compute_wgs > 1:
-        if slots is not None:
-            raise ValueError("fp8 gemm: expert slots run with one compute warpgroup")
         from jquant.kernels.fp8_gemm.mosaic_gpu_ws import fp8_gemm_mgpu_ws
         return fp8_gemm_mgpu_ws(a, a_scale, b, b_scale, bias, out_dtype=out_dtype, config=cfg,
-                                tiles=_tiles(BLOCK_K, 8), interpret=interpret)
+                                tiles=_tiles(BLOCK_K, 8), interpret=interpret, slots=slots)
     if slots is not None and cfg.swap_ab:
         raise ValueError("fp8 gemm: expert slots take x as A (Fp8GemmConfig.swap_ab=False)")
     ba, bb = cfg.block_a, cfg.block_b

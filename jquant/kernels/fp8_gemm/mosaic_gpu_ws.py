@@ -22,14 +22,15 @@ _MEMORY_REGISTERS = 40
 
 
 def fp8_gemm_mgpu_ws(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8GemmConfig, tiles,
-                     interpret: bool = False) -> jax.Array:
+                     interpret: bool = False, slots=None) -> jax.Array:
     """``fp8_gemm_mgpu``'s result (x as A) with ``config.compute_wgs`` compute warpgroups; ``tiles``:
-    the operand tiling transforms (``fp8_gemm_mgpu``'s)."""
+    the operand tiling transforms (``fp8_gemm_mgpu``'s); ``slots`` as ``fp8_gemm_mgpu``'s, one entry
+    per ``compute_wgs · block_a`` rows of ``a``."""
     cfg = config
     wgs, ba, bb = cfg.compute_wgs, cfg.block_a, cfg.block_b
     cta_a = wgs * ba
     ra, k_pad = a.shape
-    rb = b.shape[0]
+    rb = b.shape[-2]
     steps = k_pad // BLOCK_K
     blocks = a_scale.shape[0]
     if cfg.swap_ab or blocks not in (1, steps) or ra % cta_a or rb % bb:
@@ -39,13 +40,25 @@ def fp8_gemm_mgpu_ws(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8Gemm
     has_bias = bias is not None
     n_vec = (0 if blocked else 2) + int(has_bias)   # the epilogue's per-row vectors
 
-    def kernel(a_gmem, as_gmem, b_gmem, bs_gmem, *rest):
-        bias_gmem = rest[0] if has_bias else None
-        out_gmem, vec_a, vec_b, vec_bias, vec_barrier, out_smem = rest[-6:]
+    n_in = 4 + int(has_bias) + (2 if slots is not None else 0)
+
+    def kernel(*refs):
+        a_gmem, as_gmem, b_gmem, bs_gmem = refs[:4]
+        bias_gmem = refs[4] if has_bias else None
         if cfg.grid_tile_width:
             ia, ib = plgpu.planar_snake(jax.lax.axis_index("t"), grid, 0, cfg.grid_tile_width)
         else:
             ia, ib = jax.lax.axis_index("a"), jax.lax.axis_index("b")
+        if slots is None:
+            return body(ia, ib, a_gmem, as_gmem, b_gmem, bs_gmem, bias_gmem, *refs[n_in:])
+        ids_gmem, counts_gmem = refs[n_in - 2:n_in]
+        e = ids_gmem[ia]   # this row tile's expert: its slice of every per-expert input
+        bias_e = None if bias_gmem is None else bias_gmem.at[e]
+        pl.when(counts_gmem[ia] > 0)(
+            lambda: body(ia, ib, a_gmem, as_gmem, b_gmem.at[e], bs_gmem.at[e], bias_e, *refs[n_in:]))
+
+    def body(ia, ib, a_gmem, as_gmem, b_gmem, bs_gmem, bias_gmem, out_gmem, vec_a, vec_b, vec_bias, vec_barrier,
+             out_smem):
 
         if blocked:
             def step(_, a_smem, b_smem, as_smem, bs_smem, total):
@@ -119,8 +132,9 @@ def fp8_gemm_mgpu_ws(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8Gemm
     grid = (ra // cta_a, rb // bb)
     call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((ra, rb), out_dtype),
                         **(dict(grid=(grid[0] * grid[1],), grid_names=("t",)) if cfg.grid_tile_width
-                           else dict(grid=grid, grid_names=("a", "b"))), num_threads=wgs + 1, thread_name="wg", scratch_types=scratch)
-    args = [a, a_scale, b, b_scale] + ([bias] if has_bias else [])
+                           else dict(grid=grid, grid_names=("a", "b"))),
+                        num_threads=wgs + 1, thread_name="wg", scratch_types=scratch)
+    args = [a, a_scale, b, b_scale] + ([bias] if has_bias else []) + (list(slots) if slots is not None else [])
     if interpret:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(uninitialized_memory="nan")):
             return call(*args)

@@ -3,9 +3,9 @@ over expert slots, as ``grouped_w4a16`` runs the W4A16 kernel (``slot_table``).
 
 Activations are quantized as the experts' scheme says (``quantize_activation``: DeepSeek's per-token
 1 × 128 groups for block FP8), so the result is the scheme's W8A8 numerics; the quantized rows and
-their scales are gathered into slots of ``block_a`` rows (x is the wgmma A operand: 64 rows a slot,
-for prefill's many rows per expert), each slot's tile multiplies by its expert's e4m3 weight with
-the block scales promoted per K block, and each row's result is gathered back.
+their scales are gathered into slots of 64 or 128 rows (x is the wgmma A operand;
+``grouped_fp8_config``), each slot's tile multiplies by its expert's e4m3 weight with the block
+scales promoted per K block, and each row's result is gathered back.
 """
 
 from __future__ import annotations
@@ -41,11 +41,27 @@ def prepack_fp8_experts(experts: QTensor) -> PackedFp8:
                             "FP8 GEMM layout (e4m3 per tensor, channel or 128 × 128 blocks)")
 
 
+def grouped_fp8_config(rows: int, num_experts: int) -> Fp8GemmConfig:
+    """The launch for ``rows`` sorted rows over ``num_experts``: slots of 64 rows on one warpgroup
+    (decode, and prefill up to 127 rows an expert under even routing), else slots of 128 rows on two
+    warpgroups of 64 sharing each weight tile, so one promotes its block-scaled sum while the other's
+    wgmmas run (the dense block-FP8 launch from M = 256, ``default_fp8_config``).
+
+    Examples:
+      >>> from jquant.kernels.moe.grouped_fp8 import grouped_fp8_config
+      >>> grouped_fp8_config(64 * 8, 128).compute_wgs, grouped_fp8_config(4096 * 8, 128).compute_wgs
+      (1, 2)
+    """
+    two = -(-rows // max(num_experts, 1)) >= 128
+    return Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, compute_wgs=2 if two else 1)
+
+
 def grouped_fp8(x: jax.Array, packed: PackedFp8, group_sizes: jax.Array, scheme: Scheme, *,
-                block_a: int = 64, interpret: bool = False) -> jax.Array:
+                config: Fp8GemmConfig | None = None, interpret: bool = False) -> jax.Array:
     """``y [T, N]``: the rows of x (sorted by expert) quantized as ``scheme``'s activations say, times
     each expert's e4m3 weight (fp32 accumulation, block scales promoted per K block), in x's dtype;
-    rows past the groups are 0.
+    rows past the groups are 0. ``config``: the FP8 GEMM's launch (x as A; a slot is ``block_a ·
+    compute_wgs`` rows), by default ``grouped_fp8_config``'s.
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np
@@ -72,13 +88,16 @@ def grouped_fp8(x: jax.Array, packed: PackedFp8, group_sizes: jax.Array, scheme:
     xq = quantize_activation(scheme, x)
     scale = xq.scale.dequantize(jnp.float32) if isinstance(xq.scale, QTensor) else xq.scale
     scale = jnp.broadcast_to(scale.astype(jnp.float32), (rows, scale.shape[-1]))
+    cfg = config or grouped_fp8_config(rows, jnp.shape(group_sizes)[0])
+    if cfg.swap_ab:
+        raise ValueError(f"grouped_fp8: expert slots take x as A (swap_ab=False), got {cfg}")
+    block_a = cfg.block_a * cfg.compute_wgs   # rows a slot
     ids, counts, first, where = slot_table(group_sizes, rows, block_a)
     take = jnp.clip(first[:, None] + jnp.arange(block_a, dtype=jnp.int32)[None, :], 0, rows - 1).reshape(-1)
     live = (jnp.arange(block_a)[None, :] < counts[:, None]).reshape(-1, 1)
     codes = jnp.where(live, xq.data[take], jnp.zeros((), xq.data.dtype))
     scales = jnp.where(live, scale[take], 0.0)
     a, a_scale = activation_operands(codes, scales, packed, codes.shape[0])
-    cfg = Fp8GemmConfig(swap_ab=False, block_a=block_a, block_b=128)
     y_slots = fp8_gemm_mgpu(a, a_scale, packed.data, packed.scale, None, out_dtype=x.dtype, config=cfg,
                             interpret=interpret, slots=(ids, counts))
     y = y_slots[jnp.maximum(where, 0), :packed.n]
