@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     g8.add_argument("--schemes", default=None, help="comma list of the 8-bit schemes (default all six)")
     g8.add_argument("--reps", type=int, default=9)
     g8.add_argument("--sweep", action="store_true",
-                    help="also time the FP8 GEMM launches of jquant.kernels.w8a16.bench.FP8_SWEEP (M >= 128)")
+                    help="also time the launches of jquant.kernels.w8a16.bench.FP8_SWEEP (FP8 GEMM, M >= 128) "
+                         "and W8_SWEEP (W8A16 kernel, M >= 256)")
     g8.add_argument("--interpret", action="store_true",
                     help="the forced kernel (the mgpu rows) in interpret mode, so the plumbing runs without a GPU "
                          "(its timings mean nothing); on CPU the scheme rows take XLA's path")

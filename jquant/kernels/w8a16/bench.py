@@ -29,6 +29,7 @@ from jquant.bench.timing import (array_bytes, copies_for, device_hbm_bytes_per_s
 from jquant.kernels.fp8_gemm.config import Fp8GemmConfig, default_fp8_config
 from jquant.kernels.fp8_gemm.from_qtensor import fp8_scheme_gemm, pack_fp8_qtensor
 from jquant.kernels.fp8_gemm.layout import PackedFp8
+from jquant.kernels.w4a16.config import MgpuConfig
 from jquant.kernels.w8a16.api import default_w8_config, w8a16_matmul
 from jquant.kernels.w8a16.from_qtensor import unified_w8
 from jquant.kernels.w8a16.layout import prepack_w8
@@ -53,6 +54,11 @@ FP8_SWEEP = (Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128),
              Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, compute_wgs=2, max_concurrent_steps=3),
              Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, compute_wgs=2, max_concurrent_steps=3,
                            grid_tile_width=8))
+# W8A16 from M = 256: its default takes 128 x rows a CTA, so each weight tile is read and decoded once
+# per 128 rows (0.76-0.93× XLA bf16 at M = 256 on the H200, bench/results/h200/gemm8.md). These take
+# 256 x rows (wgmma's widest N) on two warpgroups of 64 weight rows: each code decoded once per 256.
+W8_SWEEP = tuple(MgpuConfig(block_n=128, block_k=64, block_m=256, max_concurrent_steps=st, compute_wgs=2,
+                            final_output=True) for st in (3, 4))
 
 
 def schemes() -> dict[str, jquant.Scheme]:
@@ -106,15 +112,23 @@ def _launch(m: int, packed):
 
 
 def _sweep(m: int, packed) -> list:
-    """The ``FP8_SWEEP`` launches other than the default that run ``packed`` at ``m`` rows."""
-    if not isinstance(packed, PackedFp8) or m < 128:
-        return []
+    """The ``FP8_SWEEP`` (``W8_SWEEP``) launches other than the default that run ``packed`` at ``m`` rows."""
+    if isinstance(packed, PackedFp8):
+        if m < 128:
+            return []
+        cands = [c for c in FP8_SWEEP if not (packed.blocked and c.block_a * c.block_b > 64 * 128)]
+    else:
+        cands = [c for c in W8_SWEEP if m >= c.block_m and packed.n_pad % c.block_n == 0]
     default = _launch(m, packed)
-    return [c for c in FP8_SWEEP if c != default and not (packed.blocked and c.block_a * c.block_b > 64 * 128)]
+    return [c for c in cands if c != default]
 
 
 def _label(cfg) -> str:
-    """``mgpu`` and the fields of a swept launch: ``mgpu 64x256 wg2 st3``, ``… snake8``."""
+    """``mgpu`` and the fields of a swept launch: ``mgpu 64x256 wg2 st3``, ``… snake8`` (FP8 GEMM: x rows
+    × weight rows a warpgroup), ``mgpu n128 k64 m256 wg2 st3`` (W8A16: a CTA's weight rows, K a step, x rows)."""
+    if isinstance(cfg, MgpuConfig):
+        return (f"mgpu n{cfg.block_n} k{cfg.block_k} m{cfg.block_m} wg{cfg.compute_wgs} "
+                f"st{cfg.max_concurrent_steps}")
     snake = f" snake{cfg.grid_tile_width}" if cfg.grid_tile_width else ""
     return f"mgpu {cfg.block_a}x{cfg.block_b} wg{cfg.compute_wgs} st{cfg.max_concurrent_steps}{snake}"
 

@@ -74,3 +74,19 @@ def test_swept_fp8_launches_compute_the_schemes_math():
         "mgpu 64x128 wg1 st4", "mgpu 64x128 wg2 st6", "mgpu 64x128 wg2 st4 snake8", "mgpu 64x256 wg2 st3",
         "mgpu 128x128 wg2 st3 snake8"]
     assert bench._sweep(127, channel) == []
+
+
+def test_swept_w8a16_launches_compute_the_schemes_math():
+    """256 x rows a CTA on two warpgroups (W8_SWEEP) beside the default at M = 256: the scheme's result."""
+    w = jax.random.normal(jax.random.key(0), (256, 256), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (256, 256), jnp.bfloat16)
+    wt = bench._weight(bench.schemes()["int8_ch"], w, 1, print)
+    launches = bench._candidates(wt, 256, interpret=True, sweep=True)
+    swept = [(impl, fn) for impl, fn, _, _ in launches if impl.startswith("mgpu ")]
+    assert [impl for impl, _ in swept] == ["mgpu n128 k64 m256 wg2 st3", "mgpu n128 k64 m256 wg2 st4"]
+    ref = launches[0][1](x, wt.prepared[0]).astype(jnp.float32)
+    # K = 256 sums of ~±3 reach ~70, where a bf16 step is 0.25: the kernel's other summation order may
+    # round there the other way (the default launch does too)
+    chex.assert_trees_all_close(swept[0][1](x, wt.packed[0]).astype(jnp.float32), ref, rtol=1e-2,
+                                atol=1e-2 * float(jnp.abs(ref).max()))
+    assert bench._sweep(255, wt.packed[0]) == []
