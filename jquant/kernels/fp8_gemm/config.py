@@ -65,14 +65,17 @@ MIN_SCALE_ROWS = 32
 
 def default_fp8_config(m: int, n_pad: int, blocked: bool = False, out_bytes: int = 2) -> Fp8GemmConfig:
     """A launch for ``m`` rows of x, a weight of ``n_pad`` rows (a multiple of 256) and an output of
-    ``out_bytes`` per value. Not yet tuned on a GPU: swap AB up to 64 rows (the weight's bytes bound
-    the step, as in the W4A16 kernel; with block scales at least ``MIN_SCALE_ROWS`` x rows); above,
-    128 × 128 tiles 4 deep, whose fp32 accumulator takes 128 of a thread's 255 registers; from M =
-    256, two compute warpgroups of 128 × 128 sharing each weight tile (3 deep: 208 KB of shared
-    memory); with block scales (``blocked``) 64 × 128 per warpgroup, since the promoted sum needs a
-    second accumulator, and from M = 256 two of them sharing each weight tile, so one promotes while
-    the other's wgmmas run. An fp32 output (``out_bytes=4``) takes x as A with one warpgroup: its
-    transposed store does not lower and its tiles overflow the two-warpgroup launch's shared memory.
+    ``out_bytes`` per value: swap AB up to 64 rows (the weight's bytes bound the step, as in the W4A16
+    kernel; with block scales at least ``MIN_SCALE_ROWS`` x rows); above, 128 × 128 tiles 4 deep,
+    whose fp32 accumulator takes 128 of a thread's 255 registers. From M = 256 two compute
+    warpgroups share each weight tile beside a copy-issuing one: 64 × 256 each, 3 deep (208 KB of
+    shared memory) with one K block; with block scales (``blocked``, from M = 128 on one warpgroup)
+    64 × 128 each, since the promoted sum is a second accumulator, so one promotes while the other's
+    wgmmas run, over a snake grid in strips of 8 x tiles. On the H100 (bench/results/h100/
+    gemm8_fp8_sweep.md) that block launch took 1925 µs at 8192³ against 2913 with one warpgroup and
+    2049 in grid order, and the 64 × 256 one 1277 µs against 1363 for 128 × 128. An fp32 output
+    (``out_bytes=4``) takes x as A with one warpgroup: its transposed store does not lower and its
+    tiles overflow the two-warpgroup launch's shared memory.
 
     Examples:
       >>> from jquant.kernels.fp8_gemm import default_fp8_config
@@ -82,10 +85,12 @@ def default_fp8_config(m: int, n_pad: int, blocked: bool = False, out_bytes: int
       32
       >>> default_fp8_config(128, 4096)
       Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=4, compute_wgs=1, grid_tile_width=0)
-      >>> default_fp8_config(4096, 4096).compute_wgs, default_fp8_config(4096, 4096, out_bytes=4).compute_wgs
-      (2, 1)
-      >>> default_fp8_config(4096, 4096, blocked=True).block_a, default_fp8_config(4096, 4096, blocked=True).compute_wgs
-      (64, 2)
+      >>> default_fp8_config(4096, 4096)
+      Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, max_concurrent_steps=3, compute_wgs=2, grid_tile_width=0)
+      >>> default_fp8_config(4096, 4096, out_bytes=4).compute_wgs
+      1
+      >>> default_fp8_config(4096, 4096, blocked=True)
+      Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, max_concurrent_steps=4, compute_wgs=2, grid_tile_width=8)
     """
     del n_pad   # a multiple of 256: every block_b here divides it
     if out_bytes == 4:
@@ -95,8 +100,10 @@ def default_fp8_config(m: int, n_pad: int, blocked: bool = False, out_bytes: int
         rows = max(MIN_SCALE_ROWS if blocked else 8, -(-m // 8) * 8)
         return Fp8GemmConfig(swap_ab=True, block_a=64, block_b=rows, max_concurrent_steps=4)
     if blocked:
-        return Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, max_concurrent_steps=4,
-                             compute_wgs=2 if m >= 256 else 1)
+        if m >= 256:
+            return Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, max_concurrent_steps=4, compute_wgs=2,
+                                 grid_tile_width=8)
+        return Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, max_concurrent_steps=4)
     if m >= 256:
-        return Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=3, compute_wgs=2)
+        return Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, max_concurrent_steps=3, compute_wgs=2)
     return Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=4)

@@ -41,18 +41,17 @@ SHAPES = ((28672, 8192), (8192, 28672), (8192, 8192), (4096, 4096))
 DEEPSEEK_SHAPES = ((7168, 2048), (2112, 7168), (24576, 1536), (7168, 16384))
 MS = (1, 16, 64, 128, 256, 1024, 4096, 8192)
 # ``jquant bench gemm8 --sweep``: FP8 GEMM launches (x as A, so M ≥ 128) timed beside the default in each
-# cell. Block FP8 took 330-385 TFLOP/s at M ≥ 4096 with one warpgroup of 64 × 128 that waits for every
-# K step's wgmmas before promoting them (bench/results/h100/gemm8.md); its default from M = 256 is now
-# two such warpgroups sharing the weight tile, and the one-warpgroup launch is timed beside it. One K
-# block (756 TFLOP/s at 8192³ on the H100) tries 64 × 256 per warpgroup (3 stages: 208 KB of shared
-# memory). A block launch keeps 64 × 128 per warpgroup: its promoted sum doubles the accumulator. The
-# snake launches walk the grid in strips of 8 x tiles (``grid_tile_width``), so the CTAs resident at once
-# share their tiles in L2 instead of each wave reading all of x.
+# cell. On the H100 (bench/results/h100/gemm8_fp8_sweep.md) block FP8 went from 368-377 TFLOP/s with one
+# warpgroup of 64 × 128 (it waits for every K step's wgmmas before promoting them) to 537 with two sharing
+# the weight tile and 543-571 walking the grid in snake strips of 8 x tiles (the default now); one K block
+# from 807-810 (128 × 128 a warpgroup) to 854-861 with 64 × 256 (the default now). The sweep keeps those
+# launches beside the defaults and adds 64 × 256 on the snake grid. A block launch keeps 64 × 128 a
+# warpgroup: its promoted sum doubles the accumulator.
 FP8_SWEEP = (Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128),
-             Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, compute_wgs=2, max_concurrent_steps=6),
+             Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, compute_wgs=2),
              Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, compute_wgs=2, grid_tile_width=8),
-             Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, compute_wgs=2, max_concurrent_steps=3),
-             Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, compute_wgs=2, max_concurrent_steps=3,
+             Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, compute_wgs=2, max_concurrent_steps=3),
+             Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, compute_wgs=2, max_concurrent_steps=3,
                            grid_tile_width=8))
 # W8A16 from M = 256: its default takes 128 x rows a CTA, so each weight tile is read and decoded once
 # per 128 rows (0.76-0.93× XLA bf16 at M = 256 on the H200, bench/results/h200/gemm8.md). These take

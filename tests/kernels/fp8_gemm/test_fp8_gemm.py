@@ -185,16 +185,32 @@ def test_dispatch_and_config():
     most = dispatch.FP8_GEMM_MGPU_MAX_M
     assert dispatch.fp8_gemm_impl(1, 90) == dispatch.fp8_gemm_impl(most, 90) == "mgpu"
     assert dispatch.fp8_gemm_impl(most + 1, 90) == dispatch.fp8_gemm_impl(1, 89) == "xla"
+    large = dispatch.FP8_GEMM_MGPU_MIN_LARGE_M
+    assert dispatch.fp8_gemm_impl(large - 1, 90) == "xla" and dispatch.fp8_gemm_impl(large, 90) == "mgpu"
+    assert dispatch.fp8_gemm_impl(large, 89) == dispatch.fp8_gemm_impl(large, 90, token_scales=False) == "xla"
     assert default_fp8_config(64, 256).swap_ab and not default_fp8_config(65, 256).swap_ab
     assert default_fp8_config(256, 256).compute_wgs == 2 and default_fp8_config(255, 256, blocked=True).compute_wgs == 1
     assert default_fp8_config(256, 256, blocked=True) == Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128,
-                                                                        compute_wgs=2)
+                                                                        compute_wgs=2, grid_tile_width=8)
     with pytest.raises(ValueError, match="compute_wgs must be 1, or 2"):
         Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, compute_wgs=2)
     with pytest.raises(ValueError, match="grid_tile_width must be 0, or ≥ 1 with two compute warpgroups"):
         Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, grid_tile_width=4)
     with pytest.raises(ValueError, match="block_b must be a multiple of 8"):
         Fp8GemmConfig(swap_ab=True, block_a=64, block_b=4)
+
+
+def test_the_dispatch_knows_a_scale_per_tensor_from_per_token_scales(monkeypatch):
+    """From FP8_GEMM_MGPU_MIN_LARGE_M rows only per-token activation scales take the kernel: fp8_gemm
+    tells the dispatch which it has."""
+    seen = []
+    monkeypatch.setattr(dispatch, "fp8_gemm_impl",
+                        lambda m, cc, blocked=False, token_scales=True: seen.append(token_scales) or "xla")
+    p = prepack_fp8(jnp.ones((256, 128), jnp.float8_e4m3fn), jnp.ones(256))
+    xq = jnp.ones((4, 128), jnp.float8_e4m3fn)
+    for xs in (0.5, jnp.full((1, 1), 0.5), jnp.full((4, 1), 0.5), jnp.full(4, 0.5)):
+        fp8_gemm(xq, xs, p)
+    assert seen == [False, False, True, True]
 
 
 def test_bad_input_names_the_problem():
@@ -237,7 +253,8 @@ def test_xla_path_uses_the_fp8_dot_where_there_is_one(monkeypatch):
 
 def test_fp8_schemes_run_xla_on_the_kernel_layout_where_the_kernel_does_not(monkeypatch):
     """W8A8 FP8 schemes lay their weights out for the FP8 GEMM on Hopper; where fp8_gemm_impl picks XLA
-    (block scales below FP8_BLOCK_MGPU_MIN_M rows, one K block above FP8_GEMM_MGPU_MAX_M rows) XLA's
+    (block scales below FP8_BLOCK_MGPU_MIN_M rows, one K block between FP8_GEMM_MGPU_MAX_M and
+    FP8_GEMM_MGPU_MIN_LARGE_M rows) XLA's
     FP8 dot runs on that layout, the scheme's own XLA path bit for bit."""
     hopper = type("Dev", (), {"platform": "gpu", "device_kind": "H100", "compute_capability": "9.0"})()
     block, channel = jquant.get_scheme("fp8_e4m3_block128x128"), jquant.get_scheme("fp8_e4m3_channel")
@@ -246,7 +263,7 @@ def test_fp8_schemes_run_xla_on_the_kernel_layout_where_the_kernel_does_not(monk
     assert dispatch.fp8_gemm_impl(least, 90, blocked=True) == "mgpu"
     assert dispatch.fp8_gemm_impl(least - 1, 90, blocked=True) == "xla"
     assert dispatch.fp8_gemm_impl(4096, 89, blocked=True) == "xla"
-    assert dispatch.fp8_gemm_impl(4096, 90) == "xla"
+    assert dispatch.fp8_gemm_impl(dispatch.FP8_GEMM_MGPU_MIN_LARGE_M - 1, 90) == "xla"
     rng = np.random.default_rng()
     monkeypatch.setattr(dispatch, "native_fp8_dot", lambda device=None: True)
     bias = jnp.asarray(rng.standard_normal(384), jnp.float32)
