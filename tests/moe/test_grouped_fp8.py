@@ -1,6 +1,8 @@
 """The grouped FP8 W8A8 GEMM (the FP8 Mosaic GPU GEMM over expert slots): interpret mode against the
 experts' own XLA path (same W8A8 numerics), the MoE layer on it, sm_90 lowering on CPU, bad input."""
 
+import dataclasses
+
 import chex
 import jax.numpy as jnp
 import numpy as np
@@ -34,10 +36,11 @@ def test_kernel_matches_the_experts_xla_path(name, sizes, interpret):
     assert not y[n:].any()
 
 
+@pytest.mark.parametrize("ctas", [0, 3], ids=["grid", "persistent"])
 @pytest.mark.parametrize("name", ["fp8_e4m3_block128x128", "fp8_e4m3_channel"])
-def test_two_warpgroup_slots_match_the_experts_xla_path(name, interpret):
-    """128-row slots on two warpgroups (prefill's launch): a group over two slots, an empty expert, a
-    group of one partial slot, rows past the groups."""
+def test_two_warpgroup_slots_match_the_experts_xla_path(name, ctas, interpret):
+    """128-row slots on two warpgroups (prefill's launch), in grid order and on 3 persistent CTAs: a
+    group over two slots, an empty expert, a group of one partial slot, rows past the groups."""
     scheme = get_scheme(name)
     rng = np.random.default_rng()
     w = rng.standard_normal((4, 256, 256)) * np.array([1e-2, 1.0, 3.0, 0.1])[:, None, None]
@@ -46,6 +49,7 @@ def test_two_warpgroup_slots_match_the_experts_xla_path(name, interpret):
     sizes = jnp.asarray([140, 0, 130, 30], jnp.int32)
     cfg = grouped_fp8_config(64 * 128, 64)
     assert cfg.compute_wgs == 2 and grouped_fp8_config(127 * 64, 64).compute_wgs == 1
+    cfg = dataclasses.replace(cfg, persistent_ctas=ctas)
     y = np.asarray(grouped_fp8(x, prepack_fp8_experts(q.weight), sizes, scheme, config=cfg, interpret=interpret),
                    np.float32)
     ref = np.asarray(q.apply(x, sizes), np.float32)

@@ -23,11 +23,14 @@ class Fp8GemmConfig:
     grid_tile_width: 0 (the CTA grid in row-major order of its tiles), or with two compute warpgroups
       the number of x tiles a strip of the grid spans, walked in ``plgpu.planar_snake`` order: the CTAs
       resident at once then read a few x tiles and weight tiles that fit in L2, not all of x.
+    persistent_ctas: 0 (a CTA per output tile), or with two compute warpgroups that many CTAs (the
+      SMs: 132 on the H100 and H200), each looping over tiles with its pipeline allocated once, so the
+      copy warpgroup loads a tile's first K steps while the compute ones store the last tile.
 
     Examples:
       >>> from jquant.kernels.fp8_gemm import Fp8GemmConfig
       >>> Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8)
-      Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, max_concurrent_steps=4, compute_wgs=1, grid_tile_width=0)
+      Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, max_concurrent_steps=4, compute_wgs=1, grid_tile_width=0, persistent_ctas=0)
       >>> Fp8GemmConfig(swap_ab=False, block_a=96, block_b=128)
       Traceback (most recent call last):
           ...
@@ -40,6 +43,7 @@ class Fp8GemmConfig:
     max_concurrent_steps: int = 4
     compute_wgs: int = 1
     grid_tile_width: int = 0
+    persistent_ctas: int = 0
 
     def __post_init__(self):
         if self.compute_wgs not in (1, 2) or self.compute_wgs == 2 and self.swap_ab:
@@ -53,6 +57,10 @@ class Fp8GemmConfig:
                 self.grid_tile_width and self.compute_wgs == 1):
             raise ValueError(f"Fp8GemmConfig.grid_tile_width must be 0, or ≥ 1 with two compute warpgroups, got "
                              f"{self.grid_tile_width!r}")
+        if not isinstance(self.persistent_ctas, int) or self.persistent_ctas < 0 or (
+                self.persistent_ctas and self.compute_wgs == 1):
+            raise ValueError(f"Fp8GemmConfig.persistent_ctas must be 0, or ≥ 1 with two compute warpgroups, got "
+                             f"{self.persistent_ctas!r}")
         if not isinstance(self.max_concurrent_steps, int) or self.max_concurrent_steps < 2:
             raise ValueError(f"Fp8GemmConfig.max_concurrent_steps must be ≥ 2, got {self.max_concurrent_steps!r}")
 
@@ -80,17 +88,17 @@ def default_fp8_config(m: int, n_pad: int, blocked: bool = False, out_bytes: int
     Examples:
       >>> from jquant.kernels.fp8_gemm import default_fp8_config
       >>> default_fp8_config(1, 4096)
-      Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, max_concurrent_steps=4, compute_wgs=1, grid_tile_width=0)
+      Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, max_concurrent_steps=4, compute_wgs=1, grid_tile_width=0, persistent_ctas=0)
       >>> default_fp8_config(1, 4096, blocked=True).block_b
       32
       >>> default_fp8_config(128, 4096)
-      Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=4, compute_wgs=1, grid_tile_width=0)
+      Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=4, compute_wgs=1, grid_tile_width=0, persistent_ctas=0)
       >>> default_fp8_config(4096, 4096)
-      Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, max_concurrent_steps=3, compute_wgs=2, grid_tile_width=0)
+      Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, max_concurrent_steps=3, compute_wgs=2, grid_tile_width=0, persistent_ctas=0)
       >>> default_fp8_config(4096, 4096, out_bytes=4).compute_wgs
       1
       >>> default_fp8_config(4096, 4096, blocked=True)
-      Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, max_concurrent_steps=4, compute_wgs=2, grid_tile_width=8)
+      Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, max_concurrent_steps=4, compute_wgs=2, grid_tile_width=8, persistent_ctas=0)
     """
     del n_pad   # a multiple of 256: every block_b here divides it
     if out_bytes == 4:

@@ -44,24 +44,48 @@ def fp8_gemm_mgpu_ws(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8Gemm
 
     n_in = 4 + int(has_bias) + (2 if slots is not None else 0)
 
+    def tile_index(lin):
+        """(x tile, weight tile) of the ``lin``-th tile: planar-snake strips or grid order (x minor)."""
+        if cfg.grid_tile_width:
+            return plgpu.planar_snake(lin, grid, 0, cfg.grid_tile_width)
+        return jax.lax.rem(lin, grid[0]), jax.lax.div(lin, grid[0])
+
     def kernel(*refs):
         a_gmem, as_gmem, b_gmem, bs_gmem = refs[:4]
         bias_gmem = refs[4] if has_bias else None
-        if cfg.grid_tile_width:
-            ia, ib = plgpu.planar_snake(jax.lax.axis_index("t"), grid, 0, cfg.grid_tile_width)
-        else:
-            ia, ib = jax.lax.axis_index("a"), jax.lax.axis_index("b")
-        if slots is None:
-            return body(ia, ib, a_gmem, as_gmem, b_gmem, bs_gmem, bias_gmem, *refs[n_in:])
-        ids_gmem, counts_gmem = refs[n_in - 2:n_in]
-        e = ids_gmem[ia]   # this row tile's expert: its slice of every per-expert input
-        bias_e = None if bias_gmem is None else bias_gmem.at[e]
-        pl.when(counts_gmem[ia] > 0)(
-            lambda: body(ia, ib, a_gmem, as_gmem, b_gmem.at[e], bs_gmem.at[e], bias_e, *refs[n_in:]))
+        ids_gmem, counts_gmem = refs[n_in - 2:n_in] if slots is not None else (None, None)
 
-    def body(ia, ib, a_gmem, as_gmem, b_gmem, bs_gmem, bias_gmem, out_gmem, vec_a, vec_b, vec_bias, vec_barrier,
-             out_smem):
+        def run_tile(ia, ib, allocations=None):
+            if slots is None:
+                return body(ia, ib, a_gmem, as_gmem, b_gmem, bs_gmem, bias_gmem, *refs[n_in:], allocations)
+            e = ids_gmem[ia]   # this row tile's expert: its slice of every per-expert input
+            bias_e = None if bias_gmem is None else bias_gmem.at[e]
+            pl.when(counts_gmem[ia] > 0)(lambda: body(ia, ib, a_gmem, as_gmem, b_gmem.at[e], bs_gmem.at[e], bias_e,
+                                                      *refs[n_in:], allocations))
 
+        if not cfg.persistent_ctas:
+            if cfg.grid_tile_width:
+                return run_tile(*tile_index(jax.lax.axis_index("t")))
+            return run_tile(jax.lax.axis_index("a"), jax.lax.axis_index("b"))
+
+        # Persistent: each CTA loops over tiles with the pipeline's buffers and barriers allocated once,
+        # so the copy warpgroup loads the next tile's first steps while the compute ones store this one's.
+        b_one = b_gmem if slots is None else b_gmem.at[0]
+        bs_one = bs_gmem if slots is None else bs_gmem.at[0]
+        allocs = pipeline(0, 0, None).get_allocations(*pipeline_operands(a_gmem, as_gmem, b_one, bs_one))
+
+        def loop(allocations):
+            @plgpu.nd_loop((grid[0] * grid[1],), collective_axes="t")
+            def _(info):
+                run_tile(*tile_index(info.index[0]), allocations)
+
+        pl.run_scoped(loop, allocs, collective_axes="wg")
+
+    def pipeline_operands(a_gmem, as_gmem, b_gmem, bs_gmem):
+        return [a_gmem, b_gmem] + ([as_gmem, bs_gmem] if blocked else [])
+
+    def pipeline(ia, ib, compute_context):
+        """The K-step pipeline of tile (``ia``, ``ib``)."""
         if blocked:
             def step(_, a_smem, b_smem, as_smem, bs_smem, total):
                 wg = jax.lax.axis_index("wg")
@@ -84,6 +108,19 @@ def fp8_gemm_mgpu_ws(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8Gemm
                 plgpu.wgmma_wait(1)   # one wgmma in flight; both tiles are released a step late
                 return acc_ref
 
+        in_specs = [plgpu.BlockSpec((cta_a, BLOCK_K), lambda t: (ia, t), transforms=tiles,
+                                    delay_release=0 if blocked else 1),
+                    plgpu.BlockSpec((bb, BLOCK_K), lambda t: (ib, t), transforms=tiles,
+                                    delay_release=0 if blocked else 1)]
+        if blocked:
+            in_specs += [plgpu.BlockSpec((1, cta_a), lambda t: (t, ia)), plgpu.BlockSpec((1, bb), lambda t: (t, ib))]
+        return plgpu.emit_pipeline_warp_specialized(
+            step, grid=(steps,), memory_registers=_MEMORY_REGISTERS, in_specs=in_specs,
+            wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=max(2, min(cfg.max_concurrent_steps, steps)),
+            compute_context=compute_context)
+
+    def body(ia, ib, a_gmem, as_gmem, b_gmem, bs_gmem, bias_gmem, out_gmem, vec_a, vec_b, vec_bias, vec_barrier,
+             out_smem, allocations):
         def compute_context(eval_pipeline):
             wg = jax.lax.axis_index("wg")
             row0 = ia * cta_a + wg * ba
@@ -114,27 +151,20 @@ def fp8_gemm_mgpu_ws(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8Gemm
             plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[pl.ds(row0, ba), cols])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        in_specs = [plgpu.BlockSpec((cta_a, BLOCK_K), lambda t: (ia, t), transforms=tiles,
-                                    delay_release=0 if blocked else 1),
-                    plgpu.BlockSpec((bb, BLOCK_K), lambda t: (ib, t), transforms=tiles,
-                                    delay_release=0 if blocked else 1)]
-        operands = [a_gmem, b_gmem]
-        if blocked:
-            in_specs += [plgpu.BlockSpec((1, cta_a), lambda t: (t, ia)), plgpu.BlockSpec((1, bb), lambda t: (t, ib))]
-            operands += [as_gmem, bs_gmem]
-        plgpu.emit_pipeline_warp_specialized(
-            step, grid=(steps,), memory_registers=_MEMORY_REGISTERS, in_specs=in_specs,
-            wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=max(2, min(cfg.max_concurrent_steps, steps)),
-            compute_context=compute_context,
-        )(*operands)
+        pipeline(ia, ib, compute_context)(*pipeline_operands(a_gmem, as_gmem, b_gmem, bs_gmem),
+                                          allocations=allocations)
 
     scratch = [plgpu.SMEM((wgs, ba), jnp.float32), plgpu.SMEM((wgs, bb), jnp.float32),
                plgpu.SMEM((wgs, bb), jnp.float32), plgpu.Barrier(num_barriers=max(n_vec, 1) * wgs),
                plgpu.SMEM((wgs, ba, bb), out_dtype)]
     grid = (ra // cta_a, rb // bb)
-    call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((ra, rb), out_dtype),
-                        **(dict(grid=(grid[0] * grid[1],), grid_names=("t",)) if cfg.grid_tile_width
-                           else dict(grid=grid, grid_names=("a", "b"))),
+    if cfg.persistent_ctas:
+        launch = dict(grid=(min(cfg.persistent_ctas, grid[0] * grid[1]),), grid_names=("t",))
+    elif cfg.grid_tile_width:
+        launch = dict(grid=(grid[0] * grid[1],), grid_names=("t",))
+    else:
+        launch = dict(grid=grid, grid_names=("a", "b"))
+    call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((ra, rb), out_dtype), **launch,
                         num_threads=wgs + 1, thread_name="wg", scratch_types=scratch)
     args = [a, a_scale, b, b_scale] + ([bias] if has_bias else []) + (list(slots) if slots is not None else [])
     if interpret:

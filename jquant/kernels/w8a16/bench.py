@@ -45,14 +45,19 @@ MS = (1, 16, 64, 128, 256, 1024, 4096, 8192)
 # warpgroup of 64 × 128 (it waits for every K step's wgmmas before promoting them) to 537 with two sharing
 # the weight tile and 543-571 walking the grid in snake strips of 8 x tiles (the default now); one K block
 # from 807-810 (128 × 128 a warpgroup) to 854-861 with 64 × 256 (the default now). The sweep keeps those
-# launches beside the defaults and adds 64 × 256 on the snake grid. A block launch keeps 64 × 128 a
-# warpgroup: its promoted sum doubles the accumulator.
+# launches beside the defaults and adds 64 × 256 on the snake grid and both on 132 persistent CTAs (one
+# an SM of the H100 and H200; the next tile's loads overlap this one's epilogue). A block launch keeps
+# 64 × 128 a warpgroup: its promoted sum doubles the accumulator.
 FP8_SWEEP = (Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128),
              Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, compute_wgs=2),
              Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, compute_wgs=2, grid_tile_width=8),
              Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, compute_wgs=2, max_concurrent_steps=3),
              Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, compute_wgs=2, max_concurrent_steps=3,
-                           grid_tile_width=8))
+                           grid_tile_width=8),
+             Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, compute_wgs=2, grid_tile_width=8,
+                           persistent_ctas=132),
+             Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, compute_wgs=2, max_concurrent_steps=3,
+                           grid_tile_width=8, persistent_ctas=132))
 # W8A16 from M = 256: its default takes 128 x rows a CTA, so each weight tile is read and decoded once
 # per 128 rows (0.76-0.93× XLA bf16 at M = 256 on the H200, bench/results/h200/gemm8.md). These take
 # 256 x rows (wgmma's widest N) on two warpgroups of 64 weight rows: each code decoded once per 256.
@@ -123,13 +128,14 @@ def _sweep(m: int, packed) -> list:
 
 
 def _label(cfg) -> str:
-    """``mgpu`` and the fields of a swept launch: ``mgpu 64x256 wg2 st3``, ``… snake8`` (FP8 GEMM: x rows
+    """``mgpu`` and the fields of a swept launch: ``mgpu 64x256 wg2 st3``, ``… snake8 p132`` (FP8 GEMM: x rows
     × weight rows a warpgroup), ``mgpu n128 k64 m256 wg2 st3`` (W8A16: a CTA's weight rows, K a step, x rows)."""
     if isinstance(cfg, MgpuConfig):
         return (f"mgpu n{cfg.block_n} k{cfg.block_k} m{cfg.block_m} wg{cfg.compute_wgs} "
                 f"st{cfg.max_concurrent_steps}")
     snake = f" snake{cfg.grid_tile_width}" if cfg.grid_tile_width else ""
-    return f"mgpu {cfg.block_a}x{cfg.block_b} wg{cfg.compute_wgs} st{cfg.max_concurrent_steps}{snake}"
+    ctas = f" p{cfg.persistent_ctas}" if cfg.persistent_ctas else ""
+    return f"mgpu {cfg.block_a}x{cfg.block_b} wg{cfg.compute_wgs} st{cfg.max_concurrent_steps}{snake}{ctas}"
 
 
 def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,

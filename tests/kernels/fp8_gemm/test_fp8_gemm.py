@@ -70,17 +70,20 @@ def test_kernel_matches_float64(blocks, m, n, k, interpret):
                                 rtol=8e-3, atol=1e-3 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("width,ctas", [(2, 0), (2, 5), (0, 5)], ids=["snake", "snake-persistent", "persistent"])
 @pytest.mark.parametrize("blocks", [False, True], ids=["token-channel", "block128"])
-def test_snake_grid_covers_every_tile_once(blocks, interpret):
-    """Two-warpgroup launches walking the grid in strips of 2 x tiles over 3 x tiles (the last strip
-    narrower) and 4 weight tiles: every output tile written once, as in grid order."""
+def test_snake_and_persistent_grids_cover_every_tile_once(blocks, width, ctas, interpret):
+    """Two-warpgroup launches over 3 x tiles and 4 weight tiles walking the grid in strips of 2 x tiles
+    (the last strip narrower), and/or 5 persistent CTAs looping over the 12 tiles (unevenly): every
+    output tile written once, as in grid order."""
     rng = np.random.default_rng()
     m, n, k = 300, 512, 256
     w = (rng.standard_normal((n, k)) * 8).astype(ml_dtypes.float8_e4m3fn)
     ws = rng.uniform(1e-3, 1e-2, (n // 128, k // 128) if blocks else n).astype(np.float32)
     xq = jnp.asarray(rng.standard_normal((m, k)) * 8, jnp.float8_e4m3fn)
     xs = jnp.asarray(rng.uniform(1e-3, 1e-2, (m, k // 128) if blocks else (m, 1)), jnp.float32)
-    cfg = Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, compute_wgs=2, grid_tile_width=2)
+    cfg = Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, compute_wgs=2, grid_tile_width=width,
+                        persistent_ctas=ctas)
     p = prepack_fp8(w, ws)
     y = fp8_gemm(xq, xs, p, impl=_impl(interpret), config=cfg, interpret=interpret)
     ref = _float64(xq, xs, w, ws, blocks)
@@ -196,6 +199,8 @@ def test_dispatch_and_config():
         Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, compute_wgs=2)
     with pytest.raises(ValueError, match="grid_tile_width must be 0, or ≥ 1 with two compute warpgroups"):
         Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, grid_tile_width=4)
+    with pytest.raises(ValueError, match="persistent_ctas must be 0, or ≥ 1 with two compute warpgroups"):
+        Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, persistent_ctas=132)
     with pytest.raises(ValueError, match="block_b must be a multiple of 8"):
         Fp8GemmConfig(swap_ab=True, block_a=64, block_b=4)
 

@@ -72,21 +72,24 @@ def test_the_fp8_kernel_forced_computes_the_schemes_math(name, interpret):
 
 
 def test_swept_fp8_launches_compute_the_schemes_math(interpret):
-    """At 128 rows the block scheme's sweep runs two warpgroups (its default has one), in grid order and
-    as a snake (one x tile, 2 weight tiles: a strip wider than the grid): the scheme's result."""
+    """At 128 rows the block scheme's sweep runs two warpgroups (its default has one), in grid order, as
+    a snake (one x tile, 2 weight tiles: a strip wider than the grid) and persistent (more CTAs than
+    tiles): the scheme's result."""
     w = jax.random.normal(jax.random.key(0), (256, 256), jnp.bfloat16)
     x = jax.random.normal(jax.random.key(1), (128, 256), jnp.bfloat16)
     wt = bench._weight(bench.schemes()["fp8_e4m3_block128x128"], w, 1, print)
     launches = bench._candidates(wt, 128, interpret=interpret, sweep=True)
     swept = [(impl, fn, cfg) for impl, fn, _, cfg in launches if impl.startswith("mgpu ")]
-    assert [impl for impl, _, _ in swept] == ["mgpu 64x128 wg2 st4", "mgpu 64x128 wg2 st4 snake8"]
+    assert [impl for impl, _, _ in swept] == ["mgpu 64x128 wg2 st4", "mgpu 64x128 wg2 st4 snake8",
+                                              "mgpu 64x128 wg2 st4 snake8 p132"]
     ref = launches[0][1](x, wt.prepared[0]).astype(jnp.float32)
     for _, fn, _ in swept:
         chex.assert_trees_all_close(fn(x, wt.packed[0]).astype(jnp.float32), ref, rtol=2e-2, atol=_atol(ref))
     channel = bench._weight(bench.schemes()["fp8_e4m3_channel"], w, 1, print).packed[0]
     assert [bench._label(c) for c in bench._sweep(4096, channel)] == [
         "mgpu 64x128 wg1 st4", "mgpu 64x128 wg2 st4", "mgpu 64x128 wg2 st4 snake8", "mgpu 128x128 wg2 st3",
-        "mgpu 64x256 wg2 st3 snake8"]   # the default (64 × 256, grid order) is not swept again
+        "mgpu 64x256 wg2 st3 snake8", "mgpu 64x128 wg2 st4 snake8 p132", "mgpu 64x256 wg2 st3 snake8 p132"]
+    # (the default, 64 × 256 in grid order, is not swept again)
     assert bench._sweep(127, channel) == []
 
 
