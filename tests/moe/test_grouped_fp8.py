@@ -10,6 +10,7 @@ import pytest
 
 from conftest import ON_GPU
 from cuda_lowering import lower_for_cuda
+from jquant.kernels.fp8_gemm import Fp8GemmConfig
 from jquant.kernels.moe import QExperts, quantize_expert_weights
 from jquant.kernels.moe.grouped_fp8 import Fp8Experts, grouped_fp8, grouped_fp8_config, prepack_fp8_experts
 from jquant.models.moe import MoE, quantize_experts
@@ -126,6 +127,9 @@ def test_bad_input_names_the_problem():
         grouped_fp8(jnp.ones((2, 128), jnp.bfloat16), packed, jnp.array([1, 1]), get_scheme("int4_g32"))
     with pytest.raises(ValueError, match=r"K=128"):
         grouped_fp8(jnp.ones((2, 64), jnp.bfloat16), packed, jnp.array([1, 1]), scheme)
+    with pytest.raises(ValueError, match="expert slots take x as A"):
+        grouped_fp8(jnp.ones((2, 128), jnp.bfloat16), packed, jnp.array([1, 1]), scheme,
+                    config=Fp8GemmConfig(swap_ab=True, block_a=64, block_b=32), interpret=True)
     with pytest.raises(ValueError, match="no FP8 GEMM layout"):
         prepack_fp8_experts(quantize_expert_weights(np.ones((2, 64, 64), np.float32), "int4_g32"))
 

@@ -28,6 +28,25 @@ def _tiles(cols: int, bits: int):
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
+def promoted_step(a_tile, b_tile, a_scales, b_scales, total):
+    """One K step with block scales: the step's wgmmas of ``a_tile`` ``[rows_a, BLOCK_K]`` and
+    ``b_tile`` ``[rows_b, BLOCK_K]`` into a fresh fp32 accumulator, scaled by the step's scale rows
+    (``a_scales`` ``[rows_a]``, ``b_scales`` ``[rows_b]`` in shared memory) and added to ``total``
+    (promotion, as DeepGEMM does). The scales are read before the wgmmas are issued, so their latency
+    hides under them."""
+    shape = total.shape
+    sa = plgpu.load(a_scales, layout=plgpu.Layout.WGMMA.reduce(1))
+    sb = plgpu.load(b_scales, layout=plgpu.Layout.WGMMA.reduce(0))
+
+    def block_dot(acc_ref):
+        plgpu.wgmma(acc_ref, a_tile, b_tile.T)
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+
+    part = pl.run_scoped(block_dot, plgpu.ACC(shape, jnp.float32))
+    return total + (part * jax.lax.broadcast_in_dim(sa, shape, (0,)) * jax.lax.broadcast_in_dim(sb, shape, (1,)))
+
+
 def fp8_gemm_mgpu(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8GemmConfig,
                   interpret: bool = False, slots=None) -> jax.Array:
     """``acc`` scaled: ``[A rows, B rows]`` (or transposed, ``swap_ab``: ``[B rows, A rows]``, so
@@ -108,17 +127,7 @@ def fp8_gemm_mgpu(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8GemmCon
 
         if blocked:
             def step(_, a_smem, b_smem, as_smem, bs_smem, total):
-                def block_dot(acc_ref):
-                    plgpu.wgmma(acc_ref, a_smem, b_smem.T)
-                    plgpu.wgmma_wait(0)
-                    return acc_ref[...]
-
-                # the step's scales are read before the wgmmas, so their latency hides under them
-                sa = plgpu.load(as_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
-                sb = plgpu.load(bs_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-                part = pl.run_scoped(block_dot, plgpu.ACC((ba, bb), jnp.float32))
-                return total + (part * jax.lax.broadcast_in_dim(sa, (ba, bb), (0,))
-                                * jax.lax.broadcast_in_dim(sb, (ba, bb), (1,)))
+                return promoted_step(a_smem, b_smem, as_smem.at[0], bs_smem.at[0], total)
 
             zeros = plgpu.layout_cast(jnp.zeros((ba, bb), jnp.float32), plgpu.Layout.WGMMA)
             acc = plgpu.emit_pipeline(step, init_carry=zeros, **pipeline_kw)(*operands)

@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.kernels.fp8_gemm.config import BLOCK_K, Fp8GemmConfig
+from jquant.kernels.fp8_gemm.mosaic_gpu import promoted_step
 
 # Registers left to the copy-issuing warpgroup (the compute warpgroups get the rest).
 _MEMORY_REGISTERS = 40
@@ -88,19 +89,8 @@ def fp8_gemm_mgpu_ws(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8Gemm
         """The K-step pipeline of tile (``ia``, ``ib``)."""
         if blocked:
             def step(_, a_smem, b_smem, as_smem, bs_smem, total):
-                wg = jax.lax.axis_index("wg")
-
-                def block_dot(acc_ref):
-                    plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * ba, ba)], b_smem.T)
-                    plgpu.wgmma_wait(0)
-                    return acc_ref[...]
-
-                # the step's scales are read before the wgmmas, so their latency hides under them
-                sa = plgpu.load(as_smem.at[0, pl.ds(wg * ba, ba)], layout=plgpu.Layout.WGMMA.reduce(1))
-                sb = plgpu.load(bs_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-                part = pl.run_scoped(block_dot, plgpu.ACC((ba, bb), jnp.float32))
-                return total + (part * jax.lax.broadcast_in_dim(sa, (ba, bb), (0,))
-                                * jax.lax.broadcast_in_dim(sb, (ba, bb), (1,)))
+                rows = pl.ds(jax.lax.axis_index("wg") * ba, ba)   # this warpgroup's rows of the x tile
+                return promoted_step(a_smem.at[rows], b_smem, as_smem.at[0, rows], bs_smem.at[0], total)
         else:
             def step(_, a_smem, b_smem, acc_ref):
                 wg = jax.lax.axis_index("wg")

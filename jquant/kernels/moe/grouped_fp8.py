@@ -89,8 +89,6 @@ def grouped_fp8(x: jax.Array, packed: PackedFp8, group_sizes: jax.Array, scheme:
     scale = xq.scale.dequantize(jnp.float32) if isinstance(xq.scale, QTensor) else xq.scale
     scale = jnp.broadcast_to(scale.astype(jnp.float32), (rows, scale.shape[-1]))
     cfg = config or grouped_fp8_config(rows, jnp.shape(group_sizes)[0])
-    if cfg.swap_ab:
-        raise ValueError(f"grouped_fp8: expert slots take x as A (swap_ab=False), got {cfg}")
     block_a = cfg.block_a * cfg.compute_wgs   # rows a slot
     ids, counts, first, where = slot_table(group_sizes, rows, block_a)
     take = jnp.clip(first[:, None] + jnp.arange(block_a, dtype=jnp.int32)[None, :], 0, rows - 1).reshape(-1)

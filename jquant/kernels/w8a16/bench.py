@@ -146,7 +146,7 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
     """Times every (shape, M, scheme) cell with its XLA bf16 baseline, interleaved. ``interpret``
     runs the kernel in interpret mode (CPU plumbing check; its timings mean nothing).
     ``on_records`` gets the records so far after every M (a run cut short keeps its rows). ``sweep``
-    also times the ``FP8_SWEEP`` launches of the FP8 GEMM in each cell.
+    also times the ``FP8_SWEEP`` (FP8 GEMM) and ``W8_SWEEP`` (W8A16) launches in each cell.
     ``hbm_bytes_per_s``: the rate of the byte floor (None: this device's, ``device_hbm_bytes_per_s``)."""
     table = schemes()
     names = tuple(names or table)
