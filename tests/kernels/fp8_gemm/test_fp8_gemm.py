@@ -110,17 +110,23 @@ def test_kernel_keeps_the_scheme_numerics(name, m, interpret):
     chex.assert_trees_all_close(y, ref, rtol=1e-4, atol=_scheme_atol(ref))
 
 
-def test_nan_and_zero_rows(interpret):
-    """A NaN code poisons its row only; an all-zero row of x (scale 0) gives exact zeros."""
+@pytest.mark.parametrize("m,blocks", [(8, False), (256, False), (256, True)],
+                         ids=["swap-ab", "two-warpgroups", "block-two-warpgroups-snake"])
+def test_nan_and_zero_rows(m, blocks, interpret):
+    """A NaN code poisons its row only; an all-zero row of x (scale 0) gives exact zeros; at 256 rows
+    on the two-warpgroup launches (block scales: the promoted sum, on the snake grid)."""
     rng = np.random.default_rng()
-    w = rng.standard_normal((256, 128)).astype(ml_dtypes.float8_e4m3fn)
-    xq = np.asarray(rng.standard_normal((8, 128)), ml_dtypes.float8_e4m3fn)
+    k = 256 if blocks else 128
+    w = rng.standard_normal((256, k)).astype(ml_dtypes.float8_e4m3fn)
+    xq = np.asarray(rng.standard_normal((m, k)), ml_dtypes.float8_e4m3fn)
     xq[2, 5] = np.nan
     xq[4] = 0
-    xs = np.ones((8, 1), np.float32)
+    xs = np.ones((m, k // 128 if blocks else 1), np.float32)
     xs[4] = 0
-    y = np.asarray(fp8_gemm(jnp.asarray(xq), xs, prepack_fp8(w, np.ones(256, np.float32)), impl=_impl(interpret),
-                            interpret=interpret), np.float32)
+    ws = np.ones((2, k // 128) if blocks else 256, np.float32)
+    assert default_fp8_config(m, 256, blocks).compute_wgs == (2 if m == 256 else 1)
+    y = np.asarray(fp8_gemm(jnp.asarray(xq), xs, prepack_fp8(w, ws), impl=_impl(interpret), interpret=interpret),
+                   np.float32)
     assert np.isnan(y[2]).all() and not y[4].any() and np.isfinite(np.delete(y, 2, axis=0)).all()
 
 
