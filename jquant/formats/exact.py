@@ -2,7 +2,8 @@
 
 Two XLA rewrites break bit-exactness with the reference libraries, also under ``jit`` on CPU:
 - ``a / broadcast(b)`` (a constant included) becomes ``a * broadcast(1 / b)``, an ulp off often enough
-  to change codes and scales; ``exact_divide`` keeps a true division behind an optimization barrier.
+  to change codes and scales; ``exact_divide`` keeps a true division, fused, by making the
+  denominator a select on the numerator instead of a broadcast.
 - a float32 → bf16/fp16 → float32 round trip may be dropped ("excess precision"), so PyTorch's
   "compute in the weight's dtype" arithmetic would differ; ``round_to_precision`` uses
   ``reduce_precision``, which XLA never elides.
@@ -17,10 +18,15 @@ from jax import lax
 
 
 def exact_divide(numerator: jax.Array, denominator) -> jax.Array:
-    """``numerator / denominator`` correctly rounded, also under ``jit``."""
+    """``numerator / denominator`` correctly rounded, also under ``jit``.
+
+    The denominator becomes ``where(isnan(n), n, d)``: the same quotient (a NaN numerator gives NaN
+    whatever it is divided by), but no broadcast for XLA to turn into a reciprocal. An optimization
+    barrier did the same by writing both operands, as fp32, to memory: at 4096 × 8192 that made the
+    FP8 per-token activation quantization ~130 µs of a 660 µs W8A8 GEMM on the H100.
+    """
     denominator = jnp.broadcast_to(jnp.asarray(denominator, numerator.dtype), numerator.shape)
-    numerator, denominator = lax.optimization_barrier((numerator, denominator))
-    return numerator / denominator
+    return numerator / jnp.where(jnp.isnan(numerator), numerator, denominator)
 
 
 def round_to_precision(values: jax.Array, dtype) -> jax.Array:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jquant.formats.exact import abs_bits
+from jquant.formats.exact import abs_bits, exact_divide
 
 _MANTISSA_BITS = 23
 _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
@@ -111,13 +111,12 @@ def divide(x: jax.Array, a: jax.Array) -> tuple[jax.Array, jax.Array]:
     and positive ``a`` with |x| ≤ a, subnormals included (see ``tiny_product_sign`` for the sign)."""
     x_s, x_shift = _to_normal(x.astype(jnp.float32))
     a_s, a_shift = _to_normal(a.astype(jnp.float32))
-    a_s, a_shift = jnp.broadcast_to(a_s, x_s.shape), jnp.broadcast_to(a_shift, x_s.shape)
-    a_s, x_s = jax.lax.optimization_barrier((a_s, x_s))  # a true division (see exact.exact_divide)
-    quotient = x_s / a_s
+    a_shift = jnp.broadcast_to(a_shift, x_s.shape)
+    quotient = exact_divide(x_s, a_s)
     # |x| ≤ a, so the shifts differ only as (x subnormal, a normal): undo 2^64 in x.
     quotient = jnp.where(x_shift > a_shift, quotient * np.float32(2.0 ** -64), quotient)
     # |x/a| > 2^-150 in the domain scaled by 2^64 more (x_s · 2^64 may overflow only for large x).
-    big = (jnp.abs(x_s) * np.float32(2.0 ** 64)) / a_s
+    big = exact_divide(jnp.abs(x_s) * np.float32(2.0 ** 64), a_s)
     limit = jnp.where(x_shift > a_shift, np.float32(2.0 ** -22), np.float32(2.0 ** -86))
     negative = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) < 0
     sign = jnp.where(big > limit, jnp.where(negative, -1, 1), 0)
