@@ -96,6 +96,12 @@ def compute_capability(device: jax.Device | None = None) -> int:
     return int(major) * 10 + int(minor or 0)
 
 
+def sm_count(device: jax.Device | None = None) -> int:
+    """The GPU's streaming multiprocessors (132 on the H100 SXM and the H200), or 0 where unknown."""
+    device = _device(device)
+    return int(getattr(device, "core_count", 0) or 0) if device.platform == "gpu" else 0
+
+
 def platform(device: jax.Device | None = None) -> str:
     """``"gpu"``, ``"cpu"``, ``"tpu"``, ..."""
     return _device(device).platform

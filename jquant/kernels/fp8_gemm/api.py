@@ -76,8 +76,9 @@ def fp8_gemm(xq, x_scale, packed: PackedFp8, *, bias=None, out_dtype=jnp.bfloat1
             kind = "mgpu"   # partials too large for XLA's per-group dot: the kernel beats an fp32 dequantize
     if kind != "mgpu":
         return reference_fp8(xq, x_scale, packed, bias, out_dtype)
-    return run_kernel(xq, x_scale, packed, bias, out_dtype, config or default_fp8_config(m, packed.n_pad, packed.blocked, jnp.dtype(out_dtype).itemsize),
-                      interpret)
+    config = config or default_fp8_config(m, packed.n_pad, packed.blocked, jnp.dtype(out_dtype).itemsize,
+                                          num_sms=0 if interpret else device_lib.sm_count())
+    return run_kernel(xq, x_scale, packed, bias, out_dtype, config, interpret)
 
 
 def _xla_fp8_dot(xq, x_scale, packed: PackedFp8, bias, out_dtype):

@@ -71,7 +71,8 @@ class Fp8GemmConfig:
 MIN_SCALE_ROWS = 32
 
 
-def default_fp8_config(m: int, n_pad: int, blocked: bool = False, out_bytes: int = 2) -> Fp8GemmConfig:
+def default_fp8_config(m: int, n_pad: int, blocked: bool = False, out_bytes: int = 2,
+                       num_sms: int = 0) -> Fp8GemmConfig:
     """A launch for ``m`` rows of x, a weight of ``n_pad`` rows (a multiple of 256) and an output of
     ``out_bytes`` per value: swap AB up to 64 rows (the weight's bytes bound the step, as in the W4A16
     kernel; with block scales at least ``MIN_SCALE_ROWS`` x rows); above, 128 × 128 tiles 4 deep,
@@ -79,9 +80,12 @@ def default_fp8_config(m: int, n_pad: int, blocked: bool = False, out_bytes: int
     warpgroups share each weight tile beside a copy-issuing one: 64 × 256 each, 3 deep (208 KB of
     shared memory) with one K block; with block scales (``blocked``, from M = 128 on one warpgroup)
     64 × 128 each, since the promoted sum is a second accumulator, so one promotes while the other's
-    wgmmas run, over a snake grid in strips of 8 x tiles. On the H100 (bench/results/h100/
-    gemm8_fp8_sweep.md) that block launch took 1925 µs at 8192³ against 2913 with one warpgroup and
-    2049 in grid order, and the 64 × 256 one 1277 µs against 1363 for 128 × 128. An fp32 output
+    wgmmas run. Both walk a snake grid in strips of 8 x tiles; block scales also on ``num_sms``
+    persistent CTAs (the device's SMs, ``dispatch.sm_count``; 0: a CTA per tile). On the H100
+    (bench/results/h100/gemm8_fp8_sweep*.md) the block launch took 1925 µs at 8192³ against 2913 with
+    one warpgroup and 2049 in grid order, and persistent 944 against 1025 at M = 4096 (5-14 % on the
+    DeepSeek-V3 shapes); with one K block the snake grid took 417 µs against 725 at 1024 × 28672 ×
+    8192, and 64 × 256 took 1277 µs against 1363 for 128 × 128 at 8192³. An fp32 output
     (``out_bytes=4``) takes x as A with one warpgroup: its transposed store does not lower and its
     tiles overflow the two-warpgroup launch's shared memory.
 
@@ -94,13 +98,14 @@ def default_fp8_config(m: int, n_pad: int, blocked: bool = False, out_bytes: int
       >>> default_fp8_config(128, 4096)
       Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=4, compute_wgs=1, grid_tile_width=0, persistent_ctas=0)
       >>> default_fp8_config(4096, 4096)
-      Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, max_concurrent_steps=3, compute_wgs=2, grid_tile_width=0, persistent_ctas=0)
+      Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, max_concurrent_steps=3, compute_wgs=2, grid_tile_width=8, persistent_ctas=0)
       >>> default_fp8_config(4096, 4096, out_bytes=4).compute_wgs
       1
-      >>> default_fp8_config(4096, 4096, blocked=True)
-      Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, max_concurrent_steps=4, compute_wgs=2, grid_tile_width=8, persistent_ctas=0)
+      >>> default_fp8_config(4096, 4096, blocked=True, num_sms=132)
+      Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, max_concurrent_steps=4, compute_wgs=2, grid_tile_width=8, persistent_ctas=132)
+      >>> default_fp8_config(256, 1024, blocked=True, num_sms=132).persistent_ctas  # 2 × 8 tiles
+      16
     """
-    del n_pad   # a multiple of 256: every block_b here divides it
     if out_bytes == 4:
         return Fp8GemmConfig(swap_ab=False, block_a=64 if blocked or m <= 64 else 128, block_b=128,
                              max_concurrent_steps=4)
@@ -109,9 +114,11 @@ def default_fp8_config(m: int, n_pad: int, blocked: bool = False, out_bytes: int
         return Fp8GemmConfig(swap_ab=True, block_a=64, block_b=rows, max_concurrent_steps=4)
     if blocked:
         if m >= 256:
+            tiles = -(-m // 128) * (n_pad // 128)
             return Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, max_concurrent_steps=4, compute_wgs=2,
-                                 grid_tile_width=8)
+                                 grid_tile_width=8, persistent_ctas=min(num_sms, tiles))
         return Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, max_concurrent_steps=4)
     if m >= 256:
-        return Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, max_concurrent_steps=3, compute_wgs=2)
+        return Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, max_concurrent_steps=3, compute_wgs=2,
+                             grid_tile_width=8)
     return Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, max_concurrent_steps=4)

@@ -38,7 +38,10 @@ def default_w8_config(m: int, packed: PackedW8NK) -> MgpuConfig:
     """The W4A16 kernel's launch for ``m`` rows (``default_mgpu_config``) with the same bytes per
     weight row and step: 8-bit codes take half the codes per step at M ≤ 16 (128 codes, one
     128-byte swizzle row) and 64-code steps from M = 72 with one warpgroup (shared memory);
-    weights without group scales take no per-group accumulator.
+    weights without group scales take no per-group accumulator. From M = 256 on wide weights (the
+    two-warpgroup launch) a CTA takes 256 x rows over 128 weight rows, 4 deep (3 with zero points), so each code is decoded
+    once per 256 rows: at 28672 × 8192 on the H100 240 / 194 µs (int8 / FP8) at M = 256 against 265 /
+    210 with 128 rows, 867 / 688 against 952 / 767 at M = 1024 (bench/results/h100/gemm8_w8_sweep.md).
 
     Examples:
       >>> import numpy as np
@@ -47,8 +50,16 @@ def default_w8_config(m: int, packed: PackedW8NK) -> MgpuConfig:
       >>> cfg = default_w8_config(1, packed)
       >>> cfg.block_k, cfg.group_acc, cfg.final_output
       (128, False, True)
+      >>> wide = prepack_w8(np.ones((256, 28672), np.int8), channel_scale=np.ones(28672, np.float32))
+      >>> cfg = default_w8_config(256, wide)
+      >>> cfg.block_n, cfg.block_m, cfg.compute_wgs, cfg.max_concurrent_steps
+      (128, 256, 2, 4)
     """
     cfg = default_mgpu_config(m, packed)
+    if cfg.compute_wgs == 2 and m >= 256:
+        # zero points take 3 deep: 4 overflowed sm_90's 227 KB of shared memory by 64 bytes
+        return dataclasses.replace(cfg, block_n=128, block_k=64, block_m=256,
+                                   max_concurrent_steps=4 if packed.zero is None else 3)
     bk = cfg.block_k
     if cfg.compute_wgs == 1 and cfg.block_m <= 16 and bk > 128:
         bk //= 2

@@ -34,6 +34,7 @@ from jquant.kernels.w8a16.api import default_w8_config, w8a16_matmul
 from jquant.kernels.w8a16.from_qtensor import unified_w8
 from jquant.kernels.w8a16.layout import prepack_w8
 from jquant.schemes import builtin
+from jquant.schemes import dispatch as device_lib
 from jquant.schemes.xla import xla_apply
 
 SHAPES = ((28672, 8192), (8192, 28672), (8192, 8192), (4096, 4096))
@@ -41,28 +42,31 @@ SHAPES = ((28672, 8192), (8192, 28672), (8192, 8192), (4096, 4096))
 DEEPSEEK_SHAPES = ((7168, 2048), (2112, 7168), (24576, 1536), (7168, 16384))
 MS = (1, 16, 64, 128, 256, 1024, 4096, 8192)
 # ``jquant bench gemm8 --sweep``: FP8 GEMM launches (x as A, so M ≥ 128) timed beside the default in each
-# cell. On the H100 (bench/results/h100/gemm8_fp8_sweep.md) block FP8 went from 368-377 TFLOP/s with one
+# cell. On the H100 (bench/results/h100/gemm8_fp8_sweep*.md) block FP8 went from 368-377 TFLOP/s with one
 # warpgroup of 64 × 128 (it waits for every K step's wgmmas before promoting them) to 537 with two sharing
-# the weight tile and 543-571 walking the grid in snake strips of 8 x tiles (the default now); one K block
-# from 807-810 (128 × 128 a warpgroup) to 854-861 with 64 × 256 (the default now). The sweep keeps those
-# launches beside the defaults and adds 64 × 256 on the snake grid and both on 132 persistent CTAs (one
-# an SM of the H100 and H200; the next tile's loads overlap this one's epilogue). A block launch keeps
-# 64 × 128 a warpgroup: its promoted sum doubles the accumulator.
+# the weight tile, 543-571 walking the grid in snake strips of 8 x tiles and 582 on 132 persistent CTAs
+# (the default now: one CTA an SM, the next tile's loads under this one's epilogue); one K block from
+# 807-810 (128 × 128 a warpgroup) to 854-861 with 64 × 256, and at 1024 × 28672 × 8192 from 664 to 1154
+# on the snake grid (the default now). The sweep keeps the earlier defaults beside the new ones. A block
+# launch keeps 64 × 128 a warpgroup: its promoted sum doubles the accumulator.
 FP8_SWEEP = (Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128),
-             Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, compute_wgs=2),
              Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, compute_wgs=2, grid_tile_width=8),
              Fp8GemmConfig(swap_ab=False, block_a=128, block_b=128, compute_wgs=2, max_concurrent_steps=3),
-             Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, compute_wgs=2, max_concurrent_steps=3,
-                           grid_tile_width=8),
+             Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, compute_wgs=2, max_concurrent_steps=3),
              Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, compute_wgs=2, grid_tile_width=8,
                            persistent_ctas=132),
              Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, compute_wgs=2, max_concurrent_steps=3,
                            grid_tile_width=8, persistent_ctas=132))
-# W8A16 from M = 256: its default takes 128 x rows a CTA, so each weight tile is read and decoded once
-# per 128 rows (0.76-0.93× XLA bf16 at M = 256 on the H200, bench/results/h200/gemm8.md). These take
-# 256 x rows (wgmma's widest N) on two warpgroups of 64 weight rows: each code decoded once per 256.
-W8_SWEEP = tuple(MgpuConfig(block_n=128, block_k=64, block_m=256, max_concurrent_steps=st, compute_wgs=2,
-                            final_output=True) for st in (3, 4))
+# W8A16 from M = 256 on wide weights: the earlier default took 128 x rows a CTA, so each weight tile was
+# read and decoded once per 128 rows (0.76-0.93× XLA bf16 at M = 256 on the H200, bench/results/h200/
+# gemm8.md). The default now takes 256 x rows (wgmma's widest N) on two warpgroups of 64 weight rows,
+# 4 deep; the sweep times it 3 deep and the earlier launch.
+W8_SWEEP = (MgpuConfig(block_n=128, block_k=64, block_m=256, max_concurrent_steps=3, compute_wgs=2,
+                       final_output=True),
+            MgpuConfig(block_n=128, block_k=64, block_m=256, max_concurrent_steps=4, compute_wgs=2,
+                       final_output=True),
+            MgpuConfig(block_n=256, block_k=64, block_m=128, max_concurrent_steps=4, compute_wgs=2,
+                       final_output=True))
 
 
 def schemes() -> dict[str, jquant.Scheme]:
@@ -111,7 +115,7 @@ def _weight(scheme: jquant.Scheme, w: jax.Array, max_copies: int, log: Callable[
 def _launch(m: int, packed):
     """The launch the kernel forced runs at ``m`` rows: its default for ``packed`` and a bf16 output."""
     if isinstance(packed, PackedFp8):
-        return default_fp8_config(m, packed.n_pad, packed.blocked)
+        return default_fp8_config(m, packed.n_pad, packed.blocked, num_sms=device_lib.sm_count())
     return default_w8_config(m, packed)
 
 
@@ -122,7 +126,7 @@ def _sweep(m: int, packed) -> list:
             return []
         cands = [c for c in FP8_SWEEP if not (packed.blocked and c.block_a * c.block_b > 64 * 128)]
     else:
-        cands = [c for c in W8_SWEEP if m >= c.block_m and packed.n_pad % c.block_n == 0]
+        cands = [c for c in W8_SWEEP if m >= max(256, c.block_m) and packed.n_pad % c.block_n == 0]
     default = _launch(m, packed)
     return [c for c in cands if c != default]
 
