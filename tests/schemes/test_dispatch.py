@@ -61,6 +61,16 @@ def test_w4a16_m_thresholds_on_hopper():
     assert dispatch.w4a16_impl(dispatch.MGPU_MAX_M_SMALL_WEIGHT + 1, 90, small) == "xla"
 
 
+def test_sm_count_reads_the_gpus_core_count():
+    @dataclasses.dataclass(frozen=True)
+    class Counted(FakeDevice):
+        core_count: int = 0
+
+    assert dispatch.sm_count(Counted("gpu", "NVIDIA H100 80GB HBM3", "9.0", 132)) == 132
+    assert dispatch.sm_count(HOPPER) == 0   # no count: not persistent
+    assert dispatch.sm_count(Counted("cpu", "cpu", None, 16)) == 0 and dispatch.sm_count() == 0
+
+
 def test_non_cuda_capability_strings_are_no_cuda_device():
     assert dispatch.compute_capability(FakeDevice("gpu", "AMD Instinct MI250X", "gfx90a")) == 0
     assert dispatch.compute_capability(FakeDevice("gpu", "unknown")) == 0

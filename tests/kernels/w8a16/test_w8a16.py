@@ -250,3 +250,19 @@ def test_bad_input_names_the_problem():
     with pytest.raises(TypeError, match="x must be bf16"):
         w8a16_matmul(jnp.ones((1, 64), jnp.int32), packed)
     assert isinstance(packed, PackedW8NK)
+
+
+def test_wide_weight_default_launch_from_256_rows(interpret):
+    """A weight of ≥ 25600 rows from M = 256 takes 256 x rows a CTA on two warpgroups, 3 deep with zero
+    points (4 without: the W8_SWEEP bench test runs that launch): the result is float64's."""
+    rng = np.random.default_rng()
+    m, (fmt, options) = 256, WEIGHTS[3]
+    qt = jquant.quantize(rng.standard_normal((25600, 128)).astype(np.float32), fmt, **options)
+    packed = pack_w8_qtensor(qt)
+    cfg = default_w8_config(m, packed)
+    assert (cfg.block_m, cfg.compute_wgs, cfg.max_concurrent_steps) == (256, 2, 3)
+    assert default_w8_config(m, pack_w8_qtensor(jquant.quantize(np.ones((25600, 128), np.float32), "int8"))
+                             ).max_concurrent_steps == 4
+    x = _x(rng, m, 128)
+    _check(w8a16_matmul(x, packed, impl="pallas" if not interpret else "auto", interpret=interpret), x,
+           _float64_weight(qt))
