@@ -22,8 +22,10 @@ def exact_divide(numerator: jax.Array, denominator) -> jax.Array:
 
     The denominator becomes ``where(isnan(n), n, d)``: the same quotient (a NaN numerator gives NaN
     whatever it is divided by), but no broadcast for XLA to turn into a reciprocal. An optimization
-    barrier did the same by writing both operands, as fp32, to memory: at 4096 × 8192 that made the
-    FP8 per-token activation quantization ~130 µs of a 660 µs W8A8 GEMM on the H100.
+    barrier did the same by writing both operands, as fp32, to memory: at 4096 × 8192 on the H100
+    dropping it took the per-token W8A8 FP8 GEMM (activation quantization included) from 641 to 493
+    µs and block FP8 from 944 to 811 (bench/results/h100/gemm8_fp8_dispatch.md). XLA's division on
+    NVIDIA GPUs is itself approximate (1 ulp), so the quotient is correctly rounded on CPU only.
     """
     denominator = jnp.broadcast_to(jnp.asarray(denominator, numerator.dtype), numerator.shape)
     return numerator / jnp.where(jnp.isnan(numerator), numerator, denominator)

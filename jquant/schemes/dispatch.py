@@ -51,13 +51,13 @@ W8A16_MGPU_MAX_M = 1024
 # 74.8 against 81.1) (bench/results/h100/gemm8*.md). On the H200 XLA's FP8 dot reaches 1090 TFLOP/s
 # at 1024×28672×8192 (docs/design/gemm8.md).
 FP8_GEMM_MGPU_MAX_M = 16
-# ... and again from this many rows with per-token activation scales: at 8192×8192 on the H100 its
-# two-warpgroup 64 × 256 launch took 644 / 1277 µs at M = 4096 / 8192 against XLA's FP8 dot's 805 / 1596
-# (861 against 689 TFLOP/s; bench/results/h100/gemm8_fp8_sweep.md). Between 17 and 4095 rows XLA's
-# dot stays (it won at 32 and 256 and tied at 1024 on 28672×8192 with the kernel's older 128 × 128
-# launch), and with one activation scale a tensor: XLA reached 1060 TFLOP/s at 8192³ there on the H200
-# against 848 with per-token scales (docs/design/gemm8.md), untimed against the kernel.
-FP8_GEMM_MGPU_MIN_LARGE_M = 4096
+# ... and again from this many rows: on the H100 (bench/results/h100/gemm8_fp8_dispatch.md,
+# gemm8_28672_sweep.md) its two-warpgroup 64 × 256 launch on the snake grid took, per token × channel /
+# per tensor, 124.3 / 134.3 µs at 1024 × 8192² against XLA's FP8 dot's 175.6 / 148.1, 392.2 / 403.9 at
+# 1024 × 28672 × 8192 against 505.9 / 441.4 and 492.8 / 506.0 at 4096 × 8192² against 624.5 / 534.3
+# (1116 against 880 TFLOP/s per token); at M = 256 it tied or lost on 8192² (60.0 / 65.3 against 59.9 /
+# 60.4) and won on 28672 × 8192 (131.5 / 132.9 against 157.6 / 138.8). XLA's dot stays from 17 to 1023.
+FP8_GEMM_MGPU_MIN_LARGE_M = 1024
 # Block FP8 (DeepSeek's 128 × 128 weight blocks) runs the kernel from this many rows: on the H100 it was
 # as fast as or faster than XLA's path (one FP8 dot per K group) at every M from 2 to 8192 measured on
 # 8192×8192, 28672×8192 and the four DeepSeek-V3 shapes (1.08-1.34× at M = 2-8, 1.8× at 16, 2.2-2.6×
@@ -189,13 +189,12 @@ def moe_experts_impl(scheme, capability: int) -> str:
     return "mgpu" if MOE_FP8_MGPU and fp8 else "xla"
 
 
-def fp8_gemm_impl(m: int, capability: int, blocked: bool = False, token_scales: bool = True) -> str:
+def fp8_gemm_impl(m: int, capability: int, blocked: bool = False) -> str:
     """The FP8 W8A8 GEMM's "auto" choice for ``m`` rows: on Hopper ``"mgpu"`` for block scales
     (``blocked``) from ``FP8_BLOCK_MGPU_MIN_M`` rows, for one K block up to ``FP8_GEMM_MGPU_MAX_M``
-    rows and, with per-token activation scales (``token_scales``), from ``FP8_GEMM_MGPU_MIN_LARGE_M``;
-    else ``"xla"`` (XLA's FP8 dot on the same layout)."""
+    rows and from ``FP8_GEMM_MGPU_MIN_LARGE_M``; else ``"xla"`` (XLA's FP8 dot on the same layout)."""
     if not has_wgmma(capability):
         return "xla"
     if blocked:
         return "mgpu" if m >= FP8_BLOCK_MGPU_MIN_M else "xla"
-    return "mgpu" if m <= FP8_GEMM_MGPU_MAX_M or token_scales and m >= FP8_GEMM_MGPU_MIN_LARGE_M else "xla"
+    return "mgpu" if m <= FP8_GEMM_MGPU_MAX_M or m >= FP8_GEMM_MGPU_MIN_LARGE_M else "xla"

@@ -20,17 +20,16 @@ from jquant.schemes import dispatch as device_lib
 from jquant.schemes.xla import blockwise_fp8_dot, blockwise_fp8_fits
 
 
-def resolve_fp8_impl(impl: str, m: int, interpret: bool = False, blocked: bool = False,
-                     token_scales: bool = True) -> str:
-    """What ``fp8_gemm`` runs for ``impl`` at ``m`` rows (``blocked``: block scales; ``token_scales``:
-    an activation scale per row, not one per tensor) on the default device.
+def resolve_fp8_impl(impl: str, m: int, interpret: bool = False, blocked: bool = False) -> str:
+    """What ``fp8_gemm`` runs for ``impl`` at ``m`` rows (``blocked``: block scales) on the default
+    device.
 
     Examples:
       >>> from jquant.kernels.fp8_gemm import resolve_fp8_impl
       >>> resolve_fp8_impl("reference", 1), resolve_fp8_impl("auto", 1, interpret=True)
       ('reference', 'mgpu')
     """
-    return resolve_kernel_impl(impl, interpret, lambda cc: device_lib.fp8_gemm_impl(m, cc, blocked, token_scales),
+    return resolve_kernel_impl(impl, interpret, lambda cc: device_lib.fp8_gemm_impl(m, cc, blocked),
                                "fp8_gemm")
 
 
@@ -64,7 +63,7 @@ def fp8_gemm(xq, x_scale, packed: PackedFp8, *, bias=None, out_dtype=jnp.bfloat1
     if config is not None and not isinstance(config, Fp8GemmConfig):
         raise TypeError(f"config must be an Fp8GemmConfig, got {type(config).__name__}")
     m = xq.shape[0]
-    kind = resolve_fp8_impl(impl, m, interpret, packed.blocked, token_scales=jnp.size(x_scale) > 1)
+    kind = resolve_fp8_impl(impl, m, interpret, packed.blocked)
     if kind == "xla" and device_lib.native_fp8_dot():
         if not packed.blocked:
             return _xla_fp8_dot(xq, x_scale, packed, bias, out_dtype)

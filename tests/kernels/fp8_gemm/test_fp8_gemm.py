@@ -196,7 +196,7 @@ def test_dispatch_and_config():
     assert dispatch.fp8_gemm_impl(most + 1, 90) == dispatch.fp8_gemm_impl(1, 89) == "xla"
     large = dispatch.FP8_GEMM_MGPU_MIN_LARGE_M
     assert dispatch.fp8_gemm_impl(large - 1, 90) == "xla" and dispatch.fp8_gemm_impl(large, 90) == "mgpu"
-    assert dispatch.fp8_gemm_impl(large, 89) == dispatch.fp8_gemm_impl(large, 90, token_scales=False) == "xla"
+    assert dispatch.fp8_gemm_impl(large, 89) == "xla"
     assert default_fp8_config(64, 256).swap_ab and not default_fp8_config(65, 256).swap_ab
     assert default_fp8_config(256, 256).compute_wgs == 2 and default_fp8_config(255, 256, blocked=True).compute_wgs == 1
     assert default_fp8_config(256, 256, blocked=True) == Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128,
@@ -209,19 +209,6 @@ def test_dispatch_and_config():
         Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, persistent_ctas=132)
     with pytest.raises(ValueError, match="block_b must be a multiple of 8"):
         Fp8GemmConfig(swap_ab=True, block_a=64, block_b=4)
-
-
-def test_the_dispatch_knows_a_scale_per_tensor_from_per_token_scales(monkeypatch):
-    """From FP8_GEMM_MGPU_MIN_LARGE_M rows only per-token activation scales take the kernel: fp8_gemm
-    tells the dispatch which it has."""
-    seen = []
-    monkeypatch.setattr(dispatch, "fp8_gemm_impl",
-                        lambda m, cc, blocked=False, token_scales=True: seen.append(token_scales) or "xla")
-    p = prepack_fp8(jnp.ones((256, 128), jnp.float8_e4m3fn), jnp.ones(256))
-    xq = jnp.ones((4, 128), jnp.float8_e4m3fn)
-    for xs in (0.5, jnp.full((1, 1), 0.5), jnp.full((4, 1), 0.5), jnp.full(4, 0.5)):
-        fp8_gemm(xq, xs, p)
-    assert seen == [False, False, True, True]
 
 
 def test_bad_input_names_the_problem():
