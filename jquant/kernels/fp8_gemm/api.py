@@ -3,7 +3,8 @@ per-channel (or per-tensor) scales or DeepSeek's 1 × 128 / 128 × 128 block sca
 device (``jquant.schemes.dispatch.fp8_gemm_impl``).
 
 Implementations (``impl``): ``"mgpu"`` (the Mosaic GPU kernel, Hopper), ``"pallas"`` (the kernel,
-nothing else), ``"xla"`` (on a GPU XLA's FP8 dot, one per K group for block scales while their fp32
+nothing else), ``"triton"`` (the 8-bit GEMV, ``jquant.kernels.gemv8``, up to ``MAX_ROWS`` rows: the
+codes widened to fp32, exact, and the scales in the reference's order), ``"xla"`` (on a GPU XLA's FP8 dot, one per K group for block scales while their fp32
 partials fit, else as ``"reference"``),
 ``"reference"`` (``reference_fp8``: per K block an fp32 dot of the codes, scaled and summed), ``"auto"``. ``interpret=True`` runs the kernel on any device.
 """
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 
 from jquant.kernels.fp8_gemm.config import Fp8GemmConfig, default_fp8_config
 from jquant.kernels.fp8_gemm.layout import PackedFp8, activation_operands, reference_fp8
+from jquant.kernels.gemv8.config import MAX_ROWS, GemvConfig, resolve_gemv_impl
 from jquant.kernels.w4a16.api import resolve_kernel_impl
 from jquant.schemes import dispatch as device_lib
 from jquant.schemes.xla import blockwise_fp8_dot, blockwise_fp8_fits
@@ -29,12 +31,14 @@ def resolve_fp8_impl(impl: str, m: int, interpret: bool = False, blocked: bool =
       >>> resolve_fp8_impl("reference", 1), resolve_fp8_impl("auto", 1, interpret=True)
       ('reference', 'mgpu')
     """
+    if impl == "triton":
+        return resolve_gemv_impl(m, interpret, "fp8_gemm")
     return resolve_kernel_impl(impl, interpret, lambda cc: device_lib.fp8_gemm_impl(m, cc, blocked),
                                "fp8_gemm")
 
 
 def fp8_gemm(xq, x_scale, packed: PackedFp8, *, bias=None, out_dtype=jnp.bfloat16, impl: str = "auto",
-             config: Fp8GemmConfig | None = None, interpret: bool = False):
+             config: Fp8GemmConfig | GemvConfig | None = None, interpret: bool = False):
     """``xq`` ``[M, K]`` float8_e4m3fn with ``x_scale`` (a scalar, ``[M]`` / ``[M, 1]`` per token, or
     ``[M, K / 128]`` per 1 × 128 group for a block-scaled weight) times the packed weight; fp32
     accumulation, ``[M, N]`` in ``out_dtype``. ``bias``: optional ``[N]``.
@@ -60,10 +64,19 @@ def fp8_gemm(xq, x_scale, packed: PackedFp8, *, bias=None, out_dtype=jnp.bfloat1
         bias = jnp.asarray(bias, jnp.float32)
         if bias.shape != (packed.n,):
             raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({packed.n},)")
-    if config is not None and not isinstance(config, Fp8GemmConfig):
-        raise TypeError(f"config must be an Fp8GemmConfig, got {type(config).__name__}")
+    if config is not None and not isinstance(config, (Fp8GemmConfig, GemvConfig)):
+        raise TypeError(f"config must be an Fp8GemmConfig or GemvConfig, got {type(config).__name__}")
     m = xq.shape[0]
     kind = resolve_fp8_impl(impl, m, interpret, packed.blocked)
+    if config is not None and kind in ("mgpu", "triton"):
+        wanted = "triton" if isinstance(config, GemvConfig) else "mgpu"
+        if impl == "auto" and (wanted == "mgpu" or m <= MAX_ROWS):
+            kind = wanted   # the launch given names its kernel
+        elif wanted != kind:
+            raise TypeError(f"impl={impl!r} at M = {m} runs {kind!r}, whose launch is a "
+                            f"{'GemvConfig' if kind == 'triton' else 'Fp8GemmConfig'}, not a {type(config).__name__}")
+    if kind == "triton":
+        return _gemv(xq, x_scale, packed, bias, out_dtype, config, interpret)
     if kind == "xla" and device_lib.native_fp8_dot():
         if not packed.blocked:
             return _xla_fp8_dot(xq, x_scale, packed, bias, out_dtype)
@@ -90,6 +103,24 @@ def _xla_fp8_dot(xq, x_scale, packed: PackedFp8, bias, out_dtype):
     if bias is not None:
         out = out + bias
     return out.astype(out_dtype)
+
+
+def _gemv(xq, x_scale, packed: PackedFp8, bias, out_dtype, config, interpret: bool):
+    """The 8-bit GEMV on the codes: per-token × per-channel (or per-tensor) scales on the fp32 sums,
+    block scales on each 128-wide K block's sum, as ``reference_fp8`` orders them."""
+    from jquant.kernels.gemv8.triton import gemv8   # Pallas loads only where the kernel runs
+
+    codes, cols = activation_operands(xq, x_scale, packed, xq.shape[0])
+    if bias is not None:
+        bias = jnp.pad(bias, (0, packed.n_pad - packed.n))
+    if packed.blocked:
+        scales = dict(group_size=packed.k_pad // packed.scale.shape[0], group_scale=packed.scale,
+                      x_group_scale=cols.T)
+    else:
+        scales = dict(col_scale=packed.scale[0], row_scale=cols[0])
+    out = gemv8(codes, packed.data, **scales, bias=bias, out_dtype=out_dtype, config=config,
+                interpret=interpret)
+    return out[:, :packed.n]
 
 
 def run_kernel(xq, x_scale, packed: PackedFp8, bias, out_dtype, cfg: Fp8GemmConfig, interpret: bool):

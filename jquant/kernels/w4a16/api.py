@@ -108,7 +108,8 @@ def check_matmul_args(x, k: int, n: int, bias, config, config_type):
         if bias.shape != (n,):
             raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({n},)")
     if config is not None and not isinstance(config, config_type):
-        raise TypeError(f"config must be an {config_type.__name__}, got {type(config).__name__}")
+        names = " or ".join(t.__name__ for t in (config_type if isinstance(config_type, tuple) else (config_type,)))
+        raise TypeError(f"config must be an {names}, got {type(config).__name__}")
     return x, bias
 
 

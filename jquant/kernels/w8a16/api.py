@@ -2,7 +2,8 @@
 dispatched by M and device (``jquant.schemes.dispatch.w8a16_impl``).
 
 Implementations (``impl``): ``"mgpu"`` (the Mosaic GPU kernel: the W4A16 kernel's pipeline with
-8-bit tiles, Hopper), ``"pallas"`` (the kernel, nothing else), ``"xla"`` (dequantize to x's dtype,
+8-bit tiles, Hopper), ``"pallas"`` (the kernel, nothing else), ``"triton"`` (the 8-bit GEMV,
+``jquant.kernels.gemv8``: up to ``MAX_ROWS`` rows, CUDA GPUs of capability 8.0 and up), ``"xla"`` (dequantize to x's dtype,
 then ``jnp.dot`` with fp32 accumulation), ``"reference"`` (fp32 dequantize and dot), ``"auto"``.
 With ``interpret=True`` the kernel runs on any device in Pallas interpret mode.
 """
@@ -13,8 +14,10 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jquant.kernels.gemv8.config import MAX_ROWS, GemvConfig, resolve_gemv_impl
 from jquant.kernels.w4a16.api import check_matmul_args, resolve_kernel_impl
 from jquant.kernels.w4a16.config import MgpuConfig, default_mgpu_config, group_acc_fits
+from jquant.kernels.w4a16.layout import gather_pad
 from jquant.kernels.w8a16.layout import PackedW8NK, reference_w8
 from jquant.qtensor import QTensor
 from jquant.schemes import dispatch as device_lib
@@ -31,6 +34,8 @@ def resolve_w8_impl(impl: str, m: int, interpret: bool = False) -> str:
       >>> jax.default_backend() != "cpu" or resolve_w8_impl("auto", 1) == "reference"
       True
     """
+    if impl == "triton":
+        return resolve_gemv_impl(m, interpret, "w8a16")
     return resolve_kernel_impl(impl, interpret, lambda cc: device_lib.w8a16_impl(m, cc), "w8a16")
 
 
@@ -74,7 +79,7 @@ def default_w8_config(m: int, packed: PackedW8NK) -> MgpuConfig:
 
 
 def w8a16_matmul(x, packed: PackedW8NK | QTensor, *, bias=None, impl: str = "auto",
-                 config: MgpuConfig | None = None, interpret: bool = False):
+                 config: MgpuConfig | GemvConfig | None = None, interpret: bool = False):
     """``x`` ``[..., K]`` (bf16 / fp16 / fp32) contracted with an 8-bit weight's K axis; fp32
     accumulation, result ``[..., N]`` in ``x``'s dtype. ``packed``: a ``PackedW8NK`` (``x @ W``
     for the ``[K, N]`` codes it was packed from) or an 8-bit ``[N, K]`` QTensor (int8, uint8 with
@@ -99,10 +104,17 @@ def w8a16_matmul(x, packed: PackedW8NK | QTensor, *, bias=None, impl: str = "aut
     if not isinstance(packed, PackedW8NK):
         raise TypeError("packed must be a PackedW8NK (prepack_w8) or an 8-bit QTensor, got "
                         f"{type(packed).__name__}")
-    x, bias = check_matmul_args(x, packed.k, packed.n, bias, config, MgpuConfig)
+    x, bias = check_matmul_args(x, packed.k, packed.n, bias, config, (MgpuConfig, GemvConfig))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, packed.k)
     kind = resolve_w8_impl(impl, x2.shape[0], interpret)
+    if config is not None and kind in ("mgpu", "triton"):
+        wanted = "triton" if isinstance(config, GemvConfig) else "mgpu"
+        if impl == "auto" and (wanted == "mgpu" or x2.shape[0] <= MAX_ROWS):
+            kind = wanted   # the launch given names its kernel
+        elif wanted != kind:
+            raise TypeError(f"impl={impl!r} at M = {x2.shape[0]} runs {kind!r}, whose launch is a "
+                            f"{'GemvConfig' if kind == 'triton' else 'MgpuConfig'}, not a {type(config).__name__}")
     if kind == "mgpu" and x2.dtype == jnp.float32:
         if impl != "auto" and not interpret:
             raise TypeError(f"impl={impl!r} runs the Mosaic GPU kernel, which takes bf16 or fp16 x; "
@@ -113,6 +125,8 @@ def w8a16_matmul(x, packed: PackedW8NK | QTensor, *, bias=None, impl: str = "aut
     elif kind == "xla":
         dtype = jnp.float32 if device_lib.is_cpu() else x2.dtype
         out = reference_w8(x2, packed, bias, dtype)
+    elif kind == "triton":
+        out = gemv_w8(x2, packed, bias, config=config, interpret=interpret)
     else:
         # Imported here: Mosaic GPU's Pallas backend loads only where a kernel runs.
         from jquant.kernels.w4a16.mosaic_gpu import w4a16_mgpu_matmul
@@ -120,3 +134,19 @@ def w8a16_matmul(x, packed: PackedW8NK | QTensor, *, bias=None, impl: str = "aut
         cfg = config or default_w8_config(x2.shape[0], packed)
         out = w4a16_mgpu_matmul(x2, packed, bias, config=cfg, interpret=interpret)
     return out.reshape(*lead, packed.n)
+
+
+def gemv_w8(x2, packed: PackedW8NK, bias=None, *, config: GemvConfig | None = None,
+            interpret: bool = False):
+    """``x2 @ W`` (``[M, K]``, M ≤ ``MAX_ROWS``) with the 8-bit GEMV: group scales and zero points per
+    group in fp32, channel and global scales and the bias on the fp32 sums."""
+    from jquant.kernels.gemv8.triton import gemv8   # Pallas loads only where the kernel runs
+
+    if bias is not None:
+        bias = jnp.pad(bias.astype(jnp.float32), (0, packed.n_pad - packed.n))
+    grouped = not packed.unit_scales
+    out = gemv8(gather_pad(x2, packed, x2.shape[0]), packed.data, group_size=packed.group_size,
+                group_scale=packed.scale if grouped else None, zero=packed.zero,
+                col_scale=packed.channel_scale, global_scale=packed.global_scale, bias=bias,
+                config=config, interpret=interpret)
+    return out[:, :packed.n]

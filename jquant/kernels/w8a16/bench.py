@@ -29,6 +29,7 @@ from jquant.bench.timing import (array_bytes, copies_for, device_hbm_bytes_per_s
 from jquant.kernels.fp8_gemm.config import Fp8GemmConfig, default_fp8_config
 from jquant.kernels.fp8_gemm.from_qtensor import fp8_scheme_gemm, pack_fp8_qtensor
 from jquant.kernels.fp8_gemm.layout import PackedFp8
+from jquant.kernels.gemv8.config import MAX_ROWS, GemvConfig, default_gemv_config
 from jquant.kernels.w4a16.config import MgpuConfig
 from jquant.kernels.w8a16.api import default_w8_config, w8a16_matmul
 from jquant.kernels.w8a16.from_qtensor import unified_w8
@@ -67,6 +68,12 @@ W8_SWEEP = (MgpuConfig(block_n=128, block_k=64, block_m=256, max_concurrent_step
                        final_output=True),
             MgpuConfig(block_n=256, block_k=64, block_m=128, max_concurrent_steps=4, compute_wgs=2,
                        final_output=True))
+
+# The 8-bit GEMV (``impl="triton"``, both ops) at M ≤ MAX_ROWS: weight rows a program, codes a step,
+# warps, Triton stages.
+GEMV_SWEEP = tuple(GemvConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+                   for bn, bk, w, st in ((4, 1024, 4, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (16, 256, 4, 1),
+                                         (16, 512, 4, 1), (16, 512, 8, 1), (32, 256, 8, 1), (8, 512, 4, 3)))
 
 
 def schemes() -> dict[str, jquant.Scheme]:
@@ -133,7 +140,10 @@ def _sweep(m: int, packed) -> list:
 
 def _label(cfg) -> str:
     """``mgpu`` and the fields of a swept launch: ``mgpu 64x256 wg2 st3``, ``… snake8 p132`` (FP8 GEMM: x rows
-    × weight rows a warpgroup), ``mgpu n128 k64 m256 wg2 st3`` (W8A16: a CTA's weight rows, K a step, x rows)."""
+    × weight rows a warpgroup), ``mgpu n128 k64 m256 wg2 st3`` (W8A16: a CTA's weight rows, K a step, x rows),
+    ``triton n8 k512 w4 st1`` (the GEMV)."""
+    if isinstance(cfg, GemvConfig):
+        return f"triton n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} st{cfg.num_stages}"
     if isinstance(cfg, MgpuConfig):
         return (f"mgpu n{cfg.block_n} k{cfg.block_k} m{cfg.block_m} wg{cfg.compute_wgs} "
                 f"st{cfg.max_concurrent_steps}")
@@ -228,6 +238,19 @@ def _candidates(wt: _Weight, m: int, interpret: bool, sweep: bool):
         out.append(("mgpu", forced(None), wt.packed, _launch(m, packed)))
         for cfg in _sweep(m, packed) if sweep else []:
             out.append((_label(cfg), forced(cfg), wt.packed, cfg))
+        if m <= MAX_ROWS:
+            if isinstance(packed, PackedFp8):
+                def gemv(cfg):
+                    return jax.jit(lambda x, p: fp8_scheme_gemm(scheme, x, p, impl="triton", config=cfg,
+                                                                interpret=interpret))
+            else:
+                def gemv(cfg):
+                    return jax.jit(lambda x, p: w8a16_matmul(x, p, impl="triton", config=cfg, interpret=interpret))
+            default = default_gemv_config(packed.n_pad)
+            out.append(("triton", gemv(None), wt.packed, default))
+            for cfg in GEMV_SWEEP if sweep else []:
+                if cfg != default:
+                    out.append((_label(cfg), gemv(cfg), wt.packed, cfg))
     out.append(("xla", jax.jit(lambda x, q, s=scheme: xla_apply(s, x, q, None)), wt.qweight, None))
     return out
 
