@@ -11,7 +11,7 @@ Policy per architecture:
   the Triton-backend Pallas kernels run decode attention (Triton's bf16 dot needs sm_80's mma).
 * CUDA GPUs below 8.0: XLA for everything.
   The 8-bit weight-only GEMM (``w8a16_impl``) runs the same pipeline with 8-bit tiles up to
-  ``W8A16_MGPU_MAX_M`` rows on Hopper; MoE experts, laid out by ``prepare_experts``, the grouped
+  ``W8A16_MGPU_MAX_M`` rows on Hopper, the Triton-backend 8-bit GEMV at one row (``GEMV_MAX_M``); MoE experts, laid out by ``prepare_experts``, the grouped
   W4A16 kernel (4-bit weight-only) or the grouped FP8 GEMM (W8A8 FP8) (``moe_experts_impl``).
 * Every GPU: W8A8 FP8 schemes use XLA's native FP8 dot (``native_fp8_dot``; block scales: one
   batched FP8 dot per K group); on Hopper they lay their weights out for the Mosaic GPU FP8 GEMM,
@@ -44,6 +44,15 @@ MGPU_LARGE_WEIGHT = 8192 * 8192
 # 1025 µs at M = 1024) and lost at M = 8192 (8192³: 2886 vs 1700 µs; bench/results/h200/gemm8.md);
 # M between 1024 and 8192 has not been timed.
 W8A16_MGPU_MAX_M = 1024
+# ... and the 8-bit GEMV (``jquant.kernels.gemv8``, Triton backend) runs up to this many rows, before the
+# W8A16 kernel; also one-K-block W8A8 FP8 (``fp8_gemm_impl``). On the H100 at M = 1
+# (bench/results/h100/gemm8_gemv_sweep.md; medians of spreads up to ±50 % below 50 µs) int8 per channel
+# took 93.8 / 33.3 / 20.6 µs at 28672×8192 / 8192² / 6144×4096 against the W8A16 kernel's 94.8 / 38.1 /
+# 26.8; W8A8 FP8 per token × channel, quantizing x included, 92.2-95.0 / 38.9 / 32.3-34.9 against the FP8
+# GEMM's 95.0 / 50.1 / 42.0. From M = 2 it lost everywhere (133-560 µs against 94 at 28672×8192: each row
+# of x takes its own fp32 tile of registers). Block FP8 stays on XLA's path at M = 1 (96.7 µs against the
+# GEMV's 106.3 at 28672×8192: a reduction every 128 codes).
+GEMV_MAX_M = 1
 # The FP8 W8A8 GEMM kernel with one K block (per-token × per-channel or per-tensor scales) runs up to
 # this many rows, XLA's FP8 dot above: on the H100 the kernel took 43.0-46.3 µs at M = 2, 4, 8 on
 # 8192×8192 against 43.4-62.0 (57.9 against 76.8 at M = 1), and 99.3-109.9 µs at M = 1-16 on
@@ -170,11 +179,14 @@ def w4a16_fallback(capability: int) -> str:
 
 
 def w8a16_impl(m: int, capability: int) -> str:
-    """The 8-bit weight-only GEMM's "auto" choice for ``m`` rows of x: ``"mgpu"`` on Hopper up to
-    ``W8A16_MGPU_MAX_M`` rows, else ``"xla"``; ``"reference"`` off CUDA GPUs."""
+    """The 8-bit weight-only GEMM's "auto" choice for ``m`` rows of x: on Hopper ``"triton"`` (the
+    GEMV) up to ``GEMV_MAX_M`` rows, ``"mgpu"`` up to ``W8A16_MGPU_MAX_M``, else ``"xla"``;
+    ``"reference"`` off CUDA GPUs."""
     if capability == 0:
         return w4a16_fallback(capability)
-    return "mgpu" if has_wgmma(capability) and m <= W8A16_MGPU_MAX_M else "xla"
+    if not has_wgmma(capability) or m > W8A16_MGPU_MAX_M:
+        return "xla"
+    return "triton" if m <= GEMV_MAX_M else "mgpu"
 
 
 def moe_experts_impl(scheme, capability: int) -> str:
@@ -191,10 +203,13 @@ def moe_experts_impl(scheme, capability: int) -> str:
 
 def fp8_gemm_impl(m: int, capability: int, blocked: bool = False) -> str:
     """The FP8 W8A8 GEMM's "auto" choice for ``m`` rows: on Hopper ``"mgpu"`` for block scales
-    (``blocked``) from ``FP8_BLOCK_MGPU_MIN_M`` rows, for one K block up to ``FP8_GEMM_MGPU_MAX_M``
-    rows and from ``FP8_GEMM_MGPU_MIN_LARGE_M``; else ``"xla"`` (XLA's FP8 dot on the same layout)."""
+    (``blocked``) from ``FP8_BLOCK_MGPU_MIN_M`` rows; for one K block ``"triton"`` (the GEMV) up to
+    ``GEMV_MAX_M`` rows, ``"mgpu"`` up to ``FP8_GEMM_MGPU_MAX_M`` rows and from
+    ``FP8_GEMM_MGPU_MIN_LARGE_M``; else ``"xla"`` (XLA's FP8 dot on the same layout)."""
     if not has_wgmma(capability):
         return "xla"
     if blocked:
         return "mgpu" if m >= FP8_BLOCK_MGPU_MIN_M else "xla"
+    if m <= GEMV_MAX_M:
+        return "triton"
     return "mgpu" if m <= FP8_GEMM_MGPU_MAX_M or m >= FP8_GEMM_MGPU_MIN_LARGE_M else "xla"

@@ -68,9 +68,18 @@ def step_k(config: GemvConfig, k_pad: int, group_size: int) -> int:
     return bk
 
 
-def default_gemv_config(n_pad: int) -> GemvConfig:
-    """The launch for a weight of ``n_pad`` rows (placeholder until measured)."""
-    return GemvConfig(block_n=8 if n_pad < 16384 else 16, block_k=512)
+def default_gemv_config() -> GemvConfig:
+    """The launch for every weight: 4 rows a program, 1024 codes a step, 4 warps. On the
+    H100 at M = 1 (bench/results/h100/gemm8_gemv_sweep.md) it was the fastest or within 1 µs of it on
+    int8 at 28672×8192 (93.8 µs; 16 rows a program 108.6), 8192² (33.3; 8 rows × 512 codes 41.3) and
+    6144×4096 (20.6); more rows or warps a program never won by more than the timing spread.
+
+    Examples:
+      >>> from jquant.kernels.gemv8 import default_gemv_config
+      >>> default_gemv_config()
+      GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1)
+    """
+    return GemvConfig(block_n=4, block_k=1024)
 
 
 def resolve_gemv_impl(m: int, interpret: bool, kernel: str) -> str:

@@ -96,10 +96,10 @@ def gemv8(x, codes, *, group_size: int | None = None, group_scale=None, zero=Non
     Examples:
       >>> import jax.numpy as jnp, numpy as np
       >>> from jquant.kernels.gemv8.triton import gemv8
-      >>> codes = jnp.asarray(np.arange(-64, 64).reshape(2, 64), jnp.int8)
-      >>> y = gemv8(jnp.ones((1, 64), jnp.float32), codes, col_scale=jnp.array([1.0, 0.5]), interpret=True)
-      >>> y.tolist()  # row sums: -64 + ... + -1 = -2080, 0 + ... + 63 = 2016
-      [[-2080.0, 1008.0]]
+      >>> codes = jnp.asarray(np.arange(-128, 128).reshape(4, 64), jnp.int8)  # weight rows of -128..-65, ...
+      >>> cs = jnp.array([1.0, 1.0, 0.5, 0.25])
+      >>> gemv8(jnp.ones((1, 64), jnp.float32), codes, col_scale=cs, interpret=True).tolist()  # row sums × cs
+      [[-6176.0, -2080.0, 1008.0, 1528.0]]
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
@@ -111,7 +111,7 @@ def gemv8(x, codes, *, group_size: int | None = None, group_scale=None, zero=Non
                          f"{tuple(codes.shape)}")
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"the GEMV takes 1 to {MAX_ROWS} rows of x, got {m}")
-    cfg = config or default_gemv_config(n_pad)
+    cfg = config or default_gemv_config()
     if n_pad % cfg.block_n:
         raise ValueError(f"block_n={cfg.block_n} must divide the weight's {n_pad} rows")
     g = k_pad if group_scale is None else group_size

@@ -246,7 +246,7 @@ def _candidates(wt: _Weight, m: int, interpret: bool, sweep: bool):
             else:
                 def gemv(cfg):
                     return jax.jit(lambda x, p: w8a16_matmul(x, p, impl="triton", config=cfg, interpret=interpret))
-            default = default_gemv_config(packed.n_pad)
+            default = default_gemv_config()
             out.append(("triton", gemv(None), wt.packed, default))
             for cfg in GEMV_SWEEP if sweep else []:
                 if cfg != default:

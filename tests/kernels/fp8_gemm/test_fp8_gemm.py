@@ -191,8 +191,9 @@ def test_block_scheme_adds_the_bias_to_the_rounded_output():
 
 def test_dispatch_and_config():
     assert resolve_fp8_impl("auto", 1, interpret=True) == "mgpu"
-    most = dispatch.FP8_GEMM_MGPU_MAX_M
-    assert dispatch.fp8_gemm_impl(1, 90) == dispatch.fp8_gemm_impl(most, 90) == "mgpu"
+    most, gemv = dispatch.FP8_GEMM_MGPU_MAX_M, dispatch.GEMV_MAX_M
+    assert dispatch.fp8_gemm_impl(gemv, 90) == "triton" and dispatch.fp8_gemm_impl(gemv, 90, blocked=True) == "xla"
+    assert dispatch.fp8_gemm_impl(gemv + 1, 90) == dispatch.fp8_gemm_impl(most, 90) == "mgpu"
     assert dispatch.fp8_gemm_impl(most + 1, 90) == dispatch.fp8_gemm_impl(1, 89) == "xla"
     large = dispatch.FP8_GEMM_MGPU_MIN_LARGE_M
     assert dispatch.fp8_gemm_impl(large - 1, 90) == "xla" and dispatch.fp8_gemm_impl(large, 90) == "mgpu"

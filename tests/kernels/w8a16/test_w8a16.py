@@ -195,6 +195,8 @@ def test_dispatch_policy():
     assert dispatch.w8a16_impl(1, 0) == "reference"
     assert dispatch.w8a16_impl(1, 80) == dispatch.w8a16_impl(1, 100) == "xla"
     assert dispatch.w8a16_impl(dispatch.W8A16_MGPU_MAX_M + 1, 90) == "xla"
+    gemv = dispatch.GEMV_MAX_M
+    assert dispatch.w8a16_impl(gemv, 90) == "triton" and dispatch.w8a16_impl(gemv + 1, 90) == "mgpu"
     assert resolve_w8_impl("auto", 1, interpret=True) == "mgpu"
     with pytest.raises(ValueError, match="impl must be one of"):
         resolve_w8_impl("cuda", 1)
