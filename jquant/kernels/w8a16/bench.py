@@ -69,11 +69,13 @@ W8_SWEEP = (MgpuConfig(block_n=128, block_k=64, block_m=256, max_concurrent_step
             MgpuConfig(block_n=256, block_k=64, block_m=128, max_concurrent_steps=4, compute_wgs=2,
                        final_output=True))
 
-# The 8-bit GEMV (``impl="triton"``, both ops) at M ≤ MAX_ROWS: weight rows a program, codes a step,
-# warps, Triton stages.
-GEMV_SWEEP = tuple(GemvConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-                   for bn, bk, w, st in ((4, 1024, 4, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (16, 256, 4, 1),
-                                         (16, 512, 4, 1), (16, 512, 8, 1), (32, 256, 8, 1), (8, 512, 4, 3)))
+# The 8-bit GEMV (``impl="triton"``, both ops) at M ≤ MAX_ROWS: weight rows a program, codes a step, warps,
+# Triton stages, loads one step ahead. On the H100 (bench/results/h100/gemm8_gemv_sweep.md) 16 or 32 rows a
+# program, 8 warps and 3 Triton stages never won by more than the timing spread at M = 1.
+GEMV_SWEEP = tuple(GemvConfig(block_n=bn, block_k=bk, num_warps=w, prefetch=pf)
+                   for bn, bk, w, pf in ((4, 1024, 4, False), (8, 512, 4, False), (4, 2048, 4, False),
+                                         (4, 1024, 4, True), (8, 512, 4, True), (4, 512, 4, True),
+                                         (16, 512, 8, True)))
 
 
 def schemes() -> dict[str, jquant.Scheme]:
@@ -141,9 +143,10 @@ def _sweep(m: int, packed) -> list:
 def _label(cfg) -> str:
     """``mgpu`` and the fields of a swept launch: ``mgpu 64x256 wg2 st3``, ``… snake8 p132`` (FP8 GEMM: x rows
     × weight rows a warpgroup), ``mgpu n128 k64 m256 wg2 st3`` (W8A16: a CTA's weight rows, K a step, x rows),
-    ``triton n8 k512 w4 st1`` (the GEMV)."""
+    ``triton n8 k512 w4 st1 pf`` (the GEMV)."""
     if isinstance(cfg, GemvConfig):
-        return f"triton n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} st{cfg.num_stages}"
+        return (f"triton n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} st{cfg.num_stages}"
+                + (" pf" if cfg.prefetch else ""))
     if isinstance(cfg, MgpuConfig):
         return (f"mgpu n{cfg.block_n} k{cfg.block_k} m{cfg.block_m} wg{cfg.compute_wgs} "
                 f"st{cfg.max_concurrent_steps}")
