@@ -27,7 +27,7 @@ from jquant.kernels.gemv8.config import MAX_ROWS, GemvConfig, default_gemv_confi
 _CODES = (jnp.int8, jnp.float8_e4m3fn)
 
 
-def _kernel(*refs, rows, groups, steps, block_k, prefetch, has):
+def _kernel(*refs, rows, groups, steps, block_k, has):
     """``has``: which optional operands follow x and the codes, in ``_OPTIONAL`` order."""
     from jax.experimental import pallas as pl
 
@@ -41,32 +41,18 @@ def _kernel(*refs, rows, groups, steps, block_k, prefetch, has):
         """Row ``r``'s ``[block_n]`` sums over group ``g``'s K range, unscaled."""
         z = None if opt["zero"] is None else opt["zero"][g, :].astype(jnp.float32)[:, None]
 
-        def load(i):
-            """Step ``i``'s codes and x columns, as stored."""
+        def step(i, parts):
             k0 = (g * steps + i) * block_k
             if not isinstance(k0, int):   # a traced offset: tell Triton its alignment (16-byte loads)
                 k0 = pl.multiple_of(k0, block_k)
-            return w_ref[:, pl.ds(k0, block_k)], tuple(x_ref[r, pl.ds(k0, block_k)] for r in range(rows))
-
-        def fma(parts, tile):
-            w = tile[0].astype(jnp.float32)
+            w = w_ref[:, pl.ds(k0, block_k)].astype(jnp.float32)
             if z is not None:
                 w = w - z
-            return tuple(p + w * xr.astype(jnp.float32)[None, :] for p, xr in zip(parts, tile[1]))
+            return tuple(p + w * x_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)[None, :]
+                         for r, p in enumerate(parts))
 
         init = tuple(jnp.zeros((bn, block_k), jnp.float32) for _ in range(rows))
-        if steps == 1:
-            parts = fma(init, load(0))
-        elif prefetch:
-            # The next step's loads are issued before this step's multiply-adds, so two steps a program
-            # are in flight (Triton pipelines only loads that feed a dot); the last step reloads itself.
-            def step(i, carry):
-                parts, tile = carry
-                return fma(parts, tile), load(jnp.minimum(i + 1, steps - 1))
-
-            parts, _ = lax.fori_loop(0, steps, step, (init, load(0)))
-        else:
-            parts = lax.fori_loop(0, steps, lambda i, parts: fma(parts, load(i)), init)
+        parts = lax.fori_loop(0, steps, step, init) if steps > 1 else step(0, init)
         return [jnp.sum(p, axis=1) for p in parts]
 
     if opt["group_scale"] is None:
@@ -142,7 +128,7 @@ def gemv8(x, codes, *, group_size: int | None = None, group_scale=None, zero=Non
                  global_scale=whole, bias=lambda a: pl.BlockSpec((cfg.block_n,), lambda j: (j,)))
     present = [name for name in _OPTIONAL if args[name] is not None]
     kernel = functools.partial(_kernel, rows=m, groups=k_pad // g, steps=g // bk, block_k=bk,
-                               prefetch=cfg.prefetch, has={name: args[name] is not None for name in _OPTIONAL})
+                               has={name: args[name] is not None for name in _OPTIONAL})
     return pl.pallas_call(
         kernel, grid=(n_pad // cfg.block_n,),
         in_specs=[whole(x), pl.BlockSpec((cfg.block_n, k_pad), lambda j: (j, 0))]

@@ -8,7 +8,7 @@ W8A16 kernel forced (``mgpu``) and XLA's dequantize + dot for the same math (``x
 schemes (per tensor, per token × channel, 128×128 blocks) and INT8 W8A8 through theirs (XLA's FP8
 dot, or dequantize + dot for blocks; XLA's int8 × int8 → int32 dot), plus for the W8A8 FP8 schemes
 the FP8 GEMM kernel forced (``mgpu``: activations quantized as the scheme says; the dispatch runs it
-by M, ``dispatch.fp8_gemm_impl``). Records: op, scheme, impl, M, N, K, µs, the
+by M, ``dispatch.fp8_gemm_impl``), and at M ≤ 4 the 8-bit GEMV forced (``triton``, both kinds). Records: op, scheme, impl, M, N, K, µs, the
 XLA bf16 baseline of the same run, TB/s, TFLOP/s, % of the byte floor at the HBM rate measured on the
 device (``hbm_tb_per_s``), the speedup over bf16, the kernel's launch (``config``, for ``mgpu``),
 device, JAX version, commit.
@@ -69,13 +69,12 @@ W8_SWEEP = (MgpuConfig(block_n=128, block_k=64, block_m=256, max_concurrent_step
             MgpuConfig(block_n=256, block_k=64, block_m=128, max_concurrent_steps=4, compute_wgs=2,
                        final_output=True))
 
-# The 8-bit GEMV (``impl="triton"``, both ops) at M ≤ MAX_ROWS: weight rows a program, codes a step, warps,
-# Triton stages, loads one step ahead. On the H100 (bench/results/h100/gemm8_gemv_sweep.md) 16 or 32 rows a
-# program, 8 warps and 3 Triton stages never won by more than the timing spread at M = 1.
-GEMV_SWEEP = tuple(GemvConfig(block_n=bn, block_k=bk, num_warps=w, prefetch=pf)
-                   for bn, bk, w, pf in ((4, 1024, 4, False), (8, 512, 4, False), (4, 2048, 4, False),
-                                         (4, 1024, 4, True), (8, 512, 4, True), (4, 512, 4, True),
-                                         (16, 512, 8, True)))
+# The 8-bit GEMV (``impl="triton"``, both ops) at M ≤ MAX_ROWS: weight rows a program, codes a step, warps.
+# On the H100 (bench/results/h100/gemm8_gemv_sweep.md, gemm8_gemv_prefetch.md) 16 or 32 rows a program,
+# 8 warps and 3 Triton stages never won by more than the timing spread; loading each step's tiles one step
+# ahead lost (28672×8192 int8 97.8 against 94.7 µs, FP8 W8A8 100.4 against 89.8).
+GEMV_SWEEP = tuple(GemvConfig(block_n=bn, block_k=bk, num_warps=w)
+                   for bn, bk, w in ((4, 1024, 4), (8, 512, 4), (4, 2048, 4), (4, 512, 4), (16, 512, 8)))
 
 
 def schemes() -> dict[str, jquant.Scheme]:
@@ -143,10 +142,9 @@ def _sweep(m: int, packed) -> list:
 def _label(cfg) -> str:
     """``mgpu`` and the fields of a swept launch: ``mgpu 64x256 wg2 st3``, ``… snake8 p132`` (FP8 GEMM: x rows
     × weight rows a warpgroup), ``mgpu n128 k64 m256 wg2 st3`` (W8A16: a CTA's weight rows, K a step, x rows),
-    ``triton n8 k512 w4 st1 pf`` (the GEMV)."""
+    ``triton n8 k512 w4 st1`` (the GEMV)."""
     if isinstance(cfg, GemvConfig):
-        return (f"triton n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} st{cfg.num_stages}"
-                + (" pf" if cfg.prefetch else ""))
+        return f"triton n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} st{cfg.num_stages}"
     if isinstance(cfg, MgpuConfig):
         return (f"mgpu n{cfg.block_n} k{cfg.block_k} m{cfg.block_m} wg{cfg.compute_wgs} "
                 f"st{cfg.max_concurrent_steps}")
@@ -267,6 +265,7 @@ def to_markdown(records: list[dict]) -> str:
             for r in records]
     return (markdown_title("8-bit GEMM benchmark", records,
                            "impl: scheme = Scheme.apply (the dispatch), mgpu = the W8A16 kernel (weight-only) or "
-                           "the FP8 GEMM kernel (W8A8 FP8) forced, xla = XLA's path for the same math")
+                           "the FP8 GEMM kernel (W8A8 FP8) forced, triton = the 8-bit GEMV forced, "
+                           "xla = XLA's path for the same math")
             + head + "\n".join(rows) + "\n")
 

@@ -13,6 +13,7 @@ import pytest
 from conftest import ON_GPU
 from jquant.apps import bench as cli
 from jquant.kernels.fp8_gemm import default_fp8_config
+from jquant.kernels.gemv8 import MAX_ROWS
 from jquant.kernels.w8a16 import bench
 
 
@@ -36,6 +37,7 @@ def test_gemm8_bench_writes_records_for_every_scheme_and_impl(tmp_path, capsys):
     for m in (1, 9):
         for name in ("int8_ch", "fp8_e4m3_channel_w_only", "fp8_e4m3_block128x128"):
             assert {(name, "scheme", m), (name, "mgpu", m), (name, "xla", m)} <= cells
+            assert ((name, "triton", m) in cells) == (m <= MAX_ROWS)   # the GEMV where it runs
     # W8A8 FP8 forces the FP8 GEMM kernel, not the W8A16 one: its launch is the record's
     launches = {r["M"]: r["config"] for r in records
                 if r["scheme"] == "fp8_e4m3_block128x128" and r["impl"] == "mgpu"}
@@ -44,7 +46,7 @@ def test_gemm8_bench_writes_records_for_every_scheme_and_impl(tmp_path, capsys):
         assert r["device"].startswith("cpu") and r["N"] == 128 and r["K"] == 256 and r["time_us"] > 0
         assert r["baselines"]["xla_bf16"] > 0 and "commit" in r and "jax_version" in r
         assert r["w8a8"] == (r["scheme"] == "fp8_e4m3_block128x128")
-        assert (r["config"] is not None) == (r["impl"] == "mgpu")
+        assert (r["config"] is not None) == (r["impl"] in ("mgpu", "triton"))
         assert r["hbm_tb_per_s"] > 0                     # the rate of the floor, measured on this device
     assert "| int8_ch | no | 128×256 | 1 | mgpu |" in (tmp_path / "gemm8.md").read_text()
 
