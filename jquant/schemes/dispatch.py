@@ -11,8 +11,9 @@ Policy per architecture:
   the Triton-backend Pallas kernels run decode attention (Triton's bf16 dot needs sm_80's mma).
 * CUDA GPUs below 8.0: XLA for everything.
   The 8-bit weight-only GEMM (``w8a16_impl``) runs the same pipeline with 8-bit tiles up to
-  ``W8A16_MGPU_MAX_M`` rows on Hopper, the Triton-backend 8-bit GEMV at one row (``GEMV_MAX_M``); MoE experts, laid out by ``prepare_experts``, the grouped
-  W4A16 kernel (4-bit weight-only) or the grouped FP8 GEMM (W8A8 FP8) (``moe_experts_impl``).
+  ``W8A16_MGPU_MAX_M`` rows on Hopper, the Triton-backend 8-bit GEMV at one row (``GEMV_MAX_M``);
+  MoE experts, laid out by ``prepare_experts``, the grouped W4A16 kernel (4-bit weight-only) or the
+  grouped FP8 GEMM (W8A8 FP8) (``moe_experts_impl``).
 * Every GPU: W8A8 FP8 schemes use XLA's native FP8 dot (``native_fp8_dot``; block scales: one
   batched FP8 dot per K group); on Hopper they lay their weights out for the Mosaic GPU FP8 GEMM,
   which runs block scales from ``FP8_BLOCK_MGPU_MIN_M`` rows and one K block up to

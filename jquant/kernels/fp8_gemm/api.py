@@ -2,11 +2,12 @@
 per-channel (or per-tensor) scales or DeepSeek's 1 × 128 / 128 × 128 block scales, dispatched by
 device (``jquant.schemes.dispatch.fp8_gemm_impl``).
 
-Implementations (``impl``): ``"mgpu"`` (the Mosaic GPU kernel, Hopper), ``"pallas"`` (the kernel,
-nothing else), ``"triton"`` (the 8-bit GEMV, ``jquant.kernels.gemv8``, up to ``MAX_ROWS`` rows: the
-codes widened to fp32, exact, and the scales in the reference's order), ``"xla"`` (on a GPU XLA's FP8 dot, one per K group for block scales while their fp32
-partials fit, else as ``"reference"``),
-``"reference"`` (``reference_fp8``: per K block an fp32 dot of the codes, scaled and summed), ``"auto"``. ``interpret=True`` runs the kernel on any device.
+Implementations (``impl``): ``"mgpu"`` (the Mosaic GPU kernel, Hopper), ``"pallas"`` (the kernel, nothing
+else), ``"triton"`` (the 8-bit GEMV, ``jquant.kernels.gemv8``, up to ``MAX_ROWS`` rows: the codes widened
+to fp32, exact, and the scales in the reference's order), ``"xla"`` (on a GPU XLA's FP8 dot, one per K
+group for block scales while their fp32 partials fit, else as ``"reference"``), ``"reference"``
+(``reference_fp8``: per K block an fp32 dot of the codes, scaled and summed), ``"auto"``.
+``interpret=True`` runs the kernel on any device.
 """
 
 from __future__ import annotations

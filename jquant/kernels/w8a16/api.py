@@ -1,11 +1,11 @@
 """``w8a16_matmul``: ``x @ W`` for an 8-bit weight (int8 or FP8 e4m3) laid out by ``prepack_w8``,
 dispatched by M and device (``jquant.schemes.dispatch.w8a16_impl``).
 
-Implementations (``impl``): ``"mgpu"`` (the Mosaic GPU kernel: the W4A16 kernel's pipeline with
-8-bit tiles, Hopper), ``"pallas"`` (the kernel, nothing else), ``"triton"`` (the 8-bit GEMV,
-``jquant.kernels.gemv8``: up to ``MAX_ROWS`` rows, CUDA GPUs of capability 8.0 and up), ``"xla"`` (dequantize to x's dtype,
-then ``jnp.dot`` with fp32 accumulation), ``"reference"`` (fp32 dequantize and dot), ``"auto"``.
-With ``interpret=True`` the kernel runs on any device in Pallas interpret mode.
+Implementations (``impl``): ``"mgpu"`` (the Mosaic GPU kernel: the W4A16 kernel's pipeline with 8-bit
+tiles, Hopper), ``"pallas"`` (the kernel, nothing else), ``"triton"`` (the 8-bit GEMV,
+``jquant.kernels.gemv8``: up to ``MAX_ROWS`` rows, CUDA GPUs of capability 8.0 and up), ``"xla"``
+(dequantize to x's dtype, then ``jnp.dot`` with fp32 accumulation), ``"reference"`` (fp32 dequantize and
+dot), ``"auto"``. With ``interpret=True`` the kernel runs on any device in Pallas interpret mode.
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
-"""``jquant bench gemm8``: 8-bit weight schemes as a model runs them, against XLA bf16 ``x @ W``, in
-one run.
-
-Per shape and M, every scheme's weight comes from the public API (``quantize_weight`` then
+"""``jquant bench gemm8``: 8-bit weight schemes as a model runs them, against XLA bf16 ``x @ W``, in one
+run. Per shape and M, every scheme's weight comes from the public API (``quantize_weight`` then
 ``process_weights_after_loading``) and ``scheme.apply`` is timed, what a model runs: the weight-only
-schemes (``int8_ch``, FP8 e4m3 per channel with bf16 activations) through their dispatch, plus the
-W8A16 kernel forced (``mgpu``) and XLA's dequantize + dot for the same math (``xla``); the W8A8 FP8
-schemes (per tensor, per token × channel, 128×128 blocks) and INT8 W8A8 through theirs (XLA's FP8
-dot, or dequantize + dot for blocks; XLA's int8 × int8 → int32 dot), plus for the W8A8 FP8 schemes
-the FP8 GEMM kernel forced (``mgpu``: activations quantized as the scheme says; the dispatch runs it
-by M, ``dispatch.fp8_gemm_impl``), and at M ≤ 4 the 8-bit GEMV forced (``triton``, both kinds). Records: op, scheme, impl, M, N, K, µs, the
-XLA bf16 baseline of the same run, TB/s, TFLOP/s, % of the byte floor at the HBM rate measured on the
-device (``hbm_tb_per_s``), the speedup over bf16, the kernel's launch (``config``, for ``mgpu``),
-device, JAX version, commit.
+schemes (``int8_ch``, FP8 e4m3 per channel with bf16 activations) through their dispatch, plus the W8A16
+kernel forced (``mgpu``) and XLA's dequantize + dot for the same math (``xla``); the W8A8 FP8 schemes
+(per tensor, per token × channel, 128×128 blocks) and INT8 W8A8 through theirs (XLA's FP8 dot, or
+dequantize + dot for blocks; XLA's int8 × int8 → int32 dot), plus for the W8A8 FP8 schemes the FP8 GEMM
+kernel forced (``mgpu``: activations quantized as the scheme says; the dispatch runs it by M,
+``dispatch.fp8_gemm_impl``), and at M ≤ 4 the 8-bit GEMV forced (``triton``, both kinds). Records: op,
+scheme, impl, M, N, K, µs, the XLA bf16 baseline of the same run, TB/s, TFLOP/s, % of the byte floor at
+the HBM rate measured on the device (``hbm_tb_per_s``), the speedup over bf16, the kernel's launch
+(``config``, for ``mgpu``), device, JAX version, commit.
 """
 
 from __future__ import annotations
@@ -73,8 +71,9 @@ W8_SWEEP = (MgpuConfig(block_n=128, block_k=64, block_m=256, max_concurrent_step
 # On the H100 (bench/results/h100/gemm8_gemv_sweep.md, gemm8_gemv_prefetch.md) 16 or 32 rows a program,
 # 8 warps and 3 Triton stages never won by more than the timing spread; loading each step's tiles one step
 # ahead lost (28672×8192 int8 97.8 against 94.7 µs, FP8 W8A8 100.4 against 89.8).
-GEMV_SWEEP = tuple(GemvConfig(block_n=bn, block_k=bk, num_warps=w)
-                   for bn, bk, w in ((4, 1024, 4), (8, 512, 4), (4, 2048, 4), (4, 512, 4), (16, 512, 8)))
+GEMV_SWEEP = tuple(GemvConfig(block_n=bn, block_k=bk, num_warps=w, int8_float_bits=fb)
+                   for bn, bk, w, fb in ((4, 1024, 4, True), (4, 1024, 4, False), (8, 512, 4, True),
+                                         (4, 2048, 4, True), (4, 512, 4, True), (16, 512, 8, True)))
 
 
 def schemes() -> dict[str, jquant.Scheme]:
@@ -144,7 +143,8 @@ def _label(cfg) -> str:
     × weight rows a warpgroup), ``mgpu n128 k64 m256 wg2 st3`` (W8A16: a CTA's weight rows, K a step, x rows),
     ``triton n8 k512 w4 st1`` (the GEMV)."""
     if isinstance(cfg, GemvConfig):
-        return f"triton n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} st{cfg.num_stages}"
+        return (f"triton n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} st{cfg.num_stages}"
+                + ("" if cfg.int8_float_bits else " cvt"))
     if isinstance(cfg, MgpuConfig):
         return (f"mgpu n{cfg.block_n} k{cfg.block_k} m{cfg.block_m} wg{cfg.compute_wgs} "
                 f"st{cfg.max_concurrent_steps}")
@@ -231,27 +231,20 @@ def _candidates(wt: _Weight, m: int, interpret: bool, sweep: bool):
     if wt.packed is not None:
         packed = wt.packed[0]
         if isinstance(packed, PackedFp8):
-            def forced(cfg):
-                return jax.jit(lambda x, p: fp8_scheme_gemm(scheme, x, p, impl="mgpu", config=cfg, interpret=interpret))
+            def forced(cfg, impl="mgpu"):
+                return jax.jit(lambda x, p: fp8_scheme_gemm(scheme, x, p, impl=impl, config=cfg, interpret=interpret))
         else:
-            def forced(cfg):
-                return jax.jit(lambda x, p: w8a16_matmul(x, p, impl="mgpu", config=cfg, interpret=interpret))
+            def forced(cfg, impl="mgpu"):
+                return jax.jit(lambda x, p: w8a16_matmul(x, p, impl=impl, config=cfg, interpret=interpret))
         out.append(("mgpu", forced(None), wt.packed, _launch(m, packed)))
         for cfg in _sweep(m, packed) if sweep else []:
             out.append((_label(cfg), forced(cfg), wt.packed, cfg))
-        if m <= MAX_ROWS:
-            if isinstance(packed, PackedFp8):
-                def gemv(cfg):
-                    return jax.jit(lambda x, p: fp8_scheme_gemm(scheme, x, p, impl="triton", config=cfg,
-                                                                interpret=interpret))
-            else:
-                def gemv(cfg):
-                    return jax.jit(lambda x, p: w8a16_matmul(x, p, impl="triton", config=cfg, interpret=interpret))
+        if m <= MAX_ROWS:   # the GEMV
             default = default_gemv_config()
-            out.append(("triton", gemv(None), wt.packed, default))
+            out.append(("triton", forced(None, "triton"), wt.packed, default))
             for cfg in GEMV_SWEEP if sweep else []:
                 if cfg != default:
-                    out.append((_label(cfg), gemv(cfg), wt.packed, cfg))
+                    out.append((_label(cfg), forced(cfg, "triton"), wt.packed, cfg))
     out.append(("xla", jax.jit(lambda x, q, s=scheme: xla_apply(s, x, q, None)), wt.qweight, None))
     return out
 
