@@ -19,7 +19,6 @@ class GemvConfig:
     block_k: codes per row and loop step (a power of 2 ≥ 16; the launch takes the largest power of 2
       up to it that divides K_pad and the scale groups, ``step_k``).
     num_warps, num_stages: Triton's.
-    int8_float_bits: widen int8 codes through fp32 bit patterns instead of an int-to-float conversion.
 
     Examples:
       >>> from jquant.kernels.gemv8 import GemvConfig
@@ -35,15 +34,10 @@ class GemvConfig:
     block_k: int = 512
     num_warps: int = 4
     num_stages: int = 1
-    int8_float_bits: bool = True
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "int8_float_bits":
-                if not isinstance(v, bool):
-                    raise ValueError(f"GemvConfig.int8_float_bits must be a bool, got {v!r}")
-                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"GemvConfig.{f.name} must be a positive int, got {v!r}")
         for name in ("block_n", "block_k", "num_warps"):
@@ -83,7 +77,7 @@ def default_gemv_config() -> GemvConfig:
     Examples:
       >>> from jquant.kernels.gemv8 import default_gemv_config
       >>> default_gemv_config()
-      GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, int8_float_bits=True)
+      GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1)
     """
     return GemvConfig(block_n=4, block_k=1024)
 

@@ -27,17 +27,18 @@ from jquant.kernels.gemv8.config import MAX_ROWS, GemvConfig, default_gemv_confi
 _CODES = (jnp.int8, jnp.float8_e4m3fn)
 
 
-def _widen(codes, float_bits: bool):
-    """8-bit codes as fp32, exactly. int8 with ``float_bits``: the byte ``c + 128`` as the low mantissa
-    bits of 2^23, minus 2^23 + 128, two ALU ops and a subtraction instead of an int-to-float
-    conversion, which sm_90 issues at a quarter of the ALU rate."""
-    if not float_bits or codes.dtype != jnp.int8:
+def _widen(codes):
+    """8-bit codes as fp32, exactly. int8: the byte ``c + 128`` as the low mantissa bits of 2^23, minus
+    2^23 + 128 (two ALU ops and a subtraction; the int-to-float conversion issues at a quarter of the
+    ALU rate on sm_90, yet timed the same within the spread on the H100: 92.4 against 90.4 µs at
+    28672×8192, bench/results/h100/gemm8_gemv_int8_bits.md)."""
+    if codes.dtype != jnp.int8:
         return codes.astype(jnp.float32)
     biased = lax.bitcast_convert_type(codes, jnp.uint8).astype(jnp.uint32) ^ 0x80
     return lax.bitcast_convert_type(biased | 0x4B000000, jnp.float32) - 8388736.0
 
 
-def _kernel(*refs, rows, groups, steps, block_k, float_bits, has):
+def _kernel(*refs, rows, groups, steps, block_k, has):
     """``has``: which optional operands follow x and the codes, in ``_OPTIONAL`` order."""
     from jax.experimental import pallas as pl
 
@@ -55,7 +56,7 @@ def _kernel(*refs, rows, groups, steps, block_k, float_bits, has):
             k0 = (g * steps + i) * block_k
             if not isinstance(k0, int):   # a traced offset: tell Triton its alignment (16-byte loads)
                 k0 = pl.multiple_of(k0, block_k)
-            w = _widen(w_ref[:, pl.ds(k0, block_k)], float_bits)
+            w = _widen(w_ref[:, pl.ds(k0, block_k)])
             if z is not None:
                 w = w - z
             return tuple(p + w * x_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)[None, :]
@@ -138,7 +139,7 @@ def gemv8(x, codes, *, group_size: int | None = None, group_scale=None, zero=Non
                  global_scale=whole, bias=lambda a: pl.BlockSpec((cfg.block_n,), lambda j: (j,)))
     present = [name for name in _OPTIONAL if args[name] is not None]
     kernel = functools.partial(_kernel, rows=m, groups=k_pad // g, steps=g // bk, block_k=bk,
-                               float_bits=cfg.int8_float_bits, has={name: args[name] is not None for name in _OPTIONAL})
+                               has={name: args[name] is not None for name in _OPTIONAL})
     return pl.pallas_call(
         kernel, grid=(n_pad // cfg.block_n,),
         in_specs=[whole(x), pl.BlockSpec((cfg.block_n, k_pad), lambda j: (j, 0))]

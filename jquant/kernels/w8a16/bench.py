@@ -71,9 +71,8 @@ W8_SWEEP = (MgpuConfig(block_n=128, block_k=64, block_m=256, max_concurrent_step
 # On the H100 (bench/results/h100/gemm8_gemv_sweep.md, gemm8_gemv_prefetch.md) 16 or 32 rows a program,
 # 8 warps and 3 Triton stages never won by more than the timing spread; loading each step's tiles one step
 # ahead lost (28672×8192 int8 97.8 against 94.7 µs, FP8 W8A8 100.4 against 89.8).
-GEMV_SWEEP = tuple(GemvConfig(block_n=bn, block_k=bk, num_warps=w, int8_float_bits=fb)
-                   for bn, bk, w, fb in ((4, 1024, 4, True), (4, 1024, 4, False), (8, 512, 4, True),
-                                         (4, 2048, 4, True), (4, 512, 4, True), (16, 512, 8, True)))
+GEMV_SWEEP = tuple(GemvConfig(block_n=bn, block_k=bk, num_warps=w)
+                   for bn, bk, w in ((4, 1024, 4), (8, 512, 4), (4, 2048, 4), (4, 512, 4), (16, 512, 8)))
 
 
 def schemes() -> dict[str, jquant.Scheme]:
@@ -143,8 +142,7 @@ def _label(cfg) -> str:
     × weight rows a warpgroup), ``mgpu n128 k64 m256 wg2 st3`` (W8A16: a CTA's weight rows, K a step, x rows),
     ``triton n8 k512 w4 st1`` (the GEMV)."""
     if isinstance(cfg, GemvConfig):
-        return (f"triton n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} st{cfg.num_stages}"
-                + ("" if cfg.int8_float_bits else " cvt"))
+        return f"triton n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} st{cfg.num_stages}"
     if isinstance(cfg, MgpuConfig):
         return (f"mgpu n{cfg.block_n} k{cfg.block_k} m{cfg.block_m} wg{cfg.compute_wgs} "
                 f"st{cfg.max_concurrent_steps}")

@@ -127,11 +127,10 @@ def test_gemv_bad_input_names_the_problem():
         gemv8(jnp.ones((1, 64), jnp.bfloat16), jnp.ones((128, 64), jnp.uint8), interpret=True)
 
 
-@pytest.mark.parametrize("float_bits", [True, False], ids=["float-bits", "cvt"])
-def test_gemv_widens_every_int8_code_exactly(float_bits, interpret):
+def test_gemv_widens_every_int8_code_exactly(interpret):
     """Each weight row holds one int8 code 64 times (all 256 codes over 256 rows) and x is 1 and -2 by
     turns: every partial sum is an integer below 2^24, so the output is exactly -32 times the code."""
     codes = np.repeat(np.arange(-128, 128, dtype=np.int32)[:, None], 64, axis=1).astype(np.int8)  # [N, K]
     x = jnp.asarray(np.tile([1.0, -2.0], 32), jnp.float32)[None]
-    y = gemv8(x, jnp.asarray(codes), config=GemvConfig(int8_float_bits=float_bits), interpret=interpret)
+    y = gemv8(x, jnp.asarray(codes), interpret=interpret)
     np.testing.assert_array_equal(np.asarray(y[0]), -32.0 * np.arange(-128, 128))
