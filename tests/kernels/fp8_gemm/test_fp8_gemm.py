@@ -94,9 +94,11 @@ def test_snake_and_persistent_grids_cover_every_tile_once(blocks, width, ctas, i
 
 
 @pytest.mark.parametrize("name", SCHEMES)
-@pytest.mark.parametrize("m", [3, 96])
-def test_kernel_keeps_the_scheme_numerics(name, m, interpret):
-    """Activations quantized as the W8A8 scheme says, then the kernel: the scheme's XLA result."""
+@pytest.mark.parametrize("m,gemv", [(3, False), (96, False), (1, True), (4, True)],
+                         ids=["kernel-3", "kernel-96", "gemv-1", "gemv-4"])
+def test_kernel_keeps_the_scheme_numerics(name, m, gemv, interpret):
+    """Activations quantized as the W8A8 scheme says, then the kernel (or the 8-bit GEMV,
+    ``impl="triton"``): the scheme's XLA result."""
     scheme = jquant.get_scheme(name)
     rng = np.random.default_rng()
     w = rng.standard_normal((256, 512)).astype(np.float32)
@@ -104,30 +106,32 @@ def test_kernel_keeps_the_scheme_numerics(name, m, interpret):
     x = jnp.asarray(rng.standard_normal((m, 512)), jnp.float32)
     xq = quantize_activation(scheme, x)
     xs = xq.scale.astype(jnp.float32)
-    y = fp8_gemm(xq.data, xs, pack_fp8_qtensor(qw), out_dtype=jnp.float32, impl=_impl(interpret),
-                 interpret=interpret)
+    y = fp8_gemm(xq.data, xs, pack_fp8_qtensor(qw), out_dtype=jnp.float32,
+                 impl="triton" if gemv else _impl(interpret), interpret=interpret)
     ref = xla_apply(scheme, x, qw, None)
     chex.assert_trees_all_close(y, ref, rtol=1e-4, atol=_scheme_atol(ref))
 
 
-@pytest.mark.parametrize("m,blocks", [(8, False), (256, False), (256, True)],
-                         ids=["swap-ab", "two-warpgroups", "block-two-warpgroups-snake"])
-def test_nan_and_zero_rows(m, blocks, interpret):
+@pytest.mark.parametrize("m,blocks,impl", [(8, False, "kernel"), (256, False, "kernel"), (256, True, "kernel"),
+                                           (4, False, "triton"), (4, True, "triton")],
+                         ids=["swap-ab", "two-warpgroups", "block-two-warpgroups-snake", "gemv", "gemv-block"])
+def test_nan_and_zero_rows(m, blocks, impl, interpret):
     """A NaN code poisons its row only; an all-zero row of x (scale 0) gives exact zeros; at 256 rows
-    on the two-warpgroup launches (block scales: the promoted sum, on the snake grid)."""
+    on the two-warpgroup launches (block scales: the promoted sum, on the snake grid), at 4 on the
+    8-bit GEMV."""
     rng = np.random.default_rng()
     k = 256 if blocks else 128
     w = rng.standard_normal((256, k)).astype(ml_dtypes.float8_e4m3fn)
     xq = np.asarray(rng.standard_normal((m, k)), ml_dtypes.float8_e4m3fn)
     xq[2, 5] = np.nan
-    xq[4] = 0
+    xq[1] = 0
     xs = np.ones((m, k // 128 if blocks else 1), np.float32)
-    xs[4] = 0
+    xs[1] = 0
     ws = np.ones((2, k // 128) if blocks else 256, np.float32)
     assert default_fp8_config(m, 256, blocks).compute_wgs == (2 if m == 256 else 1)
-    y = np.asarray(fp8_gemm(jnp.asarray(xq), xs, prepack_fp8(w, ws), impl=_impl(interpret), interpret=interpret),
-                   np.float32)
-    assert np.isnan(y[2]).all() and not y[4].any() and np.isfinite(np.delete(y, 2, axis=0)).all()
+    y = np.asarray(fp8_gemm(jnp.asarray(xq), xs, prepack_fp8(w, ws), interpret=interpret,
+                            impl="triton" if impl == "triton" else _impl(interpret)), np.float32)
+    assert np.isnan(y[2]).all() and not y[1].any() and np.isfinite(np.delete(y, 2, axis=0)).all()
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU run compiles for real")

@@ -48,18 +48,6 @@ def test_gemv_ragged_shapes_and_bias(n, k, m, fmt, dtype, interpret):
     _check(y, x, _float64_weight(qt), bias)
 
 
-def test_gemv_act_order_uint8(interpret):
-    rng = np.random.default_rng()
-    k, n, g = 256, 128, 64
-    q = rng.integers(0, 256, (k, n)).astype(np.uint8)
-    s = rng.uniform(0.001, 0.01, (k // g, n)).astype(np.float32)
-    z = rng.integers(100, 156, (k // g, n)).astype(np.uint8)
-    g_idx = rng.permutation(np.arange(k) // g).astype(np.int32)
-    x = _x(rng, 4, k)
-    y = _gemv(x, prepack_w8(q, s, z, group_size=g, g_idx=g_idx), interpret)
-    _check(y, x, ((q.astype(np.float64) - z[g_idx]) * s[g_idx]).T)
-
-
 def test_gemv_adversarial_values(interpret):
     """A zero channel scale gives exact zeros; a zero row of x exact zeros; a NaN in one row of x poisons
     that row only; a NaN code its column only; ±448 codes × 2^115 overflow to ±Inf as the reference."""

@@ -79,7 +79,9 @@ def test_kernel_ragged_shapes_and_bias(n, k, m, fmt, interpret):
     _check(y, x, _float64_weight(qt), bias)
 
 
-def test_kernel_act_order_uint8(interpret):
+@pytest.mark.parametrize("impl", ["kernel", "triton"])
+def test_kernel_act_order_uint8(impl, interpret):
+    """GPTQ act order with zero points, on the kernel and on the 8-bit GEMV (``impl="triton"``)."""
     rng = np.random.default_rng()
     k, n, g = 256, 128, 64
     q = rng.integers(0, 256, (k, n)).astype(np.uint8)
@@ -89,7 +91,8 @@ def test_kernel_act_order_uint8(interpret):
     packed = prepack_w8(q, s, z, group_size=g, g_idx=g_idx)
     x = _x(rng, 4, k)
     w64 = (q.astype(np.float64) - z[g_idx]) * s[g_idx]                # [K, N], checkpoint row order
-    y = w8a16_matmul(x, packed, impl="auto" if interpret else "pallas", interpret=interpret)
+    kernel = "auto" if interpret else "pallas"
+    y = w8a16_matmul(x, packed, impl="triton" if impl == "triton" else kernel, interpret=interpret)
     _check(y, x, w64.T)
 
 
