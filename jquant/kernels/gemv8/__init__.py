@@ -4,6 +4,6 @@ backend, run by ``w8a16_matmul`` and ``fp8_gemm`` at decode-sized M.
 Importing this package loads no GPU backend: Pallas is imported when the kernel first runs.
 """
 
-from jquant.kernels.gemv8.config import MAX_ROWS, GemvConfig, default_gemv_config
+from jquant.kernels.gemv8.config import GemvConfig, default_gemv_config
 
-__all__ = ["MAX_ROWS", "GemvConfig", "default_gemv_config"]
+__all__ = ["GemvConfig", "default_gemv_config"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jquant.kernels.fp8_gemm import fp8_gemm, prepack_fp8
-from jquant.kernels.gemv8 import MAX_ROWS
+from jquant.kernels.gemv8.config import MAX_ROWS
 from test_fp8_gemm import _float64
 
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import ON_GPU
 from jquant.apps import bench as cli
 from jquant.kernels.fp8_gemm import default_fp8_config
-from jquant.kernels.gemv8 import MAX_ROWS
+from jquant.kernels.gemv8.config import MAX_ROWS
 from jquant.kernels.w8a16 import bench
 
 

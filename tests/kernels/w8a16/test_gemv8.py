@@ -10,7 +10,8 @@ import pytest
 import jquant
 from conftest import ON_GPU
 from cuda_lowering import triton_modules
-from jquant.kernels.gemv8 import MAX_ROWS, GemvConfig
+from jquant.kernels.gemv8 import GemvConfig
+from jquant.kernels.gemv8.config import MAX_ROWS
 from jquant.kernels.gemv8.triton import gemv8
 from jquant.kernels.w4a16.config import MgpuConfig
 from jquant.kernels.w8a16 import pack_w8_qtensor, prepack_w8, reference_w8, w8a16_matmul
