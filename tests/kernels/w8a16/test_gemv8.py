@@ -2,10 +2,12 @@
 an independent float64 dequantization at every M it takes, its lowering to Triton IR for sm_90 on CPU
 at every swept launch, adversarial values, bad input. JQUANT_TEST_GPU=1 runs the same tests on the GPU."""
 
+import hypothesis.strategies as st
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 import jquant
 from conftest import ON_GPU
@@ -17,7 +19,7 @@ from jquant.kernels.w4a16.config import MgpuConfig
 from jquant.kernels.w8a16 import pack_w8_qtensor, prepack_w8, reference_w8, w8a16_matmul
 from jquant.kernels.w8a16.api import gemv_w8
 from jquant.kernels.w8a16.bench import GEMV_SWEEP
-from test_w8a16 import IDS, WEIGHTS, _check, _float64_weight, _x
+from test_w8a16 import IDS, LAYOUTS, WEIGHTS, _check, _float64_weight, _x, random_layout
 
 
 def _gemv(x, w, interpret, **kw):
@@ -47,6 +49,19 @@ def test_gemv_ragged_shapes_and_bias(n, k, m, fmt, dtype, interpret):
     y = _gemv(x, qt, interpret, bias=bias)
     assert y.shape == (m, n) and y.dtype == dtype
     _check(y, x, _float64_weight(qt), bias)
+
+
+@pytest.mark.parametrize("kind", ["int8", "uint8", "e4m3"])   # each kind drawn for sure
+@settings(max_examples=8)
+@given(m=st.integers(1, MAX_ROWS), **{name: v for name, v in LAYOUTS.items() if name != "kind"})
+def test_gemv_random_layouts_match_float64(kind, m, k, n, group, seed):
+    """Random K, N (1-300, 1-150: padded), codes, groups (16 to per channel) and zero points: fp32 x
+    against the hand-built float64 weight, within fp32 summation error."""
+    packed, w = random_layout(k, n, kind, group, seed)
+    x = np.random.default_rng(seed).standard_normal((m, k)).astype(np.float32)
+    y = np.asarray(w8a16_matmul(jnp.asarray(x), packed, impl="triton", interpret=not ON_GPU), np.float64)
+    ref = x.astype(np.float64) @ w
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * max(np.abs(ref).max(), 1.0))
 
 
 def test_gemv_adversarial_values(interpret):

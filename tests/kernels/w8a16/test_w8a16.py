@@ -158,10 +158,13 @@ def test_lowers_for_sm90_with_ragged_n(n):
 
 
 # ---- layout, reference, dispatch ------------------------------------------------------------------
-@settings(max_examples=8)
-@given(k=st.integers(1, 300), n=st.integers(1, 150), kind=st.sampled_from(["int8", "uint8", "e4m3"]),
-       group=st.sampled_from([16, 32, 64, 128, -1]), seed=st.integers(0, 2**16))
-def test_layout_dequantizes_exactly(k, n, kind, group, seed):
+LAYOUTS = dict(k=st.integers(1, 300), n=st.integers(1, 150), kind=st.sampled_from(["int8", "uint8", "e4m3"]),
+               group=st.sampled_from([16, 32, 64, 128, -1]), seed=st.integers(0, 2**16))
+
+
+def random_layout(k, n, kind, group, seed):
+    """A random 8-bit ``[K, N]`` weight of ``kind`` in groups of ``group`` rows (-1: one group), laid out
+    by ``prepack_w8``, and its float64 value from the codes, scales and zero points by hand."""
     rng = np.random.default_rng(seed)
     g = k if group == -1 else group
     groups = -(-k // g)
@@ -169,15 +172,19 @@ def test_layout_dequantizes_exactly(k, n, kind, group, seed):
     rows = np.arange(k) // g
     if kind == "e4m3":
         q = rng.standard_normal((k, n)).astype(ml_dtypes.float8_e4m3fn)
-        packed, w = prepack_w8(q, s, group_size=group), q.astype(np.float64) * s[rows]
-    elif kind == "int8":
+        return prepack_w8(q, s, group_size=group), q.astype(np.float64) * s[rows]
+    if kind == "int8":
         q = rng.integers(-128, 128, (k, n)).astype(np.int8)
-        packed, w = prepack_w8(q, s, group_size=group), q.astype(np.float64) * s[rows]
-    else:
-        q = rng.integers(0, 256, (k, n)).astype(np.uint8)
-        z = rng.integers(0, 256, (groups, n)).astype(np.uint8)
-        packed = prepack_w8(q, s, z, group_size=group)
-        w = (q.astype(np.float64) - z[rows]) * s[rows]
+        return prepack_w8(q, s, group_size=group), q.astype(np.float64) * s[rows]
+    q = rng.integers(0, 256, (k, n)).astype(np.uint8)
+    z = rng.integers(0, 256, (groups, n)).astype(np.uint8)
+    return prepack_w8(q, s, z, group_size=group), (q.astype(np.float64) - z[rows]) * s[rows]
+
+
+@settings(max_examples=8)
+@given(**LAYOUTS)
+def test_layout_dequantizes_exactly(k, n, kind, group, seed):
+    packed, w = random_layout(k, n, kind, group, seed)
     out = np.asarray(dequantize_w8(packed))
     assert packed.k_pad % 64 == 0 and packed.n_pad % 128 == 0
     np.testing.assert_allclose(out[:k, :n], w, rtol=1e-6)
