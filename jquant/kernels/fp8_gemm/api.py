@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jquant.kernels.fp8_gemm.config import Fp8GemmConfig, default_fp8_config
 from jquant.kernels.fp8_gemm.layout import PackedFp8, activation_operands, reference_fp8
-from jquant.kernels.gemv8.config import MAX_ROWS, GemvConfig, resolve_gemv_impl
+from jquant.kernels.gemv8.config import GemvConfig, kernel_for_config, resolve_gemv_impl
 from jquant.kernels.w4a16.api import resolve_kernel_impl
 from jquant.schemes import dispatch as device_lib
 from jquant.schemes.xla import blockwise_fp8_dot, blockwise_fp8_fits
@@ -68,14 +68,7 @@ def fp8_gemm(xq, x_scale, packed: PackedFp8, *, bias=None, out_dtype=jnp.bfloat1
     if config is not None and not isinstance(config, (Fp8GemmConfig, GemvConfig)):
         raise TypeError(f"config must be an Fp8GemmConfig or GemvConfig, got {type(config).__name__}")
     m = xq.shape[0]
-    kind = resolve_fp8_impl(impl, m, interpret, packed.blocked)
-    if config is not None and kind in ("mgpu", "triton"):
-        wanted = "triton" if isinstance(config, GemvConfig) else "mgpu"
-        if impl == "auto" and (wanted == "mgpu" or m <= MAX_ROWS):
-            kind = wanted   # the launch given names its kernel
-        elif wanted != kind:
-            raise TypeError(f"impl={impl!r} at M = {m} runs {kind!r}, whose launch is a "
-                            f"{'GemvConfig' if kind == 'triton' else 'Fp8GemmConfig'}, not a {type(config).__name__}")
+    kind = kernel_for_config(resolve_fp8_impl(impl, m, interpret, packed.blocked), impl, config, m, Fp8GemmConfig)
     if kind == "triton":
         return _gemv(xq, x_scale, packed, bias, out_dtype, config, interpret)
     if kind == "xla" and device_lib.native_fp8_dot():

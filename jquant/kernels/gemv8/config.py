@@ -106,3 +106,26 @@ def resolve_gemv_impl(m: int, interpret: bool, kernel: str) -> str:
     where = device_lib.platform() if cc == 0 else f"compute capability {cc}"
     warn_once(f"{kernel}:triton:{cc}", f"impl='triton' ({kernel}) cannot run on {where}; using the XLA path")
     return device_lib.w4a16_fallback(cc)
+
+
+def kernel_for_config(kind: str, impl: str, config, m: int, kernel_config: type) -> str:
+    """The kernel an op runs where the dispatch chose ``kind`` for ``impl`` at ``m`` rows and the caller
+    gave ``config``: with ``impl="auto"`` the kernel the launch's type names (a ``GemvConfig`` the GEMV,
+    up to ``MAX_ROWS`` rows; a ``kernel_config`` the op's Mosaic GPU kernel), else ``kind``, refusing a
+    launch of the other kernel.
+
+    Examples:
+      >>> from jquant.kernels.gemv8.config import GemvConfig, kernel_for_config
+      >>> kernel_for_config("mgpu", "auto", GemvConfig(), 1, object), kernel_for_config("xla", "xla", None, 1, object)
+      ('triton', 'xla')
+    """
+    if config is None or kind not in ("mgpu", "triton"):
+        return kind
+    wanted = "triton" if isinstance(config, GemvConfig) else "mgpu"
+    if impl == "auto" and (wanted == "mgpu" or m <= MAX_ROWS):
+        return wanted
+    if wanted != kind:
+        takes = "GemvConfig" if kind == "triton" else kernel_config.__name__
+        raise TypeError(f"impl={impl!r} at M = {m} runs {kind!r}, whose launch is a {takes}, not a "
+                        f"{type(config).__name__}")
+    return kind

@@ -115,11 +115,13 @@ def gemv8(x, codes, *, group_size: int | None = None, group_scale=None, zero=Non
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, K_pad], got shape {tuple(x.shape)}")
     m, k_pad = x.shape
-    n_pad = codes.shape[0]
     if codes.ndim != 2 or codes.shape[1] != k_pad or codes.dtype not in _CODES:
         raise ValueError(f"codes must be int8 or float8_e4m3fn [N_pad, K_pad={k_pad}], got {codes.dtype} "
                          f"{tuple(codes.shape)}")
+    n_pad = codes.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"the GEMV takes 1 to {MAX_ROWS} rows of x, got {m}")
     cfg = config or default_gemv_config()

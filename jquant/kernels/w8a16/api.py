@@ -14,7 +14,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jquant.kernels.gemv8.config import MAX_ROWS, GemvConfig, resolve_gemv_impl
+from jquant.kernels.gemv8.config import GemvConfig, kernel_for_config, resolve_gemv_impl
 from jquant.kernels.w4a16.api import check_matmul_args, resolve_kernel_impl
 from jquant.kernels.w4a16.config import MgpuConfig, default_mgpu_config, group_acc_fits
 from jquant.kernels.w4a16.layout import gather_pad
@@ -107,14 +107,7 @@ def w8a16_matmul(x, packed: PackedW8NK | QTensor, *, bias=None, impl: str = "aut
     x, bias = check_matmul_args(x, packed.k, packed.n, bias, config, (MgpuConfig, GemvConfig))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, packed.k)
-    kind = resolve_w8_impl(impl, x2.shape[0], interpret)
-    if config is not None and kind in ("mgpu", "triton"):
-        wanted = "triton" if isinstance(config, GemvConfig) else "mgpu"
-        if impl == "auto" and (wanted == "mgpu" or x2.shape[0] <= MAX_ROWS):
-            kind = wanted   # the launch given names its kernel
-        elif wanted != kind:
-            raise TypeError(f"impl={impl!r} at M = {x2.shape[0]} runs {kind!r}, whose launch is a "
-                            f"{'GemvConfig' if kind == 'triton' else 'MgpuConfig'}, not a {type(config).__name__}")
+    kind = kernel_for_config(resolve_w8_impl(impl, x2.shape[0], interpret), impl, config, x2.shape[0], MgpuConfig)
     if kind == "mgpu" and x2.dtype == jnp.float32:
         if impl != "auto" and not interpret:
             raise TypeError(f"impl={impl!r} runs the Mosaic GPU kernel, which takes bf16 or fp16 x; "

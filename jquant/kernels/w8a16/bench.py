@@ -9,7 +9,7 @@ kernel forced (``mgpu``: activations quantized as the scheme says; the dispatch 
 ``dispatch.fp8_gemm_impl``), and at M ≤ 4 the 8-bit GEMV forced (``triton``, both kinds). Records: op,
 scheme, impl, M, N, K, µs, the XLA bf16 baseline of the same run, TB/s, TFLOP/s, % of the byte floor at
 the HBM rate measured on the device (``hbm_tb_per_s``), the speedup over bf16, the kernel's launch
-(``config``, for ``mgpu``), device, JAX version, commit.
+(``config``, for ``mgpu`` and ``triton``), device, JAX version, commit.
 """
 
 from __future__ import annotations

@@ -127,6 +127,8 @@ def test_gemv_bad_input_names_the_problem():
         _gemv(jnp.ones((1, 64), jnp.bfloat16), packed, True, config=GemvConfig(block_n=256))
     with pytest.raises(ValueError, match="power of 2"):
         GemvConfig(block_k=96)
+    with pytest.raises(ValueError, match=r"x must be \[M, K_pad\], got shape \(64,\)"):
+        gemv8(jnp.ones((64,), jnp.bfloat16), jnp.ones((128, 64), jnp.int8), interpret=True)
     with pytest.raises(ValueError, match="int8 or float8_e4m3fn"):
         gemv8(jnp.ones((1, 64), jnp.bfloat16), jnp.ones((128, 64), jnp.uint8), interpret=True)
 
