@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jquant.formats.exact import exact_divide
 from jquant.kv.dtypes import storage_dtype
 
 K_SCALE_CONSTANT = 200.0
@@ -46,8 +47,9 @@ def calibrate_kv_scales(k, v):
 
 
 def encode(x, scale, fmt: str):
-    """Codes of x / scale in fmt (scale broadcasts against x)."""
-    y = x.astype(jnp.float32) / scale
+    """Codes of x / scale in fmt (scale broadcasts against x; the division correctly rounded, so the
+    XLA path, the Triton kernel's ``div.rn`` and the CPU write the same codes)."""
+    y = exact_divide(x.astype(jnp.float32), scale)
     if fmt == "int8":   # vLLM: +-0.5, clamp, then the int8 store truncates (not ties-to-even)
         y = jnp.where(y >= 0, y + 0.5, y - 0.5)
         return jnp.clip(y, -128.0, 127.0).astype(jnp.int8)

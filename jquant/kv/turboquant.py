@@ -14,6 +14,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
+from jquant.formats.exact import exact_divide
 from jquant.kv import lloyd_max
 
 
@@ -92,7 +93,7 @@ def quantize_values(v, bits: int):
     levels = 2**bits - 1
     s = jnp.maximum((hi - lo) / levels, 1e-8)
     s = jnp.where(jnp.isnan(hi - lo), hi - lo, s)
-    q = jnp.clip(jnp.floor((v - lo[..., None]) / s[..., None] + 0.5), 0, levels)
+    q = jnp.clip(jnp.floor(exact_divide(v - lo[..., None], s[..., None]) + 0.5), 0, levels)
     return pack(jnp.nan_to_num(q).astype(jnp.int32), bits), s.astype(jnp.float16), lo.astype(jnp.float16)
 
 

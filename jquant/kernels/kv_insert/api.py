@@ -27,30 +27,27 @@ def _int32_offsets_wrap(pages) -> bool:
     return size > 2**31 and size * pages.dtype.itemsize <= 2**32
 
 
-# Formats whose kernel writes measured bit-identical to XLA's quantize + scatter on the H200 (random
-# bf16 keys and values, 8 / 4096 / 32768 tokens; bench/results/h200/insert.json). The others differ
-# there at rounding ties: int8 per (token, head) in ~3 of 10^4 codes, k8v4's 4-bit values in ~9 of
-# 10^4 and fp8 per (token, head) in 1 of 4·10^6, because XLA's GPU division of x by a broadcast scale
-# is not the IEEE division the kernel performs. Until the kernel divides as XLA does, "auto" leaves
-# them to XLA, so a cache's contents never depend on which path wrote them.
-BIT_EXACT_ON_GPU = frozenset({"bf16", "fp8_e4m3"})
-
-
 def choose_impl(spec: KVCacheSpec) -> str:
     """"pallas" where the Triton-backend kernels run (``dispatch.runs_triton_pallas``: a CUDA GPU of
-    capability 8.0 or more) for the formats in ``BIT_EXACT_ON_GPU`` (and, for e4m3, capability 8.9 or
-    more: Triton casts float32 to e4m3 from sm_89 on); "xla" elsewhere.
+    capability 8.0 or more) for the formats the kernel covers (and, for e4m3, capability 8.9 or more:
+    Triton casts float32 to e4m3 from sm_89 on); "xla" elsewhere.
+
+    Both paths write the same bits, so a cache's contents never depend on the path: the reference
+    divides with ``exact_divide`` (correctly rounded on the GPU too), the kernel with PTX's IEEE
+    ``div.rn.f32``. While XLA's GPU division (``div.full.f32``) went uncorrected, int8 per (token,
+    head) differed in ~3 of 10^4 codes, k8v4's 4-bit values in ~9 of 10^4 and fp8 per (token, head)
+    in 1 of 4·10^6 (H200, bench/results/h200/insert.json), and those formats stayed on XLA.
 
     Examples:
       >>> import jax
       >>> from jquant.kernels.kv_insert import choose_impl
       >>> from jquant.kv import kv_cache_spec
-      >>> choose_impl(kv_cache_spec("int8_per_token_head"))  # not bit-exact on GPUs yet: XLA everywhere
+      >>> choose_impl(kv_cache_spec("turboquant_3bit_nc"))  # Lloyd-Max keys: the reference everywhere
       'xla'
       >>> jax.default_backend() != "cpu" or choose_impl(kv_cache_spec("bf16")) == "xla"  # CPU: XLA
       True
     """
-    if not dispatch.runs_triton_pallas() or spec.name not in BIT_EXACT_ON_GPU:
+    if not dispatch.runs_triton_pallas() or not triton.covers_format(spec):
         return "xla"
     e4m3 = "fp8_e4m3" in (spec.key_format, spec.value_format)
     return "xla" if e4m3 and dispatch.compute_capability() < FP8_E4M3_MIN_CAPABILITY else "pallas"

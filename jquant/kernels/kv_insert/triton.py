@@ -9,8 +9,9 @@ whose slot is negative or past the pool are masked out of every store, so their 
 Every step mirrors ``insert_reference`` as XLA computes it, so codes and scales are bit-identical:
 
 * XLA rewrites ``x / constant`` into ``x * (1 / constant)`` (its algebraic simplifier), so divisions
-  by a constant here are multiplications by the same float32 reciprocal; Triton's ``/`` is the
-  approximate ``div.full.f32``, so a division by data is the IEEE ``div.rn.f32`` (inline PTX).
+  by a constant here are multiplications by the same float32 reciprocal. The reference divides by
+  data correctly rounded (``exact_divide``); Triton's ``/`` is the approximate ``div.full.f32``, so
+  the kernel divides with the IEEE ``div.rn.f32`` (inline PTX).
 * Triton's min/max drop NaN where XLA's propagate it: NaN is carried explicitly.
 
 Covered: bf16, per-tensor FP8 (e4m3 / e5m2), per-(token, head) INT8 / FP8 and TurboQuant k8v4 (FP8 keys,
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jquant.formats.exact import exact_divide
 from jquant.kv import scalar
 from jquant.kv.dtypes import KVCacheSpec
 from jquant.kv.paged import PagedKVCache
@@ -59,10 +61,15 @@ class InsertConfig:
             raise ValueError(f"num_warps must be a power of two ≤ 16, got {self.num_warps}")
 
 
+def covers_format(spec: KVCacheSpec) -> bool:
+    """Whether the kernel writes this format at some head_dim: all but Lloyd-Max TurboQuant keys."""
+    return spec.kind != "turboquant" or (spec.key_format == "fp8_e4m3" and spec.value_bits == 4)
+
+
 def covers(spec: KVCacheSpec, head_dim: int) -> bool:
-    """Whether the kernel writes this format (else the caller falls back to the reference)."""
-    tq_ok = spec.kind != "turboquant" or (spec.key_format == "fp8_e4m3" and spec.value_bits == 4)
-    return tq_ok and head_dim >= 16 and not head_dim & (head_dim - 1)
+    """Whether the kernel writes this format at this head_dim (else the caller falls back to the
+    reference)."""
+    return covers_format(spec) and head_dim >= 16 and not head_dim & (head_dim - 1)
 
 
 def _recip(c: float) -> np.float32:
@@ -71,9 +78,9 @@ def _recip(c: float) -> np.float32:
 
 
 def _div(a, b, interpret: bool):
-    """a / b IEEE-exact, as XLA divides (Triton's ``/`` is approximate)."""
+    """a / b correctly rounded, as the reference's ``exact_divide`` (Triton's ``/`` is approximate)."""
     if interpret:
-        return a / b
+        return exact_divide(a, b)
     from jax.experimental.pallas import triton as plt
 
     [q] = plt.elementwise_inline_asm(

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ON_GPU
 from cuda_lowering import lower_for_cuda
 from jquant.kernels import kv_insert
 from jquant.kernels.kv_insert import InsertConfig, insert
@@ -94,18 +93,7 @@ def _every_case(name: str) -> bool:
     return spec.name == name and kernel.covers(spec, 64)
 
 
-def _known_gpu_mismatch(name: str):
-    """On the GPU, formats outside BIT_EXACT_ON_GPU differ from XLA at rounding ties (measured on the
-    H200; auto dispatch keeps them on XLA): expected to fail there, and to pass on CPU."""
-    marks = ()
-    if ON_GPU and kernel.covers(kv_cache_spec(name), 64) and \
-            kv_cache_spec(name).name not in kv_insert.api.BIT_EXACT_ON_GPU and kv_cache_spec(name).kind != "dense":
-        marks = pytest.mark.xfail(reason="XLA's GPU division by a broadcast scale is not IEEE", strict=False)
-    return marks
-
-
-@pytest.mark.parametrize("name,case", [pytest.param(n, c, marks=_known_gpu_mismatch(n))
-                                       for n in VALID_NAMES for c in range(len(CASES))
+@pytest.mark.parametrize("name,case", [(n, c) for n in VALID_NAMES for c in range(len(CASES))
                                        if c == 0 or _every_case(n)])
 def test_kernel_writes_the_references_bits(name, case, interpret):
     page_size, d, hkv, t, dtype, block = CASES[case]
@@ -201,10 +189,13 @@ def test_rejects_bad_arguments():
 
 @pytest.mark.parametrize("capability,name,want", [(90, "fp8", "pallas"), (80, "fp8", "xla"),
                                                   (90, "bf16", "pallas"), (80, "bf16", "pallas"),
-                                                  (90, "int8_per_token_head", "xla"),
-                                                  (90, "fp8_per_token_head", "xla"),
-                                                  (90, "turboquant_k8v4", "xla"),
-                                                  (90, "fp8_e5m2", "xla"), (0, "bf16", "xla")])
+                                                  (90, "int8_per_token_head", "pallas"),
+                                                  (80, "int8_per_token_head", "pallas"),
+                                                  (90, "fp8_per_token_head", "pallas"),
+                                                  (80, "fp8_per_token_head", "xla"),
+                                                  (90, "turboquant_k8v4", "pallas"),
+                                                  (90, "turboquant_3bit_nc", "xla"),
+                                                  (80, "fp8_e5m2", "pallas"), (0, "bf16", "xla")])
 def test_choose_impl(monkeypatch, capability, name, want):
     monkeypatch.setattr(dispatch, "runs_triton_pallas", lambda device=None: capability >= 80)
     monkeypatch.setattr(dispatch, "compute_capability", lambda device=None: capability)
