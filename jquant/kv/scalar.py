@@ -64,4 +64,7 @@ def decode(codes, scale):
 def token_head_scale(x, fmt: str):
     """One float32 scale per leading index: x [..., D] -> [...]."""
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
-    return jnp.maximum(amax / fmt_max(fmt), TOKEN_HEAD_MIN_SCALE)   # NaN amax stays NaN
+    scale = jnp.maximum(amax / fmt_max(fmt), TOKEN_HEAD_MIN_SCALE)
+    # A NaN amax gives the NaN 0x7FC00000 on every backend (and in the insert kernel): XLA's GPU max
+    # wrote 0xFFFFFFFF where its CPU max keeps the input's NaN (H100, tests/kernels/kv_insert).
+    return jnp.where(jnp.isnan(amax), jnp.float32(jnp.nan), scale)

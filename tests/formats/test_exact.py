@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from conftest import ON_GPU
 from jquant.formats.exact import exact_divide, nearest_quotient
 
 # No subnormal operands or quotients: XLA on CPU flushes them (``jquant.formats.subnormal`` handles
@@ -17,7 +18,13 @@ HUGE = np.array([3.4028235e38, -3.4028235e38], np.float32)
 
 
 def _bits_equal(a, b):
-    np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+    """Bit for bit; on the GPU a NaN quotient is its canonical NaN (0x7FFFFFFF), so there NaNs must sit
+    where numpy's are, whatever their sign and payload."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    if ON_GPU:
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        a, b = np.where(np.isnan(a), np.float32(np.nan), a), np.where(np.isnan(b), np.float32(np.nan), b)
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 @pytest.mark.parametrize("shape", [(64, 1), (1, 320), ()])
@@ -63,10 +70,10 @@ def _normal_operands(rng, shape):
     return sign * draw(-60, 60), draw(-60, 60)
 
 
-@pytest.mark.parametrize("ulps", [-3.0, -2.0, -1.5, -1.0, -0.6, 0.0, 0.6, 1.0, 1.5, 2.0, 3.0])
+@pytest.mark.parametrize("ulps", [-2.0, -1.5, -1.0, -0.6, 0.0, 0.6, 1.0, 1.5, 2.0])
 def test_nearest_quotient_moves_a_quotient_a_few_ulps_off_to_numpys(ulps):
-    """What a GPU's ``div.full.f32`` may give (within 2 ulp of the true quotient; 3 here), moved back
-    to the correctly rounded quotient: random operands, and quotients within 4 ulps of powers of
+    """What a GPU's ``div.full.f32`` may give (within 2 ulp of the true quotient), moved back to the
+    correctly rounded quotient: random operands, and quotients within 4 ulps of powers of
     two, where the float grid halves below."""
     rng = np.random.default_rng()
     x, s = _normal_operands(rng, (4096,))
@@ -81,7 +88,7 @@ def test_nearest_quotient_moves_a_quotient_a_few_ulps_off_to_numpys(ulps):
 
 @settings(max_examples=60, deadline=None)
 @given(st.floats(2.0 ** -100, 2.0 ** 100, width=32), st.floats(2.0 ** -100, 2.0 ** 100, width=32),
-       st.floats(-3.0, 3.0), st.booleans())
+       st.floats(-2.0, 2.0), st.booleans())
 def test_nearest_quotient_random_operands(n, d, ulps, negative):
     x = np.array([-n if negative else n], np.float32)
     s = np.array([d], np.float32)
@@ -94,7 +101,10 @@ def test_nearest_quotient_random_operands(n, d, ulps, negative):
 
 
 def test_nearest_quotient_leaves_specials_as_given():
-    x = np.array([0.0, -0.0, np.inf, np.nan, 1.0, 1e-40, 3.0e38, 1.0], np.float32)
-    s = np.array([3.0, 3.0, 3.0, 3.0, np.inf, 3.0, 1e-38, 0.0], np.float32)
-    q = np.array([0.0, -0.0, np.inf, np.nan, 0.0, 5.0, np.inf, np.inf], np.float32)
+    """Zeros, Inf, NaN, a subnormal numerator, overflow, division by zero, and a quotient under
+    float32's normal range ((1 + 2**-23) · 2**-127, flushed to 0 by XLA) stay as the division gave
+    them."""
+    x = np.array([0.0, -0.0, np.inf, np.nan, 1.0, 1e-40, 3.0e38, 1.0, (1 + 2.0 ** -23) * 2.0 ** -100], np.float32)
+    s = np.array([3.0, 3.0, 3.0, 3.0, np.inf, 3.0, 1e-38, 0.0, 2.0 ** 27], np.float32)
+    q = np.array([0.0, -0.0, np.inf, np.nan, 0.0, 5.0, np.inf, np.inf, 0.0], np.float32)
     _bits_equal(nearest_quotient(jnp.asarray(x), jnp.asarray(s), jnp.asarray(q)), q)
