@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from jax import export
 
 from conftest import ON_GPU
 from jquant.formats.exact import exact_divide, nearest_quotient
@@ -108,3 +109,11 @@ def test_nearest_quotient_leaves_specials_as_given():
     s = np.array([3.0, 3.0, 3.0, 3.0, np.inf, 3.0, 1e-38, 0.0, 2.0 ** 27], np.float32)
     q = np.array([0.0, -0.0, np.inf, np.nan, 0.0, 5.0, np.inf, np.inf, 0.0], np.float32)
     _bits_equal(nearest_quotient(jnp.asarray(x), jnp.asarray(s), jnp.asarray(q)), q)
+
+
+@pytest.mark.parametrize("platform,corrected", [("cuda", True), ("rocm", True), ("cpu", False)])
+def test_the_correction_is_lowered_for_gpus_not_for_the_cpu(platform, corrected):
+    """``nearest_quotient`` (shifts of the bits) where XLA's division is not IEEE; the CPU divides alone."""
+    args = (jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((4, 1), jnp.float32))
+    text = export.export(jax.jit(exact_divide), platforms=[platform])(*args).mlir_module()
+    assert ("stablehlo.shift_left" in text) == corrected
