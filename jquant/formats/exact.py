@@ -183,7 +183,7 @@ def unlift_quotient(numerator: jax.Array, divisor: float, tiny: jax.Array) -> tu
     subnormal = tiny & (quotient < jnp.float32(2.0 ** (LIFT - 126)))
     c, j = _odd_times_pow2(divisor)
     bits = abs_bits(numerator)
-    significand = ((bits & 0x7FFFFF) | 0x800000).astype(jnp.uint32)
+    significand = _significand(bits)
     t = ((bits >> 23) - 1 - LIFT - j).astype(jnp.int32)
     # t >= 0: N = M << t < c · 2**23 < 2**31 wherever the quotient is subnormal.
     n = significand << jnp.clip(t, 0, 31).astype(jnp.uint32)

@@ -34,9 +34,9 @@ def choose_impl(spec: KVCacheSpec) -> str:
 
     Both paths write the same bits, so a cache's contents never depend on the path: the reference
     divides with ``exact_divide`` (correctly rounded on the GPU too), the kernel with PTX's IEEE
-    ``div.rn.f32``. While XLA's GPU division (``div.full.f32``) went uncorrected, int8 per (token,
-    head) differed in ~3 of 10^4 codes, k8v4's 4-bit values in ~9 of 10^4 and fp8 per (token, head)
-    in 1 of 4·10^6 (H200, bench/results/h200/insert.json), and those formats stayed on XLA.
+    ``div.rn.f32``. XLA's uncorrected GPU division (``div.full.f32``) differs from the kernel in ~3 of
+    10^4 int8 per (token, head) codes, ~9 of 10^4 k8v4 4-bit values and 1 of 4·10^6 fp8 per (token,
+    head) codes (H200, bench/results/h200/insert.json).
 
     Examples:
       >>> import jax
