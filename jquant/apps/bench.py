@@ -1,8 +1,9 @@
-"""``jquant bench {w4a16,gemm8,attention,insert,decode,gptq,moe} --out bench/results/<device> [options]``.
+"""``jquant bench {w4a16,gemm8,act-quant,attention,insert,decode,gptq,moe} --out bench/results/<device> [options]``.
 
 ``w4a16`` times 4-bit weight-only schemes as a model runs them (``get_scheme → quantize_weight →
 process_weights_after_loading → apply``) against XLA; ``gemm8`` times the 8-bit schemes (the W8A16
-kernel, FP8 W8A8) the same way; ``attention`` times paged decode attention per
+kernel, FP8 W8A8) the same way; ``act-quant`` times the e4m3 activation quantization of the W8A8 FP8
+GEMMs (per token, per 1 × 128 group) against XLA; ``attention`` times paged decode attention per
 ``kv_cache_dtype`` against JAX's own ``paged_attention``; ``insert`` times the quantize-and-insert of new tokens
 into the paged cache per ``kv_cache_dtype`` against XLA; ``decode`` times one donated decode step of a
 Llama-3-8B-shaped stack per weight scheme × KV dtype, with the bf16 model in the same run; ``gptq`` times
@@ -73,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--out", default="bench/results", help="folder for insert.json and insert.md")
     ins.add_argument("--tokens", type=_ints, default=None, help="new tokens per insert (default 8,4096,32768)")
     _kv_kernel_options(ins)
+
+    aq = sub.add_parser("act-quant", help="e4m3 activation quantization (per token, per 1 x 128 group) against XLA")
+    aq.add_argument("--out", default="bench/results", help="folder for act_quant.json and act_quant.md")
+    aq.add_argument("--shapes", type=_shapes, default=None, help="MxK list (default 16x4096,...,4096x14336)")
+    aq.add_argument("--reps", type=int, default=9)
+    aq.add_argument("--sweep", action="store_true", help="also time the launch configs of bench.sweep")
 
     dec = sub.add_parser("decode", help="one decode step of a Llama-3-8B-shaped stack per weights x KV dtype")
     dec.add_argument("--out", default="bench/results", help="folder for decode.json and decode.md")
@@ -162,6 +169,8 @@ def main(argv=None) -> int:
         return _moe(parser, args)
     if args.bench == "gemm8":
         return _gemm8(parser, args)
+    if args.bench == "act-quant":
+        return _act_quant(parser, args)
     return _model_bench(parser, args)
 
 
@@ -190,6 +199,23 @@ def _moe(parser, args) -> int:
     return _write_as_it_runs("moe", args.out, "moe", bench.to_markdown, lambda on_records: bench.run(
         shapes, tokens, formats, reps=args.reps, cpu=not dispatch.is_gpu(), profile_dir=args.profile,
         on_records=on_records))
+
+
+def _act_quant(parser, args) -> int:
+    from jquant.bench.records import run_meta, write_records
+    from jquant.kernels.act_quant import bench
+
+    shapes = args.shapes or bench.SHAPES
+    if any(len(s) != 2 or min(s) < 1 for s in shapes) or args.reps < 1:
+        parser.error("--shapes must be positive MxK pairs and --reps positive")
+    if _no_gpu(args):
+        return 1
+    meta, records = run_meta(), []
+    for shape in shapes:   # rewrite the files after every shape: a run cut short keeps its rows
+        records += bench.run((shape,), reps=args.reps, with_sweep=args.sweep, meta=meta)
+        js, md = write_records(records, args.out, "act_quant", bench.to_markdown)
+    print(f"wrote {js} and {md}")
+    return 0
 
 
 def _write_as_it_runs(what: str, out: str, name: str, to_markdown, run) -> int:

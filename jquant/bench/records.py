@@ -9,6 +9,7 @@ import pathlib
 from typing import Callable
 
 import jax
+import numpy as np
 
 from jquant.bench.timing import source_commit
 from jquant.schemes.dispatch import device_name
@@ -52,3 +53,10 @@ def write_records(records: list[dict], out_dir, stem: str,
     js.write_text(json.dumps(records, indent=1))
     md.write_text(to_markdown(records))
     return js, md
+
+
+def same_bits(a, b) -> bool:
+    """Whether two pytrees hold the same arrays, bit for bit (NaN payloads and -0.0 included)."""
+    bits = lambda x: np.atleast_1d(np.asarray(x)).view(np.uint8)
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(bits(x), bits(y)) for x, y in zip(la, lb))

@@ -1,7 +1,7 @@
 """The FP8 GEMM as a registry implementation for W8A8 FP8 schemes on Hopper: the e4m3 weight (per
 tensor, per channel or 128 × 128 blocks) laid out once by ``prepack_fp8``; ``apply`` quantizes the
-activations exactly as the scheme says (``quantize_activation``: per token, per tensor, static or
-per 1 × 128 group) and runs ``fp8_gemm``, which picks the kernel or XLA's FP8 dot on the same layout
+activations exactly as the scheme says (``quantize_scheme_activation``: per token or per 1 × 128 group
+in one Triton-backend pass, per tensor or static as XLA) and runs ``fp8_gemm``, which picks the kernel or XLA's FP8 dot on the same layout
 by M (``dispatch.fp8_gemm_impl``)."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jquant.kernels.act_quant import quantize_scheme_activation
 from jquant.kernels.fp8_gemm.api import fp8_gemm
 from jquant.kernels.fp8_gemm.config import BLOCK_K
 from jquant.kernels.fp8_gemm.layout import PackedFp8, prepack_fp8
 from jquant.qtensor import QTensor
 from jquant.schemes import dispatch
 from jquant.schemes.scheme import Impl, Scheme, register_impl
-from jquant.schemes.xla import quantize_activation
 
 
 def pack_fp8_qtensor(qt: QTensor) -> PackedFp8 | None:
@@ -57,7 +57,7 @@ def fp8_scheme_gemm(scheme: Scheme, x: jax.Array, packed: PackedFp8, bias: jax.A
     """``x [..., K]`` times the packed weight as the W8A8 FP8 ``scheme`` computes it: x quantized as the
     scheme says, then ``fp8_gemm`` (``impl``, ``config``, ``interpret`` as its)."""
     lead = x.shape[:-1]
-    xq = quantize_activation(scheme, x.reshape(-1, x.shape[-1]), input_scale)
+    xq = quantize_scheme_activation(scheme, x.reshape(-1, x.shape[-1]), input_scale, interpret=interpret)
     scale = xq.scale if not isinstance(xq.scale, QTensor) else xq.scale.dequantize(jnp.float32)
     # Block FP8: the bias goes onto the rounded output, as XLA's path (and vLLM's block-FP8 linear) does.
     late_bias = bias is not None and scheme.activation.mode == "dynamic_per_token_group"

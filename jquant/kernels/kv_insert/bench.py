@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jquant.bench.records import markdown_title
+from jquant.bench.records import markdown_title, same_bits
 from jquant.bench.timing import Timing, device_hbm_bytes_per_s, roofline, spread_pct, time_steadiest
 from jquant.kernels.kv_insert import triton
 from jquant.kernels.kv_insert.api import insert
@@ -72,11 +72,6 @@ def _time_donated(progs: dict[str, Callable], caches: dict, args: tuple, inserts
     return {name: Timing(statistics.median(v), min(v), tuple(v), inserts) for name, v in samples.items()}
 
 
-def _same_bits(a, b) -> bool:
-    bits = lambda x: np.atleast_1d(np.asarray(x)).view(np.uint8)
-    return all(np.array_equal(bits(x), bits(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
 def run(tokens: Iterable[int] = TOKENS, kv_dtypes: Iterable[str] = KV_DTYPES, page_size: int = 16,
         reps: int = 9, hbm_bytes_per_s: float | None = None, interpret: bool = False,
         meta: dict | None = None, log: Callable[[str], None] = print,
@@ -120,7 +115,7 @@ def run(tokens: Iterable[int] = TOKENS, kv_dtypes: Iterable[str] = KV_DTYPES, pa
                            speedup_vs_xla=xt.median_us / kt.median_us, byte_floor_us=roof.byte_floor_us,
                            pct_of_byte_floor=roof.pct_of_byte_floor,
                            hbm_tb_per_s=round(hbm_bytes_per_s / 1e12, 3),
-                           bit_exact=_same_bits(caches[f"kernel:{i}"], caches["xla"]), inserts_per_batch=n,
+                           bit_exact=same_bits(caches[f"kernel:{i}"], caches["xla"]), inserts_per_batch=n,
                            **(meta or {}))
                 records.append(rec)
                 log(f"  insert {name:20s} T={t:<6d} {kt.median_us:9.1f} us {rec['tb_per_s']:6.2f} TB/s  xla "

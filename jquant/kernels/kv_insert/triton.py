@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jquant.formats.exact import exact_divide
+from jquant.kernels.triton_exact import clip_keep_nan, ieee_divide, max_keep_nan, row_abs_max, row_has_nan
 from jquant.kv import scalar
 from jquant.kv.dtypes import KVCacheSpec
 from jquant.kv.paged import PagedKVCache
@@ -77,58 +77,34 @@ def _recip(c: float) -> np.float32:
     return np.float32(1.0) / np.float32(c)
 
 
-def _div(a, b, interpret: bool):
-    """a / b correctly rounded, as the reference's ``exact_divide`` (Triton's ``/`` is approximate)."""
-    if interpret:
-        return exact_divide(a, b)
-    from jax.experimental.pallas import triton as plt
-
-    [q] = plt.elementwise_inline_asm(
-        "div.rn.f32 $0, $1, $2;", args=[a, jnp.broadcast_to(b, a.shape)], constraints="=f,f,f",
-        pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
-    return q
-
-
-def _clip(y, lo: float, hi: float):
-    """jnp.clip with NaN kept, as XLA's clamp keeps it."""
-    return jnp.where(jnp.isnan(y), y, jnp.minimum(jnp.maximum(y, lo), hi))
-
-
-def _row_nan(x):
-    """[rows] whether a row of x holds a NaN."""
-    return jnp.max(jnp.where(jnp.isnan(x), 1, 0), axis=1) > 0
-
-
 def _encode(x, scale, fmt: str, interpret: bool):
     """``scalar.encode``: codes of x / scale (scale None: 1, no division) in fmt."""
-    y = x if scale is None else _div(x, scale, interpret)
+    y = x if scale is None else ieee_divide(x, scale, interpret)
     if fmt == "int8":   # +-0.5 and clamp; the int8 store truncates, as the reference's convert does
         y = jnp.where(jnp.isnan(y), 0.0, y)   # XLA converts NaN to 0
         return jnp.minimum(jnp.maximum(jnp.where(y >= 0, y + 0.5, y - 0.5), -128.0), 127.0)
     m = scalar.fmt_max(fmt)
-    return _clip(y, -m, m)
+    return clip_keep_nan(y, -m, m)
 
 
 def _token_head_scale(x, fmt: str):
     """``scalar.token_head_scale`` of the rows of x: [rows] float32."""
-    amax = jnp.where(_row_nan(x), jnp.float32(jnp.nan), jnp.max(jnp.abs(x), axis=1))
-    return jnp.where(jnp.isnan(amax), amax, jnp.maximum(amax * _recip(scalar.fmt_max(fmt)),
-                                                        np.float32(scalar.TOKEN_HEAD_MIN_SCALE)))
+    return max_keep_nan(row_abs_max(x) * _recip(scalar.fmt_max(fmt)), np.float32(scalar.TOKEN_HEAD_MIN_SCALE))
 
 
 def _uniform4(even, odd, interpret: bool):
     """``turboquant.quantize_values`` at 4 bits of rows given as their even and odd columns:
     packed bytes [rows, D/2] (int32; low nibble = even column), float32 scale and min [rows]."""
-    nan = _row_nan(even) | _row_nan(odd)
+    nan = row_has_nan(even) | row_has_nan(odd)
     lo = jnp.where(nan, jnp.float32(jnp.nan), jnp.minimum(jnp.min(even, axis=1), jnp.min(odd, axis=1)))
     hi = jnp.where(nan, jnp.float32(jnp.nan), jnp.maximum(jnp.max(even, axis=1), jnp.max(odd, axis=1)))
     levels = 15.0
     span = hi - lo
-    s = jnp.where(jnp.isnan(span), span, jnp.maximum(span * _recip(levels), np.float32(1e-8)))
+    s = max_keep_nan(span * _recip(levels), np.float32(1e-8))
 
     def codes(v):
-        q = jnp.floor(_div(v - lo[:, None], s[:, None], interpret) + 0.5)
-        return jnp.where(jnp.isnan(q), 0.0, _clip(q, 0.0, levels)).astype(jnp.int32)
+        q = jnp.floor(ieee_divide(v - lo[:, None], s[:, None], interpret) + 0.5)
+        return jnp.where(jnp.isnan(q), 0.0, clip_keep_nan(q, 0.0, levels)).astype(jnp.int32)
 
     return codes(even) | (codes(odd) << 4), s, lo
 

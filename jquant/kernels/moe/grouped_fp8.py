@@ -78,14 +78,14 @@ def grouped_fp8(x: jax.Array, packed: PackedFp8, group_sizes: jax.Array, scheme:
       ((5, 256), True)
     """
     from jquant.kernels.fp8_gemm.mosaic_gpu import fp8_gemm_mgpu   # Mosaic GPU loads only where it runs
-    from jquant.schemes.xla import quantize_activation
+    from jquant.kernels.act_quant import quantize_scheme_activation
 
     if scheme.weight_only or scheme.activation.format != "fp8_e4m3":
         raise ValueError(f"grouped_fp8 runs W8A8 FP8 schemes (e4m3 activations), not {scheme.name!r}")
     if x.ndim != 2 or x.shape[1] != packed.k:
         raise ValueError(f"grouped_fp8: x must be rows [T, K={packed.k}], got {tuple(x.shape)}")
     rows = x.shape[0]
-    xq = quantize_activation(scheme, x)
+    xq = quantize_scheme_activation(scheme, x, interpret=interpret)
     scale = xq.scale.dequantize(jnp.float32) if isinstance(xq.scale, QTensor) else xq.scale
     scale = jnp.broadcast_to(scale.astype(jnp.float32), (rows, scale.shape[-1]))
     cfg = config or grouped_fp8_config(rows, jnp.shape(group_sizes)[0])
