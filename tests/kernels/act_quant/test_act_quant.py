@@ -161,7 +161,7 @@ def test_checks_come_from_the_formats():
 
 
 def test_bench_checks_bits_and_writes_a_table():
-    records = bench.run(((3, 256),), reps=1, interpret=True, log=lambda s: None, copies=2)
+    records = bench.run(((3, 256),), reps=1, interpret=True, log=lambda s: None, calls=2)
     assert [(r["mode"], r["rows"], r["k"], r["bit_exact"]) for r in records] == [
         ("token", 3, 256, True), ("group", 3, 256, True)]
     assert records[0]["useful_bytes"] == 3 * 256 * 3 + 3 * 4 and records[1]["useful_bytes"] == 3 * 256 * 3 + 6 * 4
