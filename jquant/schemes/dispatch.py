@@ -83,6 +83,14 @@ MOE_W4A16_MGPU = True
 # out of memory on an 80 GB H100, where the grouped kernel ran the layer in 4.9 ms at 64 tokens and
 # 11.7 ms at 4096 (bench/results/h100/moe.md).
 MOE_FP8_MGPU = True
+# Dynamic e4m3 activations (per token, per 1 × 128 group) of the W8A8 FP8 GEMMs are quantized by the
+# Triton-backend pass (``jquant.kernels.act_quant``) from this many rows, by XLA below. The pass read and
+# wrote 4096 × 8192 in 63 µs against XLA's 142 (H100, bench/results/h100/act_quant.md) and took the
+# per-token GEMM at 8192³ from 1118 to 980 µs; at a decode step's rows XLA fuses the quantization into
+# the op that produces x, while the pass is one more launch.
+ACT_QUANT_KERNEL_MIN_ROWS = 64
+# Triton casts float32 to float8_e4m3fn from sm_89 (Ada, Hopper) on; e5m2 casts need no minimum.
+E4M3_CAST_MIN_CAPABILITY = 89
 
 TRITON_MIN_CAPABILITY = 80
 
@@ -200,6 +208,13 @@ def moe_experts_impl(scheme, capability: int) -> str:
         return "mgpu" if MOE_W4A16_MGPU and scheme.weight.bits == 4 else "xla"
     fp8 = scheme.weight.format == "fp8_e4m3" and scheme.activation.format == "fp8_e4m3"
     return "mgpu" if MOE_FP8_MGPU and fp8 else "xla"
+
+
+def act_quant_impl(rows: int, capability: int) -> str:
+    """Who quantizes ``rows`` rows of dynamic e4m3 activations on a CUDA device of ``capability``:
+    ``"pallas"`` (the Triton-backend pass) from ``ACT_QUANT_KERNEL_MIN_ROWS`` rows on sm_89 and up,
+    else ``"xla"``."""
+    return "pallas" if capability >= E4M3_CAST_MIN_CAPABILITY and rows >= ACT_QUANT_KERNEL_MIN_ROWS else "xla"
 
 
 def fp8_gemm_impl(m: int, capability: int, blocked: bool = False) -> str:

@@ -17,22 +17,22 @@ from jquant.qtensor import QTensor
 from jquant.schemes import dispatch
 
 IMPLS = ("auto", "pallas", "xla")
-# Triton casts float32 to float8_e4m3fn from sm_89 (Ada, Hopper) on.
-E4M3_MIN_CAPABILITY = 89
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
-def choose_impl() -> str:
-    """"pallas" where the kernel runs (a CUDA GPU of capability 8.9 or more), else "xla".
+def choose_impl(rows: int) -> str:
+    """"pallas" where the kernel runs (a CUDA GPU of capability 8.9 or more) and ``dispatch.act_quant_impl``
+    picks it for ``rows`` rows, else "xla".
 
     Examples:
       >>> import jax
       >>> from jquant.kernels.act_quant import choose_impl
-      >>> jax.default_backend() != "cpu" or choose_impl() == "xla"
+      >>> jax.default_backend() != "cpu" or choose_impl(4096) == "xla"
       True
     """
-    ok = dispatch.runs_triton_pallas() and dispatch.compute_capability() >= E4M3_MIN_CAPABILITY
-    return "pallas" if ok else "xla"
+    if not dispatch.runs_triton_pallas():
+        return "xla"
+    return dispatch.act_quant_impl(rows, dispatch.compute_capability())
 
 
 def _kernel_covers(x: jax.Array, group: int) -> bool:
@@ -48,7 +48,8 @@ def quantize_fp8_activations(x, group_size: int | None = None, *, ue8m0: bool = 
     ``fp8.quantize_fp8_per_token``) or per ``group_size`` values (``fp8.quantize_fp8_per_token_group``,
     ``ue8m0`` and ``scale_dtype`` as there): the same QTensor as those functions, bit for bit.
 
-    ``impl``: "pallas" (the kernel), "xla" (the formats' function) or "auto" (``choose_impl``).
+    ``impl``: "pallas" (the kernel), "xla" (the formats' function) or "auto" (``choose_impl`` of the
+    number of rows).
     Inputs the kernel does not take (empty, a float dtype other than bf16 / fp16 / float32, 2**31 values
     or more) run the formats' function whatever ``impl``; its checks (a group that does not divide K) run
     first on every path.
@@ -75,7 +76,7 @@ def quantize_fp8_activations(x, group_size: int | None = None, *, ue8m0: bool = 
     x = jnp.asarray(x)
     group = x.shape[-1] if group_size is None else group_size
     if impl == "auto":
-        impl = choose_impl()
+        impl = choose_impl(x.size // max(x.shape[-1], 1) if x.ndim else 1)
     if impl == "xla" or not _kernel_covers(x, group):
         return reference(x)
     rows = x.reshape(-1, x.shape[-1])

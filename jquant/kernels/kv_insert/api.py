@@ -16,8 +16,6 @@ from jquant.kv.paged import PagedKVCache
 from jquant.schemes import dispatch
 
 IMPLS = ("auto", "pallas", "xla")
-# Triton casts float32 to float8_e4m3fn from sm_89 (Ada, Hopper) on; e5m2 casts need no minimum.
-FP8_E4M3_MIN_CAPABILITY = 89
 
 
 def _int32_offsets_wrap(pages) -> bool:
@@ -50,7 +48,7 @@ def choose_impl(spec: KVCacheSpec) -> str:
     if not dispatch.runs_triton_pallas() or not triton.covers_format(spec):
         return "xla"
     e4m3 = "fp8_e4m3" in (spec.key_format, spec.value_format)
-    return "xla" if e4m3 and dispatch.compute_capability() < FP8_E4M3_MIN_CAPABILITY else "pallas"
+    return "xla" if e4m3 and dispatch.compute_capability() < dispatch.E4M3_CAST_MIN_CAPABILITY else "pallas"
 
 
 def insert(cache: PagedKVCache, k_new: jax.Array, v_new: jax.Array, slots: jax.Array, *,

@@ -178,3 +178,19 @@ def test_cli_checks_options_then_says_no_gpu(capsys, tmp_path, monkeypatch):
     assert e.value.code == 2 and "MxK" in capsys.readouterr().err
     assert cli.main(["bench", "act-quant", "--shapes", "8x256", "--out", str(tmp_path)]) == 1
     assert "no GPU present" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_dispatch_by_rows_and_capability(monkeypatch):
+    from jquant.kernels.act_quant import api
+    from jquant.schemes import dispatch
+    big = dispatch.ACT_QUANT_KERNEL_MIN_ROWS
+    assert [dispatch.act_quant_impl(r, cc) for r, cc in ((big, 90), (big - 1, 90), (big, 89), (big, 86))] == [
+        "pallas", "xla", "pallas", "xla"]
+    monkeypatch.setattr(dispatch, "runs_triton_pallas", lambda: True)
+    monkeypatch.setattr(dispatch, "compute_capability", lambda: 90)
+    assert api.choose_impl(big) == "pallas" and api.choose_impl(1) == "xla"
+    # "auto" counts rows over the leading axes: [2, big / 2, K] is big rows
+    seen = []
+    monkeypatch.setattr(api, "choose_impl", lambda rows: seen.append(rows) or "xla")
+    quantize_fp8_activations(jnp.ones((2, big // 2, 128), jnp.bfloat16))
+    assert seen == [big]
