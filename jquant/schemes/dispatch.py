@@ -84,11 +84,13 @@ MOE_W4A16_MGPU = True
 # 11.7 ms at 4096 (bench/results/h100/moe.md).
 MOE_FP8_MGPU = True
 # Dynamic e4m3 activations (per token, per 1 × 128 group) of the W8A8 FP8 GEMMs are quantized by the
-# Triton-backend pass (``jquant.kernels.act_quant``) from this many rows, by XLA below. The pass read and
-# wrote 4096 × 8192 in 63 µs against XLA's 142 (H100, bench/results/h100/act_quant.md) and took the
-# per-token GEMM at 8192³ from 1118 to 980 µs; at a decode step's rows XLA fuses the quantization into
-# the op that produces x, while the pass is one more launch.
-ACT_QUANT_KERNEL_MIN_ROWS = 64
+# Triton-backend pass (``jquant.kernels.act_quant``) from this many rows, by XLA below. On the H100 the
+# pass won at every M timed: 4096 × 8192 alone in 63 µs against XLA's 142 (bench/results/h100/
+# act_quant.md); per-token GEMMs on 8192² at M = 16 / 64 / 256 / 1024 / 4096 / 8192 took 34.1 / 40.4 /
+# 54.9 / 119.2 / 461.9 / 980.2 µs against 36.8 / 43.4 / 63.5 / 144.8 / 559.4 / 1117.8 with XLA's
+# quantization, and a decode step (8 layers, B = 1 / 16) 1067.5 / 1479.9 against 1082.1 / 1522.6 µs
+# (gemm8_act_quant*.md, decode_act_quant*.md).
+ACT_QUANT_KERNEL_MIN_ROWS = 1
 # Triton casts float32 to float8_e4m3fn from sm_89 (Ada, Hopper) on; e5m2 casts need no minimum.
 E4M3_CAST_MIN_CAPABILITY = 89
 
