@@ -239,7 +239,7 @@ def _dynamic8(x, blocksize):
     blocks = pad_to_blocks(flat, (blocksize,)).reshape(-1, blocksize)
     magnitude = jnp.where(jnp.isnan(blocks), 0.0, jnp.abs(blocks))
     absmax = jnp.max(magnitude, axis=1)
-    scaled = blocks * (1.0 / absmax)[:, None]
+    scaled = blocks * exact_divide(jnp.ones_like(absmax), absmax)[:, None]
     codes = jnp.searchsorted(jnp.asarray(_dynamic_thresholds()), scaled, side="right")
     codes = jnp.where(jnp.isnan(scaled) | (absmax[:, None] == 0), 0, codes)
     return QTensor(data=codes.astype(jnp.uint8).reshape(-1)[:flat.size].reshape(x.shape), scale=absmax,

@@ -221,11 +221,20 @@ def bfloat16_bits_exact(values: jax.Array) -> jax.Array:
 
 
 def to_float32_exact(values: jax.Array) -> jax.Array:
-    """``values`` as float32 without flushing: bfloat16 by its bits, other dtypes by XLA's cast."""
+    """``values`` as float32 without flushing and with their rounding kept: bfloat16 by its bits, other
+    dtypes by XLA's cast behind an optimization barrier.
+
+    XLA's GPU compiler drops a float32 → narrower float → float32 round trip (``SimplifyFPConversions``,
+    on by default with ``xla_allow_excess_precision``): on the H100 a jitted float32 → float4_e2m1fn →
+    float32 returned its input, an NVFP4 scale cast to e4m3 and read back divided by the unrounded scale,
+    and an FP8 quantize-dequantize returned x. The barrier hides the narrow value's origin from it.
+    """
+    if values.dtype == jnp.float32:
+        return values
     if values.dtype == jnp.bfloat16:
         widened = lax.bitcast_convert_type(values, jnp.uint16).astype(jnp.int32) << 16
         return bits_float(widened)
-    return values.astype(jnp.float32)
+    return lax.optimization_barrier(values).astype(jnp.float32)
 
 
 def store_exact(values: jax.Array, dtype) -> jax.Array:

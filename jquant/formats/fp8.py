@@ -207,7 +207,7 @@ def quantize_fp8_dynamic_per_tensor(x, fmt="fp8_e4m3") -> QTensor:
     block = tuple(x.shape)
     scale = _dynamic_scale(block_amax(x.astype(jnp.float32), block), fmt)
     # vLLM's per-tensor kernel and its torch fallback both multiply by the reciprocal.
-    codes = saturating_cast(x.astype(jnp.float32) * (1.0 / scale), fmt)
+    codes = saturating_cast(x.astype(jnp.float32) * exact_divide(jnp.ones_like(scale), scale), fmt)
     return _qtensor(x, codes, scale, block, fmt, "dynamic_tensor")
 
 
@@ -260,7 +260,8 @@ def quantize_fp8_static(x, scale, fmt="fp8_e4m3") -> QTensor:
                          f"expected a scalar, [1], or rank {x.ndim} with each axis 1 or x's size")
     block = tuple(n if s == 1 else 1 for s, n in zip(scale.shape, x.shape))
     scale = scale.astype(jnp.float32)
-    codes = saturating_cast(x.astype(jnp.float32) * expand_blocks(1.0 / scale, x.shape, block), fmt)
+    codes = saturating_cast(x.astype(jnp.float32) * expand_blocks(exact_divide(jnp.ones_like(scale), scale),
+                                                                  x.shape, block), fmt)
     return _qtensor(x, codes, scale, block, fmt, "static")
 
 
@@ -299,7 +300,7 @@ def _qtensor(x, codes, scale, block, fmt, granularity) -> QTensor:
 
 def dequantize_fp8(qt: QTensor, dtype) -> jnp.ndarray:
     """``code · scale`` in float32 (exact for bf16/fp16/e8m0 scales), then cast to ``dtype``."""
-    values = qt.data.astype(jnp.float32) * qt.expand(qt.scale.astype(jnp.float32))
+    values = to_float32_exact(qt.data) * qt.expand(to_float32_exact(qt.scale))
     return values.astype(dtype)
 
 

@@ -56,7 +56,7 @@ import numpy as np
 
 from jquant.formats.base import register_preset, register_quantizer
 from jquant.formats.blocking import block_axes, check_float_input, group_block, per_block, to_blocks
-from jquant.formats.exact import abs_bits, exact_divide
+from jquant.formats.exact import abs_bits, exact_divide, to_float32_exact
 from jquant.formats.fp8 import saturating_cast
 from jquant.formats.packing import pack_bits, unpack_bits
 from jquant.qtensor import QTensor, register_format
@@ -331,7 +331,7 @@ def dequantize_mx(qt: QTensor, dtype) -> jax.Array:
     """``element · 2^(b-127)`` in float32 (exact; byte 0 is 2^-127, as in torchao), then cast to
     ``dtype``; scale byte 0xFF gives NaN."""
     if qt.pack_axis is None:
-        values = qt.data.astype(jnp.float32)
+        values = to_float32_exact(qt.data)
     else:
         values = e2m1_values(unpack_bits(qt.data, 4, axis=qt.pack_axis))
     biased = qt.expand(jax.lax.bitcast_convert_type(qt.scale, jnp.uint8).astype(jnp.int32))

@@ -50,7 +50,7 @@ import numpy as np
 
 from jquant.formats import subnormal
 from jquant.formats.base import register_preset, register_quantizer
-from jquant.formats.exact import exact_divide, round_to_precision
+from jquant.formats.exact import exact_divide, round_to_precision, to_float32_exact
 from jquant.formats.blocking import block_amax, check_float_input, group_block, nan_max
 from jquant.formats.fp8 import saturating_cast
 from jquant.formats.mx import E2M1_MAX, e2m1_codes, e2m1_values
@@ -144,8 +144,8 @@ def _quantize_ct(x, block, global_scale):
     if global_scale is not None:
         scale = global_scale * scale
     scale = saturating_cast(scale, "fp8_e4m3")
-    scale = jnp.where(scale.astype(jnp.float32) == 0, jnp.float8_e4m3fn(_CT_ZERO_SCALE), scale)
-    divisor = scale.astype(jnp.float32)
+    scale = jnp.where(to_float32_exact(scale) == 0, jnp.float8_e4m3fn(_CT_ZERO_SCALE), scale)
+    divisor = to_float32_exact(scale)
     if global_scale is not None:
         divisor = exact_divide(divisor, global_scale)
     scaled = exact_divide(x.astype(jnp.float32), expand_blocks(divisor, x.shape, block))
@@ -162,13 +162,13 @@ def _quantize_modelopt(x, block, global_scale):
     scale = saturating_cast(jnp.clip(scale, _TORCHAO_MIN_SCALE, E4M3_MAX), "fp8_e4m3")
     one = jnp.float32(1)
     numerator = one if global_scale is None else exact_divide(one, global_scale)
-    reciprocal = exact_divide(jnp.broadcast_to(numerator, scale.shape), scale.astype(jnp.float32))
+    reciprocal = exact_divide(jnp.broadcast_to(numerator, scale.shape), to_float32_exact(scale))
     return scale, x * expand_blocks(reciprocal, x.shape, block)
 
 
 def block_scales(qt: QTensor) -> jax.Array:
     """float32 per-block multipliers of an NVFP4 QTensor: ``s / global`` or ``scale_2 · s``."""
-    scale = qt.scale.astype(jnp.float32)
+    scale = to_float32_exact(qt.scale)
     if qt.global_scale is None:
         return scale
     if qt.option("convention") == "compressed-tensors":

@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 from jax import export
 
 from conftest import ON_GPU
-from jquant.formats.exact import exact_divide, nearest_quotient
+import jquant
+from jquant.formats.exact import exact_divide, nearest_quotient, to_float32_exact
 
 # No subnormal operands or quotients: XLA on CPU flushes them (``jquant.formats.subnormal`` handles
 # those), so the largest floats are numerators only.
@@ -117,3 +118,18 @@ def test_the_correction_is_lowered_for_gpus_not_for_the_cpu(platform, corrected)
     args = (jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((4, 1), jnp.float32))
     text = export.export(jax.jit(exact_divide), platforms=[platform])(*args).mlir_module()
     assert ("stablehlo.shift_left" in text) == corrected
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float4_e2m1fn],
+                         ids=lambda d: jnp.dtype(d).name)
+def test_narrow_round_trips_keep_their_rounding_under_jit(dtype):
+    """float32 → narrow → float32 in one program rounds, as it does eagerly (XLA's GPU compiler drops
+    the round trip unless ``to_float32_exact`` hides it), and an FP8 quantize-dequantize is not x."""
+    x = jnp.asarray(np.random.default_rng().standard_normal(4096) * 3, jnp.float32)
+    rounded = jax.jit(lambda v: to_float32_exact(v.astype(dtype)))(x)
+    np.testing.assert_array_equal(np.asarray(rounded), np.asarray(x).astype(jnp.dtype(dtype)).astype(np.float32))
+    assert not np.array_equal(np.asarray(rounded), np.asarray(x))
+    quantize = lambda v: jquant.quantize(v[None], "fp8_e4m3", granularity="channel").dequantize(jnp.float32)
+    fake = jax.jit(quantize)(x)
+    np.testing.assert_array_equal(np.asarray(fake), np.asarray(quantize(x)))
+    assert not np.array_equal(np.asarray(fake)[0], np.asarray(x))

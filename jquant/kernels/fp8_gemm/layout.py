@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jquant.formats.exact import to_float32_exact
 from jquant.kernels.fp8_gemm.config import BLOCK_K
 from jquant.kernels.w4a16.layout import PaddedNK, round_up
 
@@ -116,7 +117,7 @@ def reference_fp8(xq, x_scale, packed: PackedFp8, bias=None, out_dtype=jnp.bfloa
     codes, cols = activation_operands(xq, x_scale, packed, m)
     blocks = packed.scale.shape[0]
     span = packed.k_pad // blocks
-    a = codes.astype(jnp.float32).reshape(m, blocks, span)
+    a = to_float32_exact(codes).reshape(m, blocks, span)   # codes made in the same program stay rounded
     b = packed.data.astype(jnp.float32).reshape(packed.n_pad, blocks, span)
     parts = jnp.einsum("mbk,nbk->bmn", a, b, precision=jax.lax.Precision.HIGHEST)
     out = jnp.sum(parts * cols[:, :, None] * packed.scale[:, None, :], axis=0)[:, :packed.n]

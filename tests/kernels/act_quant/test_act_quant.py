@@ -183,14 +183,15 @@ def test_cli_checks_options_then_says_no_gpu(capsys, tmp_path, monkeypatch):
 def test_dispatch_by_rows_and_capability(monkeypatch):
     from jquant.kernels.act_quant import api
     from jquant.schemes import dispatch
-    big = dispatch.ACT_QUANT_KERNEL_MIN_ROWS
-    assert [dispatch.act_quant_impl(r, cc) for r, cc in ((big, 90), (big - 1, 90), (big, 89), (big, 86))] == [
+    assert dispatch.act_quant_impl(1, 90) == "pallas"       # the pass won at every M timed
+    monkeypatch.setattr(dispatch, "ACT_QUANT_KERNEL_MIN_ROWS", 64)
+    assert [dispatch.act_quant_impl(r, cc) for r, cc in ((64, 90), (63, 90), (64, 89), (64, 86))] == [
         "pallas", "xla", "pallas", "xla"]
     monkeypatch.setattr(dispatch, "runs_triton_pallas", lambda: True)
     monkeypatch.setattr(dispatch, "compute_capability", lambda: 90)
-    assert api.choose_impl(big) == "pallas" and api.choose_impl(1) == "xla"
-    # "auto" counts rows over the leading axes: [2, big / 2, K] is big rows
+    assert api.choose_impl(64) == "pallas" and api.choose_impl(1) == "xla"
+    # "auto" counts rows over the leading axes: [2, 32, K] is 64 rows
     seen = []
     monkeypatch.setattr(api, "choose_impl", lambda rows: seen.append(rows) or "xla")
-    quantize_fp8_activations(jnp.ones((2, big // 2, 128), jnp.bfloat16))
-    assert seen == [big]
+    quantize_fp8_activations(jnp.ones((2, 32, 128), jnp.bfloat16))
+    assert seen == [64]
