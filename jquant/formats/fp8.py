@@ -259,7 +259,7 @@ def quantize_fp8_static(x, scale, fmt="fp8_e4m3") -> QTensor:
         raise ValueError(f"scale with shape {scale.shape} does not fit x with shape {x.shape}: "
                          f"expected a scalar, [1], or rank {x.ndim} with each axis 1 or x's size")
     block = tuple(n if s == 1 else 1 for s, n in zip(scale.shape, x.shape))
-    scale = scale.astype(jnp.float32)
+    scale = to_float32_exact(scale)
     codes = saturating_cast(x.astype(jnp.float32) * expand_blocks(exact_divide(jnp.ones_like(scale), scale),
                                                                   x.shape, block), fmt)
     return _qtensor(x, codes, scale, block, fmt, "static")

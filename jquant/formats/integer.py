@@ -372,7 +372,7 @@ def quantize_int_with_params(x, bits: int, scale, zero=None, group_index=None, *
     qt = QTensor(data=None, scale=stored, zero=zero, group_index=group_index, fmt=int_format(bits, zero is None),
                  shape=x.shape, dtype=x.dtype, block=block, k_axis=axis)
     z_full = None if zero is None else qt.expand(zero.astype(jnp.float32))
-    codes = _encode(x.astype(jnp.float32), qt.expand(scale.astype(jnp.float32)), z_full, bits, rounding,
+    codes = _encode(x.astype(jnp.float32), qt.expand(to_float32_exact(scale)), z_full, bits, rounding,
                     reciprocal)
     data, pack_axis = _pack(codes, bits, axis)
     return qt.replace(data=data, pack_axis=pack_axis)
@@ -423,7 +423,7 @@ def _dequantize_int(qt: QTensor, dtype) -> jax.Array:
         codes = codes - qt.expand(qt.zero.astype(jnp.float32))
     # (q - z) is a small exact integer, so the float32 product rounded to a 16-bit dtype equals the
     # float16 / bfloat16 product PyTorch dequantizers compute.
-    return (codes * qt.expand(qt.scale.astype(jnp.float32))).astype(dtype)
+    return (codes * qt.expand(to_float32_exact(qt.scale))).astype(dtype)
 
 
 def _registered(bits: int, symmetric: bool, fixed: dict):
