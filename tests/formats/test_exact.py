@@ -133,3 +133,12 @@ def test_narrow_round_trips_keep_their_rounding_under_jit(dtype):
     fake = jax.jit(quantize)(x)
     np.testing.assert_array_equal(np.asarray(fake), np.asarray(quantize(x)))
     assert not np.array_equal(np.asarray(fake)[0], np.asarray(x))
+
+
+def test_reciprocals_are_numpys():
+    """``exact_divide(1, x)``, as the formats' reciprocals compute it, is numpy's ``1 / x`` (XLA's GPU
+    ``1 / x`` was 1 ulp off for 13 % of random floats on the H100)."""
+    x = (np.random.default_rng().standard_normal(1 << 16) * np.exp(np.random.default_rng().uniform(-80, 80, 1 << 16)))
+    x = x.astype(np.float32)
+    got = jax.jit(lambda v: exact_divide(jnp.ones_like(v), v))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), (np.float32(1) / x).view(np.uint32))
