@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 
 from jquant.kernels.triton_exact import clip_keep_nan, ieee_divide, max_keep_nan, row_abs_max
+from jquant.kernels.triton_launch import check_num_warps, check_power_of_two
 
 E4M3_MAX = 448.0
 # The formats' floors: per token max(amax / 448, 1 / (448 · 512)) (vLLM), per group max(amax, 1e-10) / 448.
@@ -51,10 +52,8 @@ class ActQuantConfig:
     num_warps: int = 4
 
     def __post_init__(self):
-        if self.block_rows < 1 or self.block_rows & (self.block_rows - 1):
-            raise ValueError(f"block_rows must be a power of two, got {self.block_rows}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be a power of two ≤ 16, got {self.num_warps}")
+        check_power_of_two("block_rows", self.block_rows)
+        check_num_warps(self.num_warps)
 
 
 def default_config(rows: int, group: int) -> ActQuantConfig:

@@ -11,6 +11,8 @@ import dataclasses
 
 import numpy as np
 
+from jquant.kernels.triton_launch import check_num_warps, check_power_of_two
+
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
@@ -50,12 +52,10 @@ class TuningConfig:
     operand_dtype: str | None = None
 
     def __post_init__(self):
-        if self.block_tokens < 16 or self.block_tokens & (self.block_tokens - 1):
-            raise ValueError(f"block_tokens must be a power of two ≥ 16, got {self.block_tokens}")
+        check_power_of_two("block_tokens", self.block_tokens, minimum=16)
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"num_splits must be ≥ 1 or None, got {self.num_splits}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be a power of two ≤ 16, got {self.num_warps}")
+        check_num_warps(self.num_warps)
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be ≥ 1, got {self.num_stages}")
         h = self.kv_heads_per_program

@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 
 from jquant.kernels.triton_exact import clip_keep_nan, ieee_divide, max_keep_nan, row_abs_max, row_has_nan
+from jquant.kernels.triton_launch import check_num_warps, check_power_of_two
 from jquant.kv import scalar
 from jquant.kv.dtypes import KVCacheSpec
 from jquant.kv.paged import PagedKVCache
@@ -55,10 +56,8 @@ class InsertConfig:
     num_warps: int = 4
 
     def __post_init__(self):
-        if self.block_tokens < 1 or self.block_tokens & (self.block_tokens - 1):
-            raise ValueError(f"block_tokens must be a power of two, got {self.block_tokens}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be a power of two ≤ 16, got {self.num_warps}")
+        check_power_of_two("block_tokens", self.block_tokens)
+        check_num_warps(self.num_warps)
 
 
 def covers_format(spec: KVCacheSpec) -> bool:
