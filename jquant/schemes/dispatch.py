@@ -16,8 +16,9 @@ Policy per architecture:
   grouped FP8 GEMM (W8A8 FP8) (``moe_experts_impl``).
 * Every GPU: W8A8 FP8 schemes use XLA's native FP8 dot (``native_fp8_dot``; block scales: one
   batched FP8 dot per K group); on Hopper they lay their weights out for the Mosaic GPU FP8 GEMM,
-  which runs block scales from ``FP8_BLOCK_MGPU_MIN_M`` rows and one K block up to
-  ``FP8_GEMM_MGPU_MAX_M`` rows (``fp8_gemm_impl``), XLA's FP8 dot on that layout otherwise.
+  which runs block scales from ``FP8_BLOCK_MGPU_MIN_M`` rows, per-token scales at every M past the
+  GEMV's and per-tensor ones up to ``FP8_GEMM_MGPU_MAX_M`` rows and from ``FP8_GEMM_MGPU_MIN_LARGE_M``
+  (``fp8_gemm_impl``), XLA's FP8 dot on that layout otherwise.
 * CPU and other platforms: XLA; the 4-bit GEMM's "auto" runs the fp32 reference there (``cc == 0``),
   and a Pallas kernel runs only when asked for in interpret mode.
 
@@ -68,6 +69,13 @@ FP8_GEMM_MGPU_MAX_M = 16
 # (1116 against 880 TFLOP/s per token); at M = 256 it tied or lost on 8192² (60.0 / 65.3 against 59.9 /
 # 60.4) and won on 28672 × 8192 (131.5 / 132.9 against 157.6 / 138.8). XLA's dot stays from 17 to 1023.
 FP8_GEMM_MGPU_MIN_LARGE_M = 1024
+# Per-token activation scales (× per-channel or per-tensor weight scales) take the kernel at every M past
+# the GEMV's, with no XLA window: on the H100 with the activation pass (bench/results/h100/
+# gemm8_mid_m.md, gemm8_act_quant_small_m.md) the kernel took 37.5 / 38.7 / 42.0 µs at M = 32 / 64 / 128
+# on 8192² against XLA's FP8 dot's 46.5 / 46.4 / 46.1, and 93.2 / 101.6 / 101.7 on 28672 × 8192 against
+# 102.6 / 112.1 / 126.9; at M = 256 on 8192² they tied (55.1 against 54.9). Per-tensor scales keep the
+# window: there XLA's dot won on 8192² (48.2 / 46.6 / 46.6 against 52.2 / 52.8 / 53.7).
+FP8_GEMM_MGPU_PER_TOKEN_EVERY_M = True
 # Block FP8 (DeepSeek's 128 × 128 weight blocks) runs the kernel from this many rows: on the H100 it was
 # as fast as or faster than XLA's path (one FP8 dot per K group) at every M from 2 to 8192 measured on
 # 8192×8192, 28672×8192 and the four DeepSeek-V3 shapes (1.08-1.34× at M = 2-8, 1.8× at 16, 2.2-2.6×
@@ -219,10 +227,11 @@ def act_quant_impl(rows: int, capability: int) -> str:
     return "pallas" if capability >= E4M3_CAST_MIN_CAPABILITY and rows >= ACT_QUANT_KERNEL_MIN_ROWS else "xla"
 
 
-def fp8_gemm_impl(m: int, capability: int, blocked: bool = False) -> str:
+def fp8_gemm_impl(m: int, capability: int, blocked: bool = False, per_token: bool = False) -> str:
     """The FP8 W8A8 GEMM's "auto" choice for ``m`` rows: on Hopper ``"mgpu"`` for block scales
     (``blocked``) from ``FP8_BLOCK_MGPU_MIN_M`` rows; for one K block ``"triton"`` (the GEMV) up to
-    ``GEMV_MAX_M`` rows, ``"mgpu"`` up to ``FP8_GEMM_MGPU_MAX_M`` rows and from
+    ``GEMV_MAX_M`` rows, then ``"mgpu"`` at every M for per-token activation scales (``per_token``,
+    ``FP8_GEMM_MGPU_PER_TOKEN_EVERY_M``), else up to ``FP8_GEMM_MGPU_MAX_M`` rows and from
     ``FP8_GEMM_MGPU_MIN_LARGE_M``; else ``"xla"`` (XLA's FP8 dot on the same layout)."""
     if not has_wgmma(capability):
         return "xla"
@@ -230,4 +239,6 @@ def fp8_gemm_impl(m: int, capability: int, blocked: bool = False) -> str:
         return "mgpu" if m >= FP8_BLOCK_MGPU_MIN_M else "xla"
     if m <= GEMV_MAX_M:
         return "triton"
+    if per_token and FP8_GEMM_MGPU_PER_TOKEN_EVERY_M:
+        return "mgpu"
     return "mgpu" if m <= FP8_GEMM_MGPU_MAX_M or m >= FP8_GEMM_MGPU_MIN_LARGE_M else "xla"

@@ -23,9 +23,10 @@ from jquant.schemes import dispatch as device_lib
 from jquant.schemes.xla import blockwise_fp8_dot, blockwise_fp8_fits
 
 
-def resolve_fp8_impl(impl: str, m: int, interpret: bool = False, blocked: bool = False) -> str:
-    """What ``fp8_gemm`` runs for ``impl`` at ``m`` rows (``blocked``: block scales) on the default
-    device.
+def resolve_fp8_impl(impl: str, m: int, interpret: bool = False, blocked: bool = False,
+                     per_token: bool = False) -> str:
+    """What ``fp8_gemm`` runs for ``impl`` at ``m`` rows (``blocked``: block scales; ``per_token``: one
+    activation scale a row) on the default device.
 
     Examples:
       >>> from jquant.kernels.fp8_gemm import resolve_fp8_impl
@@ -34,7 +35,7 @@ def resolve_fp8_impl(impl: str, m: int, interpret: bool = False, blocked: bool =
     """
     if impl == "triton":
         return resolve_gemv_impl(m, interpret, "fp8_gemm")
-    return resolve_kernel_impl(impl, interpret, lambda cc: device_lib.fp8_gemm_impl(m, cc, blocked),
+    return resolve_kernel_impl(impl, interpret, lambda cc: device_lib.fp8_gemm_impl(m, cc, blocked, per_token),
                                "fp8_gemm")
 
 
@@ -68,7 +69,9 @@ def fp8_gemm(xq, x_scale, packed: PackedFp8, *, bias=None, out_dtype=jnp.bfloat1
     if config is not None and not isinstance(config, (Fp8GemmConfig, GemvConfig)):
         raise TypeError(f"config must be an Fp8GemmConfig or GemvConfig, got {type(config).__name__}")
     m = xq.shape[0]
-    kind = kernel_for_config(resolve_fp8_impl(impl, m, interpret, packed.blocked), impl, config, m, Fp8GemmConfig)
+    per_token = not packed.blocked and jnp.size(x_scale) > 1
+    kind = kernel_for_config(resolve_fp8_impl(impl, m, interpret, packed.blocked, per_token), impl, config, m,
+                             Fp8GemmConfig)
     if kind == "triton":
         return _gemv(xq, x_scale, packed, bias, out_dtype, config, interpret)
     if kind == "xla" and device_lib.native_fp8_dot():

@@ -202,6 +202,11 @@ def test_dispatch_and_config():
     large = dispatch.FP8_GEMM_MGPU_MIN_LARGE_M
     assert dispatch.fp8_gemm_impl(large - 1, 90) == "xla" and dispatch.fp8_gemm_impl(large, 90) == "mgpu"
     assert dispatch.fp8_gemm_impl(large, 89) == "xla"
+    # per-token activation scales: the kernel at every M past the GEMV's
+    assert [dispatch.fp8_gemm_impl(m, 90, per_token=True) for m in (gemv, gemv + 1, most + 1, large - 1)] == [
+        "triton", "mgpu", "mgpu", "mgpu"]
+    assert dispatch.fp8_gemm_impl(most + 1, 90, blocked=True, per_token=True) == "mgpu"
+    assert resolve_fp8_impl("auto", most + 1) == "xla"   # no wgmma on this host
     assert default_fp8_config(64, 256).swap_ab and not default_fp8_config(65, 256).swap_ab
     assert default_fp8_config(256, 256).compute_wgs == 2 and default_fp8_config(255, 256, blocked=True).compute_wgs == 1
     assert default_fp8_config(256, 256, blocked=True) == Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128,
