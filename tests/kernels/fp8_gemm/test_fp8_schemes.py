@@ -65,4 +65,11 @@ def test_xla_on_the_kernel_layout_is_the_schemes_xla_path(name, monkeypatch):
     rows = 1 if scheme.activation.mode == "dynamic_per_token_group" else dispatch.FP8_GEMM_MGPU_MAX_M + 1
     scheme, qw, x, bias, input_scale = _case(name, rows)
     y = fp8_scheme_gemm(scheme, x, pack_fp8_qtensor(qw), bias, input_scale)   # auto: XLA at these rows
-    chex.assert_trees_all_equal(y, xla_apply(scheme, x, qw, bias, input_scale))
+    ref = xla_apply(scheme, x, qw, bias, input_scale)
+    # Same codes, scales and epilogue order. The CPU's dot of the padded layout may sum K in another order
+    # than the unpadded one (Eigen blocks by shape): in 1 of 450 random cases one output of 3400 was one
+    # bf16 step apart. Anything else must be equal bit for bit.
+    y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
+    off = y != ref
+    step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(ref), 1e-30))) - 7)   # bf16 spacing at |ref|
+    assert off.sum() <= 1 and bool(np.all(np.abs(y - ref)[off] <= step[off])), (off.sum(), y[off], ref[off])
