@@ -81,8 +81,8 @@ def _embed_quality(argv) -> int:
 
 
 COMMANDS = {"demo": (_demo, "SmolLM2-135M under every registered scheme: perplexity, top-1 agreement, bytes, tokens/s"),
-            "bench": (_bench, "benchmarks (w4a16, gemm8, attention, insert, decode, gptq, moe) timed on a CUDA "
-                              "GPU; on CPU only plumbing checks: --interpret (w4a16, gemm8), --allow-cpu "
+            "bench": (_bench, "benchmarks (w4a16, gemm8, act-quant, attention, insert, decode, gptq, moe) timed "
+                              "on a CUDA GPU; on CPU only plumbing checks: --interpret (w4a16, gemm8), --allow-cpu "
                               "(decode, gptq, moe)"),
             "ledger": (_ledger, "memory account: codes, scales, float tensors, KV cache, sequences a budget fits"),
             "calibrate": (_calibrate, "SmolLM2-135M with GPTQ, AWQ, SmoothQuant or RTN (optionally Hadamard-rotated) "

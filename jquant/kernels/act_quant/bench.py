@@ -112,7 +112,8 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, groups: Iterable[int | None]
 
 
 def to_markdown(records: list[dict]) -> str:
-    out = [markdown_title("e4m3 activation quantization benchmark", records, "bf16 x; codes e4m3, scales float32") +
+    title = markdown_title("e4m3 activation quantization benchmark", records, "bf16 x; codes e4m3, scales float32")
+    out = [title +
            "| mode | M × K | launch | kernel µs | useful TB/s | % byte floor | XLA µs | XLA TB/s | vs XLA | bit-exact "
            "| spread % |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
