@@ -91,7 +91,16 @@ def quantize_scheme_activation(scheme, x: jax.Array, input_scale: jax.Array | No
                                interpret: bool = False) -> QTensor:
     """``schemes.xla.quantize_activation`` (x quantized as the W8A8 ``scheme`` says), through
     ``quantize_fp8_activations`` for dynamic e4m3 per-token and per-token-group activations (the kernel
-    where ``choose_impl`` says, or interpreted with ``interpret``)."""
+    where ``choose_impl`` says, or interpreted with ``interpret``).
+
+    Examples:
+      >>> import jax.numpy as jnp, jquant
+      >>> from jquant.kernels.act_quant import quantize_scheme_activation
+      >>> x = jnp.linspace(-4, 4, 2 * 256, dtype=jnp.bfloat16).reshape(2, 256)
+      >>> qt = quantize_scheme_activation(jquant.get_scheme("fp8_e4m3_block128x128"), x, interpret=True)
+      >>> qt.data.dtype, qt.scale.shape   # one scale per 1 x 128 group
+      (dtype(float8_e4m3fn), (2, 2))
+    """
     from jquant.schemes.xla import quantize_activation
 
     spec = scheme.activation
