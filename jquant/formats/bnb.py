@@ -44,7 +44,7 @@ import numpy as np
 
 from jquant.formats.base import register_preset, register_quantizer
 from jquant.formats import subnormal
-from jquant.formats.exact import abs_bits, bits_float, exact_abs_max, exact_divide
+from jquant.formats.exact import abs_bits, bits_float, exact_abs_max, exact_divide, exact_reciprocal
 from jquant.formats.blocking import check_float_input, pad_to_blocks
 from jquant.formats.packing import pack_bits, unpack_bits
 from jquant.qtensor import QTensor, expand_blocks, register_format
@@ -239,7 +239,7 @@ def _dynamic8(x, blocksize):
     blocks = pad_to_blocks(flat, (blocksize,)).reshape(-1, blocksize)
     magnitude = jnp.where(jnp.isnan(blocks), 0.0, jnp.abs(blocks))
     absmax = jnp.max(magnitude, axis=1)
-    scaled = blocks * exact_divide(jnp.ones_like(absmax), absmax)[:, None]
+    scaled = blocks * exact_reciprocal(absmax)[:, None]
     codes = jnp.searchsorted(jnp.asarray(_dynamic_thresholds()), scaled, side="right")
     codes = jnp.where(jnp.isnan(scaled) | (absmax[:, None] == 0), 0, codes)
     return QTensor(data=codes.astype(jnp.uint8).reshape(-1)[:flat.size].reshape(x.shape), scale=absmax,

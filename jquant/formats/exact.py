@@ -42,6 +42,12 @@ def exact_divide(numerator: jax.Array, denominator) -> jax.Array:
                                   default=nearest_quotient)
 
 
+def exact_reciprocal(values: jax.Array) -> jax.Array:
+    """``1 / values`` correctly rounded, as ``exact_divide`` (XLA's GPU ``1 / x`` was 1 ulp off numpy
+    for 13 % of random floats on the H100)."""
+    return exact_divide(jnp.ones_like(values), values)
+
+
 _MANTISSA, _IMPLICIT = 0x7FFFFF, 0x800000
 
 

@@ -68,8 +68,8 @@ import numpy as np
 from jquant.formats.base import register_preset, register_quantizer
 from jquant.formats.blocking import (block_axes, check_float_input, group_block, nan_max, nan_min, per_block,
                                      to_blocks)
-from jquant.formats.exact import (LIFT, exact_abs_max, exact_divide, is_tiny, lift, round_to_precision,
-                                  store_exact, to_float32_exact, unlift_quotient)
+from jquant.formats.exact import (LIFT, exact_abs_max, exact_divide, exact_reciprocal, is_tiny, lift,
+                                  round_to_precision, store_exact, to_float32_exact, unlift_quotient)
 from jquant.formats.packing import codes_per_group, pack_bits, unpack_bits
 from jquant.qtensor import QTensor, register_format
 
@@ -140,7 +140,7 @@ def _scaled(x, s, reciprocal):
     zero = s == 0
     safe = jnp.where(zero, 1.0, s)
     if reciprocal:
-        return x * jnp.where(zero, 0.0, exact_divide(jnp.ones_like(safe), safe))
+        return x * jnp.where(zero, 0.0, exact_reciprocal(safe))
     return jnp.where(zero, 0.0, exact_divide(x, safe))
 
 

@@ -50,7 +50,7 @@ import numpy as np
 
 from jquant.formats import subnormal
 from jquant.formats.base import register_preset, register_quantizer
-from jquant.formats.exact import exact_divide, round_to_precision, to_float32_exact
+from jquant.formats.exact import exact_divide, exact_reciprocal, round_to_precision, to_float32_exact
 from jquant.formats.blocking import block_amax, check_float_input, group_block, nan_max
 from jquant.formats.fp8 import saturating_cast
 from jquant.formats.mx import E2M1_MAX, e2m1_codes, e2m1_values
@@ -180,7 +180,7 @@ def global_multiplier(qt: QTensor) -> jax.Array:
     """float32 factor of every block scale: ``1 / global`` (compressed-tensors) or ``scale_2``
     (ModelOpt); kernels apply it once instead of folding it into each block scale."""
     if qt.option("convention") == "compressed-tensors":
-        return exact_divide(jnp.float32(1), qt.global_scale.astype(jnp.float32))
+        return exact_reciprocal(qt.global_scale.astype(jnp.float32))
     return qt.global_scale.astype(jnp.float32)
 
 
