@@ -55,8 +55,8 @@ from jax import lax
 from jquant.formats.base import register_preset, register_quantizer
 from jquant.formats.blocking import (block_amax, block_axes, check_float_input, group_block, pad_to_blocks,
                                      to_blocks)
-from jquant.formats.exact import (LIFT, exact_abs_max, exact_divide, is_tiny, lift, round_to_precision,
-                                  store_exact, to_float32_exact, unlift_exact, unlift_quotient)
+from jquant.formats.exact import (LIFT, exact_abs_max, exact_divide, exact_reciprocal, is_tiny, lift,
+                                  round_to_precision, store_exact, to_float32_exact, unlift_exact, unlift_quotient)
 from jquant.qtensor import QTensor, expand_blocks, register_format
 
 FP8_DTYPES = {"fp8_e4m3": jnp.dtype(jnp.float8_e4m3fn), "fp8_e5m2": jnp.dtype(jnp.float8_e5m2)}
@@ -66,7 +66,7 @@ SCALE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float
 # vLLM's floor on dynamic activation scales (``min_scaling_factor``): 1 / (max · 512).
 _MIN_SCALE_DIVISOR = 512.0
 # DeepSeek / vLLM per-token-group kernels clamp the group amax to this before dividing.
-_GROUP_AMAX_EPS = 1e-10
+GROUP_AMAX_EPS = 1e-10
 CONVENTIONS = ("compressed-tensors", "torchao")
 
 
@@ -207,7 +207,7 @@ def quantize_fp8_dynamic_per_tensor(x, fmt="fp8_e4m3") -> QTensor:
     block = tuple(x.shape)
     scale = _dynamic_scale(block_amax(x.astype(jnp.float32), block), fmt)
     # vLLM's per-tensor kernel and its torch fallback both multiply by the reciprocal.
-    codes = saturating_cast(x.astype(jnp.float32) * exact_divide(jnp.ones_like(scale), scale), fmt)
+    codes = saturating_cast(x.astype(jnp.float32) * exact_reciprocal(scale), fmt)
     return _qtensor(x, codes, scale, block, fmt, "dynamic_tensor")
 
 
@@ -234,10 +234,10 @@ def quantize_fp8_per_token_group(x, group_size: int = 128, ue8m0: bool = False, 
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     block = group_block(x.shape, -1, group_size)
     amax = block_amax(x.astype(jnp.float32), block)
-    scale = exact_divide(jnp.maximum(amax, _GROUP_AMAX_EPS), fp8_max(fmt))
+    scale = exact_divide(jnp.maximum(amax, GROUP_AMAX_EPS), fp8_max(fmt))
     if ue8m0:
         # vLLM's CUDA kernel rounds max(s, 1e-10) up, so the smallest UE8M0 scale is 2^-33, not 2^-42.
-        scale = round_scale_up_to_pow2(jnp.maximum(scale, _GROUP_AMAX_EPS))
+        scale = round_scale_up_to_pow2(jnp.maximum(scale, GROUP_AMAX_EPS))
     codes = saturating_cast(exact_divide(x.astype(jnp.float32), expand_blocks(scale, x.shape, block)), fmt)
     return _qtensor(x, codes, scale.astype(scale_dtype), block, fmt, "token_group")
 
@@ -260,14 +260,18 @@ def quantize_fp8_static(x, scale, fmt="fp8_e4m3") -> QTensor:
                          f"expected a scalar, [1], or rank {x.ndim} with each axis 1 or x's size")
     block = tuple(n if s == 1 else 1 for s, n in zip(scale.shape, x.shape))
     scale = to_float32_exact(scale)
-    codes = saturating_cast(x.astype(jnp.float32) * expand_blocks(exact_divide(jnp.ones_like(scale), scale),
+    codes = saturating_cast(x.astype(jnp.float32) * expand_blocks(exact_reciprocal(scale),
                                                                   x.shape, block), fmt)
     return _qtensor(x, codes, scale, block, fmt, "static")
 
 
+def dynamic_min_scale(fmt) -> float:
+    """vLLM's floor on dynamic per-tensor / per-token scales, ``1 / (max · 512)``."""
+    return 1.0 / (fp8_max(fmt) * _MIN_SCALE_DIVISOR)
+
+
 def _dynamic_scale(amax, fmt):
-    limit = fp8_max(fmt)
-    return jnp.maximum(exact_divide(amax, limit), 1.0 / (limit * _MIN_SCALE_DIVISOR))
+    return jnp.maximum(exact_divide(amax, fp8_max(fmt)), dynamic_min_scale(fmt))
 
 
 # ---- shared ----------------------------------------------------------------------------------------

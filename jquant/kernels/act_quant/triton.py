@@ -23,13 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jquant.formats import fp8
 from jquant.kernels.triton_exact import clip_keep_nan, ieee_divide, max_keep_nan, row_abs_max
 from jquant.kernels.triton_launch import check_num_warps, check_power_of_two
 
-E4M3_MAX = 448.0
-# The formats' floors: per token max(amax / 448, 1 / (448 · 512)) (vLLM), per group max(amax, 1e-10) / 448.
-TOKEN_MIN_SCALE = np.float32(1.0 / (E4M3_MAX * 512.0))
-GROUP_AMAX_EPS = np.float32(1e-10)
+# The formats' constants: per token max(amax / 448, 1 / (448 · 512)) (vLLM), per group max(amax, 1e-10) / 448.
+E4M3_MAX = fp8.fp8_max("fp8_e4m3")
+TOKEN_MIN_SCALE = np.float32(fp8.dynamic_min_scale("fp8_e4m3"))
+GROUP_AMAX_EPS = np.float32(fp8.GROUP_AMAX_EPS)
 # Elements a program holds by default (≈ 32 float32 registers a thread at 8 warps).
 TILE_ELEMENTS = 8192
 
@@ -67,13 +68,6 @@ def default_config(rows: int, group: int) -> ActQuantConfig:
                           num_warps=16 if elements >= 4 * TILE_ELEMENTS else 8 if elements >= 2048 else 4)
 
 
-def _round_up_to_pow2(s):
-    """``fp8.round_scale_up_to_pow2`` of positive normal s from its bits; Inf and NaN kept."""
-    bits = lax.bitcast_convert_type(s, jnp.int32)
-    up = lax.bitcast_convert_type((bits + 0x7FFFFF) & 0x7F800000, jnp.float32)
-    return jnp.where(s < jnp.inf, up, s)
-
-
 def _kernel(x_ref, codes_ref, scale_ref, *, rows: int, k: int, group: int, width: int, block_rows: int,
             per_group: bool, ue8m0: bool, interpret: bool):
     from jax.experimental import pallas as pl
@@ -94,7 +88,7 @@ def _kernel(x_ref, codes_ref, scale_ref, *, rows: int, k: int, group: int, width
     if per_group:
         s = ieee_divide(max_keep_nan(amax, GROUP_AMAX_EPS), np.float32(E4M3_MAX), interpret)
         if ue8m0:
-            s = _round_up_to_pow2(max_keep_nan(s, GROUP_AMAX_EPS))
+            s = fp8.round_scale_up_to_pow2(max_keep_nan(s, GROUP_AMAX_EPS))
     else:
         s = max_keep_nan(ieee_divide(amax, np.float32(E4M3_MAX), interpret), TOKEN_MIN_SCALE)
     codes = clip_keep_nan(ieee_divide(x, s[:, None], interpret), -E4M3_MAX, E4M3_MAX)
