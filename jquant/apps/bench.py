@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     aq = sub.add_parser("act-quant", help="e4m3 activation quantization (per token, per 1 x 128 group) against XLA")
     aq.add_argument("--out", default="bench/results", help="folder for act_quant.json and act_quant.md")
-    aq.add_argument("--shapes", type=_shapes, default=None, help="MxK list (default 16x4096,4096x8192,4096x14336,4096x7168)")
+    aq.add_argument("--shapes", type=_shapes, default=None,
+                    help="MxK list (default 16x4096,4096x8192,4096x14336,4096x7168)")
     aq.add_argument("--reps", type=int, default=9)
     aq.add_argument("--sweep", action="store_true", help="also time the launch configs of bench.sweep")
 

@@ -67,7 +67,8 @@ FP8_GEMM_MGPU_MAX_M = 16
 # per tensor, 124.3 / 134.3 µs at 1024 × 8192² against XLA's FP8 dot's 175.6 / 148.1, 392.2 / 403.9 at
 # 1024 × 28672 × 8192 against 505.9 / 441.4 and 492.8 / 506.0 at 4096 × 8192² against 624.5 / 534.3
 # (1116 against 880 TFLOP/s per token); at M = 256 it tied or lost on 8192² (60.0 / 65.3 against 59.9 /
-# 60.4) and won on 28672 × 8192 (131.5 / 132.9 against 157.6 / 138.8). XLA's dot stays from 17 to 1023.
+# 60.4) and won on 28672 × 8192 (131.5 / 132.9 against 157.6 / 138.8). XLA's dot stays from 17 to 1023
+# for per-tensor activation scales.
 FP8_GEMM_MGPU_MIN_LARGE_M = 1024
 # Per-token activation scales (× per-channel or per-tensor weight scales) take the kernel at every M past
 # the GEMV's, with no XLA window: on the H100 with the activation pass (bench/results/h100/

@@ -1,8 +1,8 @@
 """The FP8 GEMM as a registry implementation for W8A8 FP8 schemes on Hopper: the e4m3 weight (per
 tensor, per channel or 128 × 128 blocks) laid out once by ``prepack_fp8``; ``apply`` quantizes the
 activations exactly as the scheme says (``quantize_scheme_activation``: per token or per 1 × 128 group
-in one Triton-backend pass, per tensor or static as XLA) and runs ``fp8_gemm``, which picks the kernel or XLA's FP8 dot on the same layout
-by M (``dispatch.fp8_gemm_impl``)."""
+in one Triton-backend pass, per tensor or static as XLA) and runs ``fp8_gemm``, which picks the kernel
+or XLA's FP8 dot on the same layout by M (``dispatch.fp8_gemm_impl``)."""
 
 from __future__ import annotations
 
