@@ -44,8 +44,9 @@ from jquant.checkpoint.experts import ExpertWeights
 from jquant.checkpoint.writer import path_str
 from jquant.kernels.moe.api import grouped_matmul
 from jquant.kernels.moe.experts import QExperts, concat_rows, is_expert_stack, quantize_expert_weights
-from jquant.kernels.moe.routing import (Routing, check_routing, combine, gather_rows, route, sort_by_expert,
-                                        sort_local_experts)
+from jquant.kernels.moe.routing import (Dispatch, Routing, check_routing, combine, gather_rows, route,
+                                        sort_by_expert, sort_local_experts)
+from jquant.kernels.moe.slots import Slots, chains
 from jquant.schemes.scheme import Scheme, get_scheme
 
 ACTIVATIONS = ("swiglu", "gptoss_swiglu")
@@ -176,6 +177,23 @@ class MoE(nn.Module):
             return weight.apply(rows, group_sizes, impl=self.impl).astype(rows.dtype)
         return grouped_matmul(rows, jnp.asarray(weight, rows.dtype), group_sizes, impl=self.impl)
 
+    def _experts_in_slots(self, gate_up_w, down_w, gate_up_b, rows, dispatch: Dispatch, dtype) -> jax.Array:
+        """Both expert GEMMs over one slot layout (``slots.chains``): the rows gathered into slots once, the
+        gate/up bias and the activation applied there, the down projection reading the activated slots
+        and its result gathered back once; what the two separate grouped GEMMs give, bit for bit (a row's
+        product depends on that row alone, and the slots' spare rows are zeroed before the down
+        projection as the separate path's gather leaves them)."""
+        i = self.intermediate
+        slots = Slots.plan(dispatch.group_sizes, rows.shape[0], gate_up_w.slot_rows(rows.shape[0]))
+        gate_up = gate_up_w.apply_slots(slots.take(rows), slots)
+        if gate_up_b is not None:
+            # Another device's rows (expert parallelism) sit in no slot; a slot's expert is a local one.
+            bias = jnp.take(jnp.asarray(gate_up_b, jnp.float32), slots.row_experts(), axis=0)
+            gate_up = gate_up.astype(jnp.float32) + bias
+        hidden = activate(self.activation, gate_up[:, :i], gate_up[:, i:]).astype(dtype)
+        hidden = jnp.where(slots.live()[:, None], hidden, jnp.zeros((), dtype))
+        return slots.rows(down_w.apply_slots(hidden, slots).astype(dtype))
+
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         e, i, h = self.num_experts, self.intermediate, self.hidden
@@ -224,11 +242,14 @@ class MoE(nn.Module):
             return jnp.take(bias, dispatch.experts, axis=0)
 
         rows = gather_rows(x2.astype(dtype), dispatch)
-        gate_up = self._project(gate_up_w, rows, dispatch.group_sizes)
-        if gate_up_b is not None:  # added in float32 too, so the activation rounds the sum once
-            gate_up = gate_up.astype(jnp.float32) + row_bias(gate_up_b, jnp.float32)
-        hidden = activate(self.activation, gate_up[:, :i], gate_up[:, i:]).astype(dtype)
-        out = self._project(down_w, hidden, dispatch.group_sizes)
+        if chains(gate_up_w, down_w, rows.shape[0]):
+            out = self._experts_in_slots(gate_up_w, down_w, gate_up_b, rows, dispatch, dtype)
+        else:
+            gate_up = self._project(gate_up_w, rows, dispatch.group_sizes)
+            if gate_up_b is not None:  # added in float32 too, so the activation rounds the sum once
+                gate_up = gate_up.astype(jnp.float32) + row_bias(gate_up_b, jnp.float32)
+            hidden = activate(self.activation, gate_up[:, :i], gate_up[:, i:]).astype(dtype)
+            out = self._project(down_w, hidden, dispatch.group_sizes)
         if down_b is not None:
             out = out + row_bias(down_b)
         y = combine(out, dispatch, weights)

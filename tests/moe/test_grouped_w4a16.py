@@ -1,38 +1,20 @@
-"""The grouped W4A16 kernel (the W4A16 Mosaic GPU kernel over expert slots): the slot table, the kernel in
+"""The grouped W4A16 kernel (the W4A16 Mosaic GPU kernel over expert slots): the kernel in
 interpret mode against ``jax.lax.ragged_dot`` on the dequantized experts, the MoE layer on it, its sm_90
 lowering on CPU, bad input. JQUANT_TEST_GPU=1 runs the same tests on the GPU."""
 
 import chex
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
 
 from conftest import ON_GPU
 from cuda_lowering import lower_for_cuda
 from jquant.kernels.moe import QExperts, quantize_expert_weights
 from jquant.kernels.moe.grouped_w4a16 import (W4A16Experts, default_block_m, default_grouped_config,
-                                              grouped_w4a16, prepack_experts, slot_table)
+                                              grouped_w4a16, prepack_experts)
 from jquant.models.moe import MoE, quantize_experts
 from jquant.schemes.scheme import get_scheme
-
-
-@settings(max_examples=8)
-@given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=9), extra=st.integers(0, 5),
-       block_m=st.sampled_from([8, 16]))
-def test_slot_table_places_every_row_once_with_its_expert(sizes, extra, block_m):
-    rows = max(1, sum(sizes) + extra)
-    ids, counts, first, where = (np.asarray(a) for a in slot_table(jnp.asarray(sizes, jnp.int32), rows, block_m))
-    expert_of_row = np.repeat(np.arange(len(sizes)), sizes)
-    placed = where[where >= 0]
-    assert len(placed) == sum(sizes) and len(set(placed.tolist())) == sum(sizes)   # one place each
-    assert (where[sum(sizes):] == -1).all()                                          # past the groups
-    slot, pos = placed // block_m, placed % block_m
-    assert (ids[slot] == expert_of_row).all() and (pos < counts[slot]).all()
-    assert (first[slot] + pos == np.arange(sum(sizes))).all()
-    assert counts.sum() == sum(sizes) and (counts <= block_m).all()
 
 
 def _ragged_ref(x, stack, sizes, bias=None):

@@ -1,17 +1,15 @@
-"""The grouped W4A16 GEMM for MoE decode on Hopper: the Mosaic GPU W4A16 kernel over *expert slots*.
+"""The grouped W4A16 GEMM for MoE on Hopper: the Mosaic GPU W4A16 kernel over *expert slots*
+(``jquant.kernels.moe.slots``).
 
-Rows of x sorted by expert (``jax.lax.ragged_dot``'s contract) are cut into slots of ``block_m`` rows,
-each slot within one expert's group (an expert of g rows takes ``ceil(g / block_m)`` slots). XLA
-gathers the slots' rows into ``[S · block_m, K]`` (zero rows past a slot's count); the W4A16 kernel
-runs that as one dense ``x`` whose row tile ``i`` multiplies by expert ``ids[i]``'s weight, scales and
-bias (``launch_kernel(slots=...)``: the expert indexes the stacked weight, so only the experts that
-hold rows are read, once per slot); empty slots do nothing; XLA gathers each row's result back.
-
-``S`` is static: at most one slot per row, and at most ``ceil(T / block_m) + E − 1`` (one partial slot
-per expert), so decode (few rows per expert) pays a small gather of x, not the weight bytes of idle
-experts. Prefill, with many rows per expert, takes slots as wide as an expert's share
-(``default_block_m``, up to 128 rows), so an expert's weight is read once per slot of up to 128 rows;
-a kernel that streams its groups would read it once.
+Rows of x sorted by expert (``jax.lax.ragged_dot``'s contract) are gathered into slots of ``block_m``
+rows, each slot within one expert's group; the W4A16 kernel runs the slot layout as one dense ``x``
+whose row tile ``i`` multiplies by expert ``ids[i]``'s weight, scales and bias
+(``launch_kernel(slots=...)``: the expert indexes the stacked weight, so only the experts that hold
+rows are read, once per slot); empty slots do nothing; each row's result is gathered back. Decode (few
+rows per expert) pays a small gather of x, not the weight bytes of idle experts. Prefill, with many rows
+per expert, takes slots as wide as an expert's share (``default_block_m``, up to 128 rows), so an
+expert's weight is read once per slot of up to 128 rows; a kernel that streams its groups would read it
+once.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jquant.kernels.moe.experts import check_stack, expert
+from jquant.kernels.moe.slots import Slots
 from jquant.kernels.w4a16.config import MgpuConfig, default_mgpu_config
 from jquant.kernels.w4a16.from_qtensor import prepack_for_kernels, unified_w4
 from jquant.kernels.w4a16.layout import PackedW4NK
@@ -63,44 +62,6 @@ def pack_each_expert(experts: QTensor, pack, who: str, layout: str):
         raise ValueError(f"{who}: {experts.fmt} experts of shape {experts.shape} and block {experts.block} have "
                          f"no {layout}")
     return jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *parts)
-
-
-def slot_table(group_sizes: jax.Array, rows: int, block_m: int):
-    """``(ids, counts, first_row, slot_of_row)`` for rows sorted by expert: slot i holds ``counts[i]``
-    rows of expert ``ids[i]`` from row ``first_row[i]`` (count 0: unused); row r sits in slot
-    ``slot_of_row[r] // block_m`` at position ``slot_of_row[r] % block_m`` (-1: past the groups).
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> from jquant.kernels.moe.grouped_w4a16 import slot_table
-      >>> ids, counts, first, where = slot_table(jnp.array([3, 0, 10]), rows=14, block_m=8)
-      >>> ids.tolist(), counts.tolist(), first.tolist()  # expert 2's 10 rows take two slots
-      ([0, 2, 2, 0], [3, 8, 2, 0], [0, 3, 11, 0])
-      >>> where.tolist()
-      [0, 1, 2, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, -1]
-    """
-    g = jnp.asarray(group_sizes, jnp.int32)
-    num_experts = g.shape[0]
-    slots = max(1, min(rows, -(-rows // block_m) + num_experts - 1))
-    starts = jnp.cumsum(g) - g
-    per_expert = -(-g // block_m)
-    slot_ends = jnp.cumsum(per_expert)
-    slot_starts = slot_ends - per_expert
-    s = jnp.arange(slots, dtype=jnp.int32)
-    # compare_all, not the default "scan": that is a while loop of log2(E + 1) steps, each a few GPU
-    # launches (the slot table runs twice a layer, before each grouped GEMM); this is one fusion.
-    ids = jnp.minimum(jnp.searchsorted(slot_ends, s, side="right", method="compare_all"),
-                      num_experts - 1).astype(jnp.int32)
-    local = (s - slot_starts[ids]) * block_m
-    counts = jnp.where(s < slot_ends[-1], jnp.clip(g[ids] - local, 0, block_m), 0).astype(jnp.int32)
-    first = jnp.where(counts > 0, starts[ids] + local, 0).astype(jnp.int32)
-    ids = jnp.where(counts > 0, ids, 0)
-    r = jnp.arange(rows, dtype=jnp.int32)
-    ends = jnp.cumsum(g)
-    e_r = jnp.minimum(jnp.searchsorted(ends, r, side="right", method="compare_all"), num_experts - 1)
-    off = r - starts[e_r]
-    where = (slot_starts[e_r] + off // block_m) * block_m + off % block_m
-    return ids, counts, first, jnp.where(r < ends[-1], where, -1).astype(jnp.int32)
 
 
 def default_block_m(rows: int, num_experts: int) -> int:
@@ -151,8 +112,6 @@ def grouped_w4a16(x: jax.Array, packed: PackedW4NK, group_sizes: jax.Array, *, b
       >>> y.shape, bool(jnp.allclose(y.astype(jnp.float32), ref, rtol=2e-2, atol=5e-2))
       ((5, 8), True)
     """
-    from jquant.kernels.w4a16.mosaic_gpu import w4a16_mgpu   # Mosaic GPU loads only where it runs
-
     if x.dtype not in (jnp.bfloat16, jnp.float16) or x.ndim != 2 or x.shape[1] != packed.k:
         raise ValueError(f"grouped_w4a16: x must be bf16 or fp16 rows [T, K={packed.k}], got {x.dtype} "
                          f"{tuple(x.shape)}")
@@ -160,24 +119,50 @@ def grouped_w4a16(x: jax.Array, packed: PackedW4NK, group_sizes: jax.Array, *, b
         block_m = default_block_m(x.shape[0], packed.data.shape[0])
     if block_m % 8 or not 8 <= block_m <= 128:
         raise ValueError(f"grouped_w4a16: block_m must be a multiple of 8 in [8, 128], got {block_m}")
-    rows = x.shape[0]
-    ids, counts, first, where = slot_table(group_sizes, rows, block_m)
-    take = first[:, None] + jnp.arange(block_m, dtype=jnp.int32)[None, :]
-    live = jnp.arange(block_m)[None, :] < counts[:, None]
-    xs = jnp.where(live[..., None], x[jnp.clip(take, 0, rows - 1)], 0).reshape(-1, x.shape[1])
+    slots = Slots.plan(group_sizes, x.shape[0], block_m)
+    return slots.rows(grouped_w4a16_slots(slots.take(x), packed, slots, bias=bias, config=config,
+                                          interpret=interpret))
+
+
+def grouped_w4a16_slots(xs: jax.Array, packed: PackedW4NK, slots: Slots, *, bias=None,
+                        config: MgpuConfig | None = None, interpret: bool = False) -> jax.Array:
+    """``grouped_w4a16`` in the slot layout: ``xs [S · block_m, K]`` (``slots.take`` of the sorted rows)
+    → ``[S · block_m, N]``, slot i's rows times expert ``slots.ids[i]``'s weight (+ bias); rows past a
+    slot's count are the product of whatever they hold (zero rows give the bias).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.kernels.moe import quantize_expert_weights
+      >>> from jquant.kernels.moe.grouped_w4a16 import grouped_w4a16, grouped_w4a16_slots, prepack_experts
+      >>> from jquant.kernels.moe.slots import Slots
+      >>> rng = np.random.default_rng(0)
+      >>> packed = prepack_experts(quantize_expert_weights(rng.standard_normal((3, 8, 64)).astype(np.float32),
+      ...                                                  "int4_g32"))
+      >>> x, sizes = jnp.asarray(rng.standard_normal((5, 64)), jnp.bfloat16), jnp.array([2, 0, 3], jnp.int32)
+      >>> slots = Slots.plan(sizes, rows=5, block_m=8)
+      >>> ys = grouped_w4a16_slots(slots.take(x), packed, slots, interpret=True)
+      >>> ys.shape, bool((slots.rows(ys) == grouped_w4a16(x, packed, sizes, interpret=True)).all())
+      ((16, 8), True)
+    """
+    from jquant.kernels.w4a16.mosaic_gpu import w4a16_mgpu   # Mosaic GPU loads only where it runs
+
+    if xs.dtype not in (jnp.bfloat16, jnp.float16) or xs.shape != (slots.size, packed.k):
+        raise ValueError(f"grouped_w4a16_slots: xs must be bf16 or fp16 slot rows [{slots.size}, K={packed.k}], "
+                         f"got {xs.dtype} {tuple(xs.shape)}")
     k_cols = packed.k if packed.k % 64 == 0 else packed.k_pad
-    if k_cols != x.shape[1]:
-        xs = jnp.pad(xs, ((0, 0), (0, k_cols - x.shape[1])))
-    cfg = config or default_grouped_config(block_m, packed)
+    if k_cols != xs.shape[1]:
+        xs = jnp.pad(xs, ((0, 0), (0, k_cols - xs.shape[1])))
+    cfg = config or default_grouped_config(slots.block_m, packed)
     if not cfg.final_output:
         raise ValueError("grouped_w4a16 runs the kernel's own final output (MgpuConfig.final_output)")
+    if cfg.block_m != slots.block_m:
+        raise ValueError(f"grouped_w4a16: the launch's block_m={cfg.block_m} is not the slots' {slots.block_m}")
     if bias is not None:
         bias = jnp.asarray(bias)
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             bias = bias.astype(jnp.float32)
-    y_slots = w4a16_mgpu(xs, packed, config=cfg, bias=bias, interpret=interpret, slots=(ids, counts))
-    y = y_slots[jnp.maximum(where, 0), :packed.n]
-    return jnp.where((where >= 0)[:, None], y, jnp.zeros((), y.dtype))
+    y = w4a16_mgpu(xs, packed, config=cfg, bias=bias, interpret=interpret, slots=(slots.ids, slots.counts))
+    return y[:, :packed.n]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +189,7 @@ class W4A16Experts:
     packed: PackedW4NK
     shape: tuple[int, int, int]
     interpret: bool = False
+    rows_independent = True   # weight-only: a row's product never depends on another row
 
     @classmethod
     def from_qexperts(cls, experts, interpret: bool = False) -> "W4A16Experts":
@@ -212,6 +198,14 @@ class W4A16Experts:
     def apply(self, x: jax.Array, group_sizes: jax.Array, *, impl: str = "auto") -> jax.Array:
         del impl
         return grouped_w4a16(x, self.packed, group_sizes, interpret=self.interpret)
+
+    def slot_rows(self, rows: int) -> int:
+        """The slot height ``apply`` takes for ``rows`` sorted rows."""
+        return default_block_m(rows, self.shape[0])
+
+    def apply_slots(self, xs: jax.Array, slots: Slots) -> jax.Array:
+        """``apply`` in the slot layout (``grouped_w4a16_slots``)."""
+        return grouped_w4a16_slots(xs, self.packed, slots, interpret=self.interpret)
 
 
 jax.tree_util.register_dataclass(W4A16Experts, data_fields=["packed"], meta_fields=["shape", "interpret"])
