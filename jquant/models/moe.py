@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from jquant.checkpoint.experts import ExpertWeights
 from jquant.checkpoint.writer import path_str
+from jquant.kernels.moe.activations import ACTIVATIONS, activate
 from jquant.kernels.moe.api import grouped_matmul
 from jquant.kernels.moe.experts import QExperts, concat_rows, is_expert_stack, quantize_expert_weights
 from jquant.kernels.moe.routing import (Dispatch, Routing, check_routing, combine, gather_rows, route,
@@ -49,36 +50,8 @@ from jquant.kernels.moe.routing import (Dispatch, Routing, check_routing, combin
 from jquant.kernels.moe.slots import Slots, chains
 from jquant.schemes.scheme import Scheme, get_scheme
 
-ACTIVATIONS = ("swiglu", "gptoss_swiglu")
-GPT_OSS_ALPHA = 1.702
-GPT_OSS_LIMIT = 7.0
 # The scheme a loaded stack runs under, by format (gpt-oss MXFP4, DeepSeek-V3 block FP8).
 LOADED_SCHEMES = {"mxfp4": "mxfp4", "fp8_e4m3": "fp8_e4m3_block128x128"}
-
-
-def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    return jax.nn.silu(gate) * up
-
-
-def gptoss_swiglu(gate: jax.Array, up: jax.Array, alpha: float = GPT_OSS_ALPHA,
-                  limit: float = GPT_OSS_LIMIT) -> jax.Array:
-    gate = jnp.minimum(gate, limit)
-    up = jnp.clip(up, -limit, limit)
-    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
-
-
-def activate(name: str, gate: jax.Array, up: jax.Array) -> jax.Array:
-    """``name``'s activation of ``gate`` and ``up``, computed in (at least) float32 and rounded once to
-    their dtype, as vLLM's ``swigluoai_and_mul`` kernel does (its ``silu_and_mul`` rounds twice): op by
-    op in bf16, the rounded ``alpha · gate`` alone moves ``sigmoid`` by several percent for very
-    negative gates."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
-    dtype = jnp.result_type(gate, up)
-    compute = jnp.promote_types(dtype, jnp.float32)
-    gate, up = gate.astype(compute), up.astype(compute)
-    out = swiglu(gate, up) if name == "swiglu" else gptoss_swiglu(gate, up)
-    return out.astype(dtype)
 
 
 class SharedExpert(nn.Module):
@@ -185,12 +158,16 @@ class MoE(nn.Module):
         projection as the separate path's gather leaves them)."""
         i = self.intermediate
         slots = Slots.plan(dispatch.group_sizes, rows.shape[0], gate_up_w.slot_rows(rows.shape[0]))
-        gate_up = gate_up_w.apply_slots(slots.take(rows), slots)
-        if gate_up_b is not None:
-            # Another device's rows (expert parallelism) sit in no slot; a slot's expert is a local one.
-            bias = jnp.take(jnp.asarray(gate_up_b, jnp.float32), slots.row_experts(), axis=0)
-            gate_up = gate_up.astype(jnp.float32) + bias
-        hidden = activate(self.activation, gate_up[:, :i], gate_up[:, i:]).astype(dtype)
+        xs = slots.take(rows)
+        if getattr(gate_up_w, "gate_up", False):   # the kernel's epilogue applies bias and activation
+            hidden = gate_up_w.apply_activated(xs, slots, self.activation, gate_up_b).astype(dtype)
+        else:
+            gate_up = gate_up_w.apply_slots(xs, slots)
+            if gate_up_b is not None:
+                # Another device's rows (expert parallelism) sit in no slot; a slot's expert is a local one.
+                bias = jnp.take(jnp.asarray(gate_up_b, jnp.float32), slots.row_experts(), axis=0)
+                gate_up = gate_up.astype(jnp.float32) + bias
+            hidden = activate(self.activation, gate_up[:, :i], gate_up[:, i:]).astype(dtype)
         hidden = jnp.where(slots.live()[:, None], hidden, jnp.zeros((), dtype))
         return slots.rows(down_w.apply_slots(hidden, slots).astype(dtype))
 

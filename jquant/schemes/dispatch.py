@@ -87,6 +87,10 @@ FP8_BLOCK_MGPU_MIN_M = 2
 # H200 the gpt-oss-20b layer took 609 / 533 / 13198 µs at 1 / 64 / 4096 tokens against 2858 / 3387 /
 # 37413 µs dequantizing the experts into ragged_dot (bench/results/h200/moe.md).
 MOE_W4A16_MGPU = True
+# A MoE layer's gate/up stack (``gate_up_proj``, 2I rows with I a multiple of 64) is laid out for the
+# grouped W4A16 kernel to apply the bias and activation in its epilogue, so the [rows, 2I] product is
+# never written: ``prepare_experts``.
+MOE_W4A16_ACTIVATION_IN_EPILOGUE = True
 # W8A8 FP8 experts run the grouped FP8 GEMM on Hopper once laid out. XLA's path dequantizes the whole
 # stack to float32 on every call: at DeepSeek-V3's 256 experts (7168 x 2048) that is a 28 GiB buffer,
 # out of memory on an 80 GB H100, where the grouped kernel ran the layer in 4.9 ms at 64 tokens and

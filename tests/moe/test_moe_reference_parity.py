@@ -11,7 +11,8 @@ import pytest
 
 from jquant.checkpoint.experts import load_gpt_oss_experts
 from jquant.kernels.moe import combine, route, sort_by_expert
-from jquant.models.moe import MoE, activate, expert_params, gptoss_swiglu, swiglu
+from jquant.kernels.moe.activations import activate, gptoss_swiglu, swiglu
+from jquant.models.moe import MoE, expert_params
 
 MODULE = "model.layers.0.mlp.experts"
 

@@ -39,7 +39,10 @@ def prepare_experts(params, device: jax.Device | None = None):
     with (``jquant.schemes.dispatch.moe_experts_impl``): on Hopper a 4-bit weight-only stack becomes
     ``W4A16Experts`` (the grouped W4A16 kernel) and a W8A8 FP8 stack ``Fp8Experts`` (the grouped FP8
     GEMM, the scheme's activation quantization kept); anything else is returned as it is. ``MoE`` runs
-    either the same way. Call it once after loading, as ``Scheme.process_weights_after_loading``.
+    either the same way. A 4-bit stack named ``gate_up_proj`` (``MoE``'s gate/up pair) whose halves are
+    multiples of 64 rows is laid out so the kernel applies the layer's bias and activation in its
+    epilogue (``W4A16Experts(gate_up=True)``, ``dispatch.MOE_W4A16_ACTIVATION_IN_EPILOGUE``). Call it
+    once after loading, as ``Scheme.process_weights_after_loading``.
 
     Examples:
       >>> import numpy as np
@@ -51,25 +54,29 @@ def prepare_experts(params, device: jax.Device | None = None):
       >>> type(prepare_experts({"w": q})["w"]).__name__  # on a CPU: unchanged
       'QExperts'
     """
-    from jquant.kernels.moe.experts import QExperts
+    from jquant.kernels.moe.experts import EXPERT_PARAMS, QExperts
     from jquant.kernels.moe.grouped_fp8 import Fp8Experts
-    from jquant.kernels.moe.grouped_w4a16 import W4A16Experts
+    from jquant.kernels.moe.grouped_w4a16 import GATE_UP_TILE, W4A16Experts
     from jquant.kernels.w4a16.from_qtensor import W4_FORMATS
     from jquant.schemes import dispatch
 
     capability = dispatch.compute_capability(device)
 
-    def lay_out(q):
+    def lay_out(path, q):
         if not isinstance(q, QExperts) or dispatch.moe_experts_impl(q.scheme, capability) != "mgpu":
             return q
         if q.scheme.weight_only:
-            return W4A16Experts.from_qexperts(q) if q.weight.fmt in W4_FORMATS else q
+            if q.weight.fmt not in W4_FORMATS:
+                return q
+            gate_up = (dispatch.MOE_W4A16_ACTIVATION_IN_EPILOGUE and q.shape[1] % (2 * GATE_UP_TILE) == 0
+                       and getattr(path[-1], "key", None) == EXPERT_PARAMS[0])
+            return W4A16Experts.from_qexperts(q, gate_up=gate_up)
         try:
             return Fp8Experts.from_qexperts(q)
         except ValueError:   # scale blocks the FP8 GEMM has no layout for (not tensor, channel, 128 × 128)
             return q
 
-    return jax.tree.map(lay_out, params, is_leaf=lambda q: isinstance(q, QExperts))
+    return jax.tree_util.tree_map_with_path(lay_out, params, is_leaf=lambda q: isinstance(q, QExperts))
 
 
 def _is_traced(value) -> bool:

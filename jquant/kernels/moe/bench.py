@@ -22,8 +22,10 @@ past the L2:
 * ``dequant_ragged_dot``: the quantized experts dequantized to bf16 inside the program, then the bf16
   layer (what a kernel must beat without changing the format);
 * ``grouped_kernel`` (on Hopper): the same layer with the experts laid out for their grouped Mosaic GPU
-  kernel (``kernel_params``: 4-bit experts ``W4A16Experts``, W8A8 FP8 ``Fp8Experts``), forced (the
-  ``quantized`` parameters themselves where ``prepare_experts`` already chose that kernel);
+  kernel (``kernel_params``: 4-bit experts ``W4A16Experts``, W8A8 FP8 ``Fp8Experts``), forced, the
+  activation applied by XLA between the two GEMMs (the ``quantized`` parameters themselves where
+  ``prepare_experts`` already chose that layout; where it chose the activation in the gate/up GEMM's
+  epilogue, this candidate is the same kernels without it);
 * ``tokamax`` (int4 formats, when ``import tokamax`` works): the same layer with each grouped GEMM
   ``tokamax.ragged_dot`` on the same int4 codes and scales as a qwix ``QArray``: its Mosaic GPU kernel,
   else its default chain (``tokamax_impl``; why the kernel refused, ``tokamax_refusals``). tokamax is
@@ -356,8 +358,8 @@ def run(shapes: Iterable[MoEShape] = tuple(SHAPES.values()), tokens: Iterable[in
                     status = f"failed: {type(e).__name__}: {e}"[:200]
             user_copies = [prepare_experts(q) for q in q_copies]
             kernel_copies = []
-            if _on_kernel(user_copies[0]):   # the user's layout is the kernel's: no second copy in memory
-                kernel_copies = user_copies
+            if _on_kernel(user_copies[0]) and not _activation_in_epilogue(user_copies[0]):
+                kernel_copies = user_copies   # the user's layout is the kernel's: no second copy in memory
             elif dispatch.runs_mosaic_gpu():
                 try:   # the grouped kernel for the format on the same weights (Hopper)
                     kernel_copies = [kernel_params(q) for q in q_copies]
@@ -379,6 +381,11 @@ def run(shapes: Iterable[MoEShape] = tuple(SHAPES.values()), tokens: Iterable[in
 def _on_kernel(params: dict) -> bool:
     """Whether ``params``' experts are laid out for a grouped Mosaic GPU kernel."""
     return isinstance(params[EXPERT_PARAMS[0]], (W4A16Experts, Fp8Experts))
+
+
+def _activation_in_epilogue(params: dict) -> bool:
+    """Whether the gate/up GEMM of ``params`` applies the layer's activation in its epilogue."""
+    return getattr(params[EXPERT_PARAMS[0]], "gate_up", False)
 
 
 def kernel_params(params: dict, interpret: bool = False) -> dict:

@@ -18,8 +18,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jquant.kernels.moe.experts import check_stack, expert
+from jquant.kernels.moe.experts import check_stack, concat_rows, expert, split_rows
 from jquant.kernels.moe.slots import Slots
 from jquant.kernels.w4a16.config import MgpuConfig, default_mgpu_config
 from jquant.kernels.w4a16.from_qtensor import prepack_for_kernels, unified_w4
@@ -83,13 +84,55 @@ def default_block_m(rows: int, num_experts: int) -> int:
     return block_m
 
 
-def default_grouped_config(block_m: int, packed: PackedW4NK) -> MgpuConfig:
+def default_grouped_config(block_m: int, packed: PackedW4NK, *, activation: bool = False) -> MgpuConfig:
     """The dense kernel's launch for ``block_m`` rows (``default_mgpu_config``), one compute
-    warpgroup (the slot's row tile is the CTA's whole x)."""
+    warpgroup (the slot's row tile is the CTA's whole x); ``activation``: 128-row tiles, a gate half
+    and an up half (``gate_up_tiles``)."""
     cfg = default_mgpu_config(block_m, packed)
     if cfg.compute_wgs > 1:
         cfg = dataclasses.replace(cfg, block_n=128, block_k=128, compute_wgs=1, max_concurrent_steps=3)
+    if activation:
+        cfg = dataclasses.replace(cfg, block_n=GATE_UP_TILE * 2)
     return dataclasses.replace(cfg, block_m=block_m)
+
+
+GATE_UP_TILE = 64   # gate (then up) rows of one 128-row output tile: a tile of wgmma's accumulator layout
+
+
+def gate_up_order(n: int) -> np.ndarray:
+    """Rows of a gate/up stack (``[E, 2I, K]``: gate rows, then up rows) in ``gate_up_tiles`` order:
+    stored row r is original row ``order[r]``, so every 128-row tile holds 64 gate features and the
+    up features of the same 64 outputs.
+
+    Examples:
+      >>> from jquant.kernels.moe.grouped_w4a16 import gate_up_order
+      >>> order = gate_up_order(256)   # I = 128: tiles (gate 0-63, up 0-63), (gate 64-127, up 64-127)
+      >>> order[:2].tolist(), order[62:66].tolist(), order[128:130].tolist()
+      ([0, 1], [62, 63, 128, 129], [64, 65])
+    """
+    if n % (2 * GATE_UP_TILE):
+        raise ValueError(f"gate_up_order: a gate/up pair of {n} rows is not whole tiles of {2 * GATE_UP_TILE} "
+                         f"(gate and up each a multiple of {GATE_UP_TILE})")
+    i = n // 2
+    tiles = np.arange(i // GATE_UP_TILE)[:, None] * GATE_UP_TILE + np.arange(GATE_UP_TILE)[None, :]
+    return np.concatenate([tiles, tiles + i], axis=1).reshape(-1)
+
+
+def gate_up_tiles(stack: QTensor) -> QTensor:
+    """A gate/up expert stack ``[E, 2I, K]`` with its rows in ``gate_up_order`` (exact: whole rows move).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jquant.kernels.moe import quantize_expert_weights
+      >>> from jquant.kernels.moe.grouped_w4a16 import gate_up_order, gate_up_tiles
+      >>> stack = quantize_expert_weights(np.random.default_rng(0).standard_normal((2, 256, 64)).astype(np.float32),
+      ...                                 "mxfp4")
+      >>> bool(jnp.array_equal(gate_up_tiles(stack).dequantize(), stack.dequantize()[:, gate_up_order(256)]))
+      True
+    """
+    order = gate_up_order(stack.shape[1])
+    parts = split_rows(stack, [GATE_UP_TILE] * (stack.shape[1] // GATE_UP_TILE))
+    return concat_rows([parts[r // GATE_UP_TILE] for r in order[::GATE_UP_TILE]])
 
 
 def grouped_w4a16(x: jax.Array, packed: PackedW4NK, group_sizes: jax.Array, *, bias=None,
@@ -125,10 +168,13 @@ def grouped_w4a16(x: jax.Array, packed: PackedW4NK, group_sizes: jax.Array, *, b
 
 
 def grouped_w4a16_slots(xs: jax.Array, packed: PackedW4NK, slots: Slots, *, bias=None,
-                        config: MgpuConfig | None = None, interpret: bool = False) -> jax.Array:
+                        config: MgpuConfig | None = None, interpret: bool = False,
+                        activation: str | None = None) -> jax.Array:
     """``grouped_w4a16`` in the slot layout: ``xs [S · block_m, K]`` (``slots.take`` of the sorted rows)
     → ``[S · block_m, N]``, slot i's rows times expert ``slots.ids[i]``'s weight (+ bias); rows past a
-    slot's count are the product of whatever they hold (zero rows give the bias).
+    slot's count are the product of whatever they hold (zero rows give the bias). ``activation``:
+    ``packed`` is a gate/up pair in ``gate_up_tiles`` order and the result is ``activation(gate, up)``
+    ``[S · block_m, N / 2]``, applied by the kernel's epilogue (``store_final_output``).
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np
@@ -142,7 +188,7 @@ def grouped_w4a16_slots(xs: jax.Array, packed: PackedW4NK, slots: Slots, *, bias
       >>> slots = Slots.plan(sizes, rows=5, block_m=8)
       >>> ys = grouped_w4a16_slots(slots.take(x), packed, slots, interpret=True)
       >>> ys.shape, bool((slots.rows(ys) == grouped_w4a16(x, packed, sizes, interpret=True)).all())
-      ((16, 8), True)
+      ((24, 8), True)
     """
     from jquant.kernels.w4a16.mosaic_gpu import w4a16_mgpu   # Mosaic GPU loads only where it runs
 
@@ -152,7 +198,7 @@ def grouped_w4a16_slots(xs: jax.Array, packed: PackedW4NK, slots: Slots, *, bias
     k_cols = packed.k if packed.k % 64 == 0 else packed.k_pad
     if k_cols != xs.shape[1]:
         xs = jnp.pad(xs, ((0, 0), (0, k_cols - xs.shape[1])))
-    cfg = config or default_grouped_config(slots.block_m, packed)
+    cfg = config or default_grouped_config(slots.block_m, packed, activation=activation is not None)
     if not cfg.final_output:
         raise ValueError("grouped_w4a16 runs the kernel's own final output (MgpuConfig.final_output)")
     if cfg.block_m != slots.block_m:
@@ -161,8 +207,9 @@ def grouped_w4a16_slots(xs: jax.Array, packed: PackedW4NK, slots: Slots, *, bias
         bias = jnp.asarray(bias)
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             bias = bias.astype(jnp.float32)
-    y = w4a16_mgpu(xs, packed, config=cfg, bias=bias, interpret=interpret, slots=(slots.ids, slots.counts))
-    return y[:, :packed.n]
+    y = w4a16_mgpu(xs, packed, config=cfg, bias=bias, interpret=interpret, slots=(slots.ids, slots.counts),
+                   activation=activation)
+    return y[:, :packed.n // 2] if activation else y[:, :packed.n]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,15 +236,23 @@ class W4A16Experts:
     packed: PackedW4NK
     shape: tuple[int, int, int]
     interpret: bool = False
+    gate_up: bool = False    # rows in gate_up_order: the kernel can apply the activation (apply_activated)
     rows_independent = True   # weight-only: a row's product never depends on another row
 
     @classmethod
-    def from_qexperts(cls, experts, interpret: bool = False) -> "W4A16Experts":
-        return cls(prepack_experts(experts.weight), tuple(experts.shape), interpret)
+    def from_qexperts(cls, experts, interpret: bool = False, gate_up: bool = False) -> "W4A16Experts":
+        """``gate_up``: ``experts`` is a MoE gate/up pair (gate rows, then up rows), laid out in
+        ``gate_up_tiles`` so that ``apply_activated`` can run the activation in the kernel."""
+        weight = gate_up_tiles(experts.weight) if gate_up else experts.weight
+        return cls(prepack_experts(weight), tuple(experts.shape), interpret, gate_up)
+
+    def _in_order(self, y: jax.Array) -> jax.Array:
+        """The product's columns in the stack's own row order."""
+        return y[:, np.argsort(gate_up_order(self.shape[1]))] if self.gate_up else y
 
     def apply(self, x: jax.Array, group_sizes: jax.Array, *, impl: str = "auto") -> jax.Array:
         del impl
-        return grouped_w4a16(x, self.packed, group_sizes, interpret=self.interpret)
+        return self._in_order(grouped_w4a16(x, self.packed, group_sizes, interpret=self.interpret))
 
     def slot_rows(self, rows: int) -> int:
         """The slot height ``apply`` takes for ``rows`` sorted rows."""
@@ -205,7 +260,18 @@ class W4A16Experts:
 
     def apply_slots(self, xs: jax.Array, slots: Slots) -> jax.Array:
         """``apply`` in the slot layout (``grouped_w4a16_slots``)."""
-        return grouped_w4a16_slots(xs, self.packed, slots, interpret=self.interpret)
+        return self._in_order(grouped_w4a16_slots(xs, self.packed, slots, interpret=self.interpret))
+
+    def apply_activated(self, xs: jax.Array, slots: Slots, activation: str, bias=None) -> jax.Array:
+        """``activate(activation, gate, up)`` of the gate/up product in the slot layout, ``[S · block_m, I]``,
+        with ``bias [E, 2I]`` (the stack's own row order) added in float32 to the product rounded to x's
+        dtype, as ``MoE`` does; the kernel's epilogue applies it (``gate_up`` stacks only)."""
+        if not self.gate_up:
+            raise ValueError("W4A16Experts.apply_activated needs a gate/up stack (from_qexperts(..., gate_up=True))")
+        if bias is not None:
+            bias = jnp.asarray(bias, jnp.float32)[:, gate_up_order(self.shape[1])]
+        return grouped_w4a16_slots(xs, self.packed, slots, bias=bias, interpret=self.interpret,
+                                   activation=activation)
 
 
-jax.tree_util.register_dataclass(W4A16Experts, data_fields=["packed"], meta_fields=["shape", "interpret"])
+jax.tree_util.register_dataclass(W4A16Experts, data_fields=["packed"], meta_fields=["shape", "interpret", "gate_up"])

@@ -66,10 +66,10 @@ class Slots:
       >>> slots = Slots.plan(jnp.array([1, 0, 2]), rows=4, block_m=8)
       >>> x = jnp.arange(4.0)[:, None] + 1   # row 3 is past the groups
       >>> xs = slots.take(x)
-      >>> xs.shape, xs[:, 0].tolist()
-      ((16, 1), [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
-      >>> slots.rows(xs)[:, 0].tolist(), slots.row_experts().reshape(2, 8)[:, 0].tolist()
-      ([1.0, 2.0, 3.0, 0.0], [0, 2])
+      >>> xs.shape, xs[:, 0].reshape(3, 8)[:, :2].tolist()   # 3 slots: expert 0's row, expert 2's rows, none
+      ((24, 1), [[1.0, 0.0], [2.0, 3.0], [0.0, 0.0]])
+      >>> slots.rows(xs)[:, 0].tolist(), slots.row_experts().reshape(3, 8)[:, 0].tolist(), slots.counts.tolist()
+      ([1.0, 2.0, 3.0, 0.0], [0, 2, 0], [1, 2, 0])
     """
 
     ids: jax.Array      # [S] expert of each slot (0 where unused)

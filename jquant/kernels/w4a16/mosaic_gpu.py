@@ -44,7 +44,7 @@ from jquant.kernels.w4a16.mosaic_gpu_ws import w4a16_mgpu_ws
 
 
 def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=None,
-               interpret: bool = False, slots=None) -> jax.Array:
+               interpret: bool = False, slots=None, activation: str | None = None) -> jax.Array:
     """fp32 ``[split_k, N_pad, M_pad]`` partials of ``(xs @ W)ᵀ`` for ``xs`` ``[M, K_pad]``
     (columns in stored order, see ``gather_pad``), ``M_pad`` = M rounded up to ``block_m``; or,
     with ``config.final_output``, ``xs @ W · global_scale + bias`` itself, ``[M, N]`` (N_pad
@@ -55,7 +55,9 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
     needs M < 8 or a multiple of 8 (``x_rows``). Likewise ``xs`` may stop at K columns (not
     K_pad) where K is a multiple of 64 (the x tile's swizzle tiling): the copy fills the
     padded columns with zeros (``kernel_x``). ``slots``: MoE experts (``launch_kernel``), with
-    ``packed`` and ``bias`` stacked per expert."""
+    ``packed`` and ``bias`` stacked per expert. ``activation``: the weight's rows are a MoE gate/up
+    pair in ``gate_up_tiles`` order and the kernel writes ``activation(gate, up)``, ``[M, N / 2]``
+    (``store_final_output``; one compute warpgroup, 128-row tiles, N a multiple of 128)."""
     cfg = config
     if xs.dtype not in (jnp.bfloat16, jnp.float16):
         raise TypeError(f"xs must be bf16 or fp16 (wgmma's 16-bit operand), got {xs.dtype} "
@@ -74,6 +76,10 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
                              f"{lead + (packed.n_pad,)} (N or N_pad)")
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             raise TypeError(f"bias must be a float array, got {bias.dtype}")
+    if activation is not None and (not cfg.final_output or cfg.compute_wgs != 1 or cfg.block_n != 128
+                                   or packed.n % 128):
+        raise ValueError(f"an activation in the epilogue needs the final output, one compute warpgroup, "
+                         f"block_n=128 and N a multiple of 128; got {cfg} and N={packed.n}")
     m_pad = round_up(xs.shape[0], cfg.block_m)
     k_split = check_launch(packed.n_pad, packed.k_pad, m_pad, packed.group_size, cfg)
     if cfg.compute_wgs > 1:
@@ -145,7 +151,7 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
             acc = pl.run_scoped(run, plgpu.ACC((bn, bm), jnp.float32))
         if cfg.final_output:
             store_final_output(acc, out, ni=ni, si=si, mi=mi, split_k=cfg.split_k,
-                               interpret=interpret)
+                               interpret=interpret, activation=activation)
             return
         o_smem = a_scratch[-1]
         o_smem[...] = acc
@@ -158,7 +164,7 @@ def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=No
     if not cfg.final_output:   # the partial's staging buffer (final_output brings its own)
         scratch.append(plgpu.SMEM((bn, bm), jnp.float32))
     return launch_kernel(body, xs, packed, cfg, scratch=scratch, interpret=interpret, bias=bias,
-                         slots=slots)
+                         slots=slots, activation=activation)
 
 
 def kernel_x(x2: jax.Array, packed: PackedW4NK) -> jax.Array:

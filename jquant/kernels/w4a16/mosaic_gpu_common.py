@@ -220,7 +220,8 @@ def step_specs(cfg: MgpuConfig, *, group_size: int, coords, has_zero: bool, dela
 
 
 def launch_kernel(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool, bias=None,
-                  final_scratch: dict | None = None, slots=None, **kernel_kw):
+                  final_scratch: dict | None = None, slots=None, activation: str | None = None,
+                  **kernel_kw):
     """Runs ``body(ni, si, mi, x_gmem, w_gmem, s_gmem, z_gmem or None, out, *scratch)`` on the
     (N_pad / block_n, split_k, M_pad / block_m) grid (``M_pad``: x's rows rounded up to
     ``block_m``). ``out`` is the fp32 ``[split_k, N_pad, M_pad]`` partials' reference, which is
@@ -232,7 +233,10 @@ def launch_kernel(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool
 
     ``slots`` (MoE experts: ``packed`` holds a stack ``[E, N_pad, K_pad]``): int32 ``(expert_ids,
     counts)``, one entry per ``block_m`` rows of ``xs``; the CTAs of row tile ``i`` multiply by
-    expert ``expert_ids[i]``'s weight, scales and bias, and do nothing where ``counts[i]`` is 0."""
+    expert ``expert_ids[i]``'s weight, scales and bias, and do nothing where ``counts[i]`` is 0.
+
+    ``activation`` (with ``cfg.final_output``): ``store_final_output`` writes the activation of each
+    tile's gate and up halves, so the output has ``N / 2`` columns."""
     has_zero = packed.zero is not None
     m_pad = round_up(xs.shape[0], cfg.block_m)
     tiles = (packed.n_pad // cfg.block_n, m_pad // cfg.block_m)
@@ -246,12 +250,13 @@ def launch_kernel(body, xs, packed, cfg: MgpuConfig, *, scratch, interpret: bool
         if final_scratch is None:
             final_scratch = final_output_scratch(cfg.block_n, cfg.block_m, xs.dtype,
                                                  None if bias is None else bias.dtype,
-                                                 cfg.split_k, interpret, channel_scale=has_cs)
+                                                 cfg.split_k, interpret, channel_scale=has_cs,
+                                                 activation=activation)
         has_gs = packed.global_scale is not None
         args += (([packed.global_scale] if has_gs else []) + ([channel_scale] if has_cs else [])
                  + ([bias] if bias is not None else []))
-        out_types = [jax.ShapeDtypeStruct((xs.shape[0], final_output_cols(packed, xs.dtype)),
-                                          xs.dtype)]
+        cols = packed.n // 2 if activation else final_output_cols(packed, xs.dtype)
+        out_types = [jax.ShapeDtypeStruct((xs.shape[0], cols), xs.dtype)]
         if interpret and cfg.split_k > 1:   # the workspace
             out_types.append(jax.ShapeDtypeStruct((cfg.split_k, packed.n_pad, m_pad),
                                                  jnp.float32))

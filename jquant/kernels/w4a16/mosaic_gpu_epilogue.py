@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jquant.kernels.moe.activations import activation_fn
+
 # Largest cluster every sm_90 launch can take (16 needs a non-portable opt-in).
 MAX_CLUSTER = 8
 
@@ -52,10 +54,11 @@ class FinalOutputRefs:
 
 
 def final_output_scratch(block_n: int, block_m: int, dtype, bias_dtype, split_k: int,
-                         interpret: bool, channel_scale: bool = False) -> dict:
+                         interpret: bool, channel_scale: bool = False, activation: str | None = None) -> dict:
     """Shared-memory scratch for ``FinalOutputRefs``, by field name."""
+    out_cols = block_n // 2 if activation else block_n
     scratch = {"part_smem": plgpu.SMEM((block_n, block_m), jnp.float32),
-               "out_smem": plgpu.SMEM((block_m, block_n), dtype)}
+               "out_smem": plgpu.SMEM((block_m, out_cols), dtype)}
     if channel_scale:
         scratch["channel_scale_smem"] = plgpu.SMEM((block_n,), jnp.float32)
         scratch["channel_scale_barrier"] = plgpu.Barrier()
@@ -82,9 +85,15 @@ def start_bias_copy(refs: FinalOutputRefs, ni, si, block_n: int):
 
 
 def store_final_output(acc, refs: FinalOutputRefs, *, ni, si, mi, split_k: int,
-                       interpret: bool):
+                       interpret: bool, activation: str | None = None):
     """Sums the cluster's partials of the ``[bn, bm]`` tile (``acc``: this CTA's, in the WGMMA
-    layout) and writes ``(Σ acc · global_scale + bias)ᵀ`` in the output's dtype (split 0 only)."""
+    layout) and writes ``(Σ acc · global_scale + bias)ᵀ`` in the output's dtype (split 0 only).
+
+    ``activation`` (a MoE gate/up product, ``jquant.kernels.moe.activations``): the tile's first
+    ``bn / 2`` rows are gate features and the last ``bn / 2`` the up features of the same outputs
+    (``gate_up_tiles``); the sum is rounded to the output's dtype, the bias added in fp32, and the
+    ``[bm, bn / 2]`` activation written at output column ``ni · bn / 2``: the layer's own rounding
+    steps (``MoE``: the GEMM's output, then bias and activation in fp32, rounded once)."""
     bn, bm = acc.shape
     if split_k > 1:
         refs.part_smem[...] = acc
@@ -108,14 +117,20 @@ def store_final_output(acc, refs: FinalOutputRefs, *, ni, si, mi, split_k: int,
             plgpu.barrier_wait(refs.channel_scale_barrier)
             cs = plgpu.load(refs.channel_scale_smem, layout=plgpu.Layout.WGMMA.reduce(1))
             total = total * jax.lax.broadcast_in_dim(cs, (bn, bm), (0,))
+        if activation is not None:
+            total = total.astype(refs.out_smem.dtype).astype(jnp.float32)
         if refs.bias_gmem is not None:
             plgpu.barrier_wait(refs.bias_barrier)
             bias = plgpu.load(refs.bias_smem, layout=plgpu.Layout.WGMMA.reduce(1))
             total = total + jax.lax.broadcast_in_dim(bias.astype(jnp.float32), (bn, bm), (0,))
+        out_n = bn
+        if activation is not None:
+            out_n = bn // 2
+            total = activation_fn(activation)(total[:out_n], total[out_n:])
         refs.out_smem.transpose((1, 0))[...] = total.astype(refs.out_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(refs.out_smem,
-                                refs.out_gmem.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
+                                refs.out_gmem.at[pl.ds(mi * bm, bm), pl.ds(ni * out_n, out_n)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     if split_k > 1:
