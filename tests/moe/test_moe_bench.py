@@ -129,8 +129,8 @@ def test_tokamax_absent_is_recorded(monkeypatch):
         byte_floor_us=0.1, pct_of_byte_floor=5.0, spread_pct=1.0)])
     # a cell whose candidates all failed: each says why where the record knows it; ratios against them "—"
     oom = "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 28.02GiB"
-    assert ("| s | mxfp4 | 4096 | 2/2 | failed | failed (out of memory) | failed: ValueError: no | absent |  | — | 9.0 "
-            "| — |  |  |") in bench.to_markdown([dict(
+    assert ("| s | mxfp4 | 4096 | 2/2 | failed | failed (out of memory) | failed: ValueError: no | absent |  |  | — "
+            "| 9.0 | — |  |  |") in bench.to_markdown([dict(
                 shape="s", format="mxfp4", tokens=4096, active_experts=2, num_experts=2, time_us=None, baselines={},
                 tokamax="absent", speedup_vs_bf16=None, byte_floor_us=9.0, pct_of_byte_floor=None, spread_pct=None,
                 failed={"bf16_ragged_dot": oom, "dequant_ragged_dot": "ValueError: no"})])

@@ -2,8 +2,6 @@
 both expert GEMMs over one slot layout (``chains``), bit for bit what the two separate grouped GEMMs
 give. JQUANT_TEST_GPU=1 runs the kernels on the GPU."""
 
-import dataclasses
-
 import hypothesis.strategies as st
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +11,7 @@ from hypothesis import given, settings
 from conftest import ON_GPU
 from cuda_lowering import lower_for_cuda
 from jquant.kernels.moe import Fp8Experts, QExperts, W4A16Experts
-from jquant.kernels.moe.slots import Slots, chains, slot_table
+from jquant.kernels.moe.slots import SeparateGemms, Slots, chains, slot_table
 from jquant.models.moe import MoE, quantize_experts
 
 
@@ -58,21 +56,6 @@ def test_take_refuses_other_rows():
         slots.take(jnp.ones((5, 4)))
 
 
-@dataclasses.dataclass(frozen=True)
-class Separate:
-    """Experts run by their own ``apply`` only: the layer's separate path (a grouped GEMM each, rows
-    gathered into slots and back for each)."""
-
-    experts: object
-
-    @property
-    def shape(self):
-        return self.experts.shape
-
-    def apply(self, x, group_sizes, *, impl="auto"):
-        return self.experts.apply(x, group_sizes, impl=impl)
-
-
 def _layer_params(rng, e, h, i, bias):
     params = {"router_weight": jnp.asarray(rng.standard_normal((e, h)) * 0.1, jnp.float32),
               "gate_up_proj": jnp.asarray(rng.standard_normal((e, 2 * i, h)) * 0.1, jnp.float32),
@@ -103,7 +86,7 @@ def test_layer_in_one_slot_layout_is_the_separate_gemms_bit_for_bit(fmt, activat
     fast = {k: kernel.from_qexperts(v, interpret=interpret) if isinstance(v, QExperts) else v
             for k, v in qparams.items()}
     assert chains(fast["gate_up_proj"], fast["down_proj"], tokens * 2)
-    separate = {k: Separate(v) if isinstance(v, kernel) else v for k, v in fast.items()}
+    separate = {k: SeparateGemms(v) if isinstance(v, kernel) else v for k, v in fast.items()}
     x = jnp.asarray(rng.standard_normal((tokens, h)), jnp.bfloat16)
     y = np.asarray(model.apply({"params": fast}, x).astype(jnp.float32))
     ref = np.asarray(model.apply({"params": separate}, x).astype(jnp.float32))
@@ -135,7 +118,7 @@ def test_one_slot_layout_lowers_with_fewer_gathers():
     model = MoE(num_experts=e, top_k=4, hidden=h, intermediate=i)
     qparams, _ = quantize_experts(_layer_params(np.random.default_rng(0), e, h, i, False), "mxfp4")
     fast = {k: W4A16Experts.from_qexperts(v) if isinstance(v, QExperts) else v for k, v in qparams.items()}
-    separate = {k: Separate(v) if isinstance(v, W4A16Experts) else v for k, v in fast.items()}
+    separate = {k: SeparateGemms(v) if isinstance(v, W4A16Experts) else v for k, v in fast.items()}
     gathers = [lower_for_cuda(lambda x, p=p: model.apply({"params": p}, x),
                               jnp.ones((1, h), jnp.bfloat16)).count("stablehlo.gather") for p in (fast, separate)]
     assert gathers[0] < gathers[1], gathers

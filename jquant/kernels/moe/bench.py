@@ -26,6 +26,8 @@ past the L2:
   activation applied by XLA between the two GEMMs (the ``quantized`` parameters themselves where
   ``prepare_experts`` already chose that layout; where it chose the activation in the gate/up GEMM's
   epilogue, this candidate is the same kernels without it);
+* ``separate_gemms`` (with ``grouped_kernel``): those experts with each grouped GEMM gathering its rows
+  into slots and back on its own (``SeparateGemms``), the layer without one slot layout;
 * ``tokamax`` (int4 formats, when ``import tokamax`` works): the same layer with each grouped GEMM
   ``tokamax.ragged_dot`` on the same int4 codes and scales as a qwix ``QArray``: its Mosaic GPU kernel,
   else its default chain (``tokamax_impl``; why the kernel refused, ``tokamax_refusals``). tokamax is
@@ -35,8 +37,9 @@ The byte floor of a cell is the bytes it must read at least once: the experts th
 at this token count (counted from the routing of the cell's x), the router, x and y, at the HBM rate
 measured in the same run. A record holds the run's ``device``, ``jax_version``, ``commit`` and
 ``date`` (``run_meta``), the shape, tokens, format, µs, speedup vs bf16 ragged_dot and the floor; with
-``profile_dir``, also ``profile``: a summary of a ``jax.profiler`` trace of a few calls of ``quantized``
-and ``grouped_kernel`` (``summarize_trace``), to see where a call's time goes.
+``profile_dir``, also ``profile``: a summary of a ``jax.profiler`` trace of a few calls of
+``quantized``, ``grouped_kernel`` and ``separate_gemms`` (``summarize_trace``), to see where a call's
+time goes.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from jquant.kernels.moe.api import choose_impl, prepare_experts
 from jquant.kernels.moe.experts import EXPERT_PARAMS, QExperts
 from jquant.kernels.moe.grouped_fp8 import Fp8Experts
 from jquant.kernels.moe.grouped_w4a16 import W4A16Experts
+from jquant.kernels.moe.slots import SeparateGemms
 from jquant.models.moe import MoE, quantize_experts
 from jquant.qtensor import QTensor
 from jquant.schemes import dispatch
@@ -73,7 +77,7 @@ _PER_EXPERT = EXPERT_PARAMS + ("gate_up_bias", "down_bias")
 # Calls traced per candidate with ``profile_dir``, and the candidates traced: the layer as a user runs
 # it and the grouped kernel forced (the baselines' kernels are XLA's, already understood).
 PROFILE_STEPS = 5
-_PROFILED = ("quantized", "grouped_kernel")
+_PROFILED = ("quantized", "grouped_kernel", "separate_gemms")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,7 +334,8 @@ def run(shapes: Iterable[MoEShape] = tuple(SHAPES.values()), tokens: Iterable[in
 
     ``formats``: registered scheme names for every shape (default: each shape's ``formats``). ``cpu``: a
     plumbing check (one warm-up, no copies, no re-timing; the timings mean nothing). ``profile_dir``:
-    also trace a few calls of ``quantized`` and ``grouped_kernel`` of each cell there (one folder each).
+    also trace a few calls of ``quantized``, ``grouped_kernel`` and ``separate_gemms`` of each cell there
+    (one folder each).
     """
     how = _How(reps=reps, warmup=1 if cpu else 3, retries=0 if cpu else 1, max_spread_pct=25.0,
                min_batch_s=1e-3 if cpu else 10e-3, max_copies=1 if cpu else 64,
@@ -383,6 +388,11 @@ def _on_kernel(params: dict) -> bool:
     return isinstance(params[EXPERT_PARAMS[0]], (W4A16Experts, Fp8Experts))
 
 
+def _separate(params: dict) -> dict:
+    """``params`` with each grouped GEMM run on its own (``SeparateGemms``)."""
+    return {k: SeparateGemms(v) if k in EXPERT_PARAMS else v for k, v in params.items()}
+
+
 def _activation_in_epilogue(params: dict) -> bool:
     """Whether the gate/up GEMM of ``params`` applies the layer's activation in its epilogue."""
     return getattr(params[EXPERT_PARAMS[0]], "gate_up", False)
@@ -415,6 +425,7 @@ def _cell(shape: MoEShape, model: MoE, scheme: str, t: int, x: jax.Array, bf16_c
              "dequant_ragged_dot": (lambda p, x: apply(dequantized(p), x), [(p, x) for p in q_copies])}
     if kernel_copies:
         cands["grouped_kernel"] = (apply, [(p, x) for p in kernel_copies])
+        cands["separate_gemms"] = (apply, [(_separate(p), x) for p in kernel_copies])
     tokamax_impl, tokamax_refusals = None, {}
     for impl in ("mosaic", None) if tok_copies else ():  # its Mosaic GPU kernel, else its default chain
         copies = [tokamax_params(p, impl) for p in tok_copies]
@@ -444,7 +455,8 @@ def _cell(shape: MoEShape, model: MoE, scheme: str, t: int, x: jax.Array, bf16_c
     median = {name: timing.median_us for name, timing in times.items()}
     q = median.get("quantized")
     baselines = {name: round(median[name], 2)
-                 for name in ("bf16_ragged_dot", "dequant_ragged_dot", "tokamax", "grouped_kernel") if name in median}
+                 for name in ("bf16_ragged_dot", "dequant_ragged_dot", "tokamax", "grouped_kernel", "separate_gemms")
+                 if name in median}
     ratio = lambda name: round(median[name] / q, 3) if q and name in median else None
     per_expert, rest = expert_bytes(qparams, shape.num_experts)
     floor = floor_us(qparams)
@@ -493,8 +505,8 @@ def _status_cell(status: str) -> str:
 def to_markdown(records: list[dict]) -> str:
     """The records as a table: one row per (shape, format, tokens)."""
     head = ("| shape | format | tokens | experts hit | µs | bf16 ragged_dot µs | dequant+ragged_dot µs | "
-            "tokamax µs | grouped kernel µs | vs bf16 | byte floor µs | % of floor | TFLOP/s | spread % |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "tokamax µs | grouped kernel µs | separate GEMMs µs | vs bf16 | byte floor µs | % of floor | TFLOP/s | "
+            "spread % |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for r in records:
         b, failed = r["baselines"], r.get("failed", {})
@@ -506,7 +518,8 @@ def to_markdown(records: list[dict]) -> str:
         rows.append(f"| {r['shape']} | {r['format']} | {r['tokens']} | {r['active_experts']}/{r['num_experts']} | "
                     f"{cell(r['time_us'], 'quantized')} | {cell(b.get('bf16_ragged_dot'), 'bf16_ragged_dot')} | "
                     f"{cell(b.get('dequant_ragged_dot'), 'dequant_ragged_dot')} | "
-                    f"{tokamax} | {b.get('grouped_kernel', '')} | {cell(r['speedup_vs_bf16'])} | {r['byte_floor_us']} | "
+                    f"{tokamax} | {b.get('grouped_kernel', '')} | {b.get('separate_gemms', '')} | "
+                    f"{cell(r['speedup_vs_bf16'])} | {r['byte_floor_us']} | "
                     f"{cell(r['pct_of_byte_floor'])} | {r.get('tflop_per_s', {}).get('quantized', '')} | "
                     f"{max(spreads, default='')} |")
     detail = "one MoE layer (router, top-k, grouped gate/up, activation, grouped down, combine), bf16 activations"

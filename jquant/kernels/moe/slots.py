@@ -130,3 +130,33 @@ def chains(first, second, rows: int) -> bool:
     heights = [getattr(e, "slot_rows", lambda rows: None)(rows) for e in (first, second)]
     return (heights[0] is not None and heights[0] == heights[1]
             and all(getattr(e, "rows_independent", False) for e in (first, second)))
+
+
+@dataclasses.dataclass(frozen=True)
+class SeparateGemms:
+    """Experts run by their own ``apply`` only, so ``MoE`` runs each grouped GEMM with its own gathers
+    into slots and back (``chains`` is False for them): the layer without one slot layout, as
+    ``jquant bench moe`` times it beside the layer with one.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jquant.kernels.moe import QExperts, W4A16Experts, quantize_expert_weights
+      >>> from jquant.kernels.moe.slots import SeparateGemms, chains
+      >>> from jquant.schemes.scheme import get_scheme
+      >>> q = QExperts(quantize_expert_weights(np.ones((2, 128, 64), np.float32), "mxfp4"), get_scheme("mxfp4"))
+      >>> fast = W4A16Experts.from_qexperts(q, interpret=True)
+      >>> chains(fast, fast, 8), chains(SeparateGemms(fast), SeparateGemms(fast), 8), SeparateGemms(fast).shape
+      (True, False, (2, 128, 64))
+    """
+
+    experts: object
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.experts.shape
+
+    def apply(self, x: jax.Array, group_sizes: jax.Array, *, impl: str = "auto") -> jax.Array:
+        return self.experts.apply(x, group_sizes, impl=impl)
+
+
+jax.tree_util.register_dataclass(SeparateGemms, data_fields=["experts"], meta_fields=[])
