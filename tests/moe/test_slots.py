@@ -111,9 +111,10 @@ def test_what_does_not_chain():
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU run compiles for real")
 def test_one_slot_layout_lowers_with_fewer_gathers():
-    """A one-token layer is launch-bound: the slot layout kept between the GEMMs drops the gathers of
-    the gate/up result back to rows and of the activations into slots again, and the second slot table
-    (14 of the 32 StableHLO gathers of this layer, sm_90)."""
+    """The layer on experts that run over slots takes the one-slot-layout path: no gather of the gate/up
+    result back to rows, none of the activations into slots again, one slot table (18 StableHLO gathers
+    against the separate GEMMs' 32 here, sm_90; XLA fuses either into 19-20 GPU kernels a call on the
+    H100, bench/results/h100/moe_slots_profile.md)."""
     e, h, i = 32, 256, 256
     model = MoE(num_experts=e, top_k=4, hidden=h, intermediate=i)
     qparams, _ = quantize_experts(_layer_params(np.random.default_rng(0), e, h, i, False), "mxfp4")
