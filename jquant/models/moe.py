@@ -150,24 +150,29 @@ class MoE(nn.Module):
             return weight.apply(rows, group_sizes, impl=self.impl).astype(rows.dtype)
         return grouped_matmul(rows, jnp.asarray(weight, rows.dtype), group_sizes, impl=self.impl)
 
+    def _hidden(self, gate_up: jax.Array, bias, dtype) -> jax.Array:
+        """The activation of the gate/up product ``[rows, 2I]``, with its rows' bias (float32, or None) added
+        in float32 too, so the activation rounds the sum once."""
+        if bias is not None:
+            gate_up = gate_up.astype(jnp.float32) + bias
+        i = self.intermediate
+        return activate(self.activation, gate_up[:, :i], gate_up[:, i:]).astype(dtype)
+
     def _experts_in_slots(self, gate_up_w, down_w, gate_up_b, rows, dispatch: Dispatch, dtype) -> jax.Array:
         """Both expert GEMMs over one slot layout (``slots.chains``): the rows gathered into slots once, the
         gate/up bias and the activation applied there, the down projection reading the activated slots
         and its result gathered back once; what the two separate grouped GEMMs give, bit for bit (a row's
         product depends on that row alone, and the slots' spare rows are zeroed before the down
         projection as the separate path's gather leaves them)."""
-        i = self.intermediate
         slots = Slots.plan(dispatch.group_sizes, rows.shape[0], gate_up_w.slot_rows(rows.shape[0]))
         xs = slots.take(rows)
         if getattr(gate_up_w, "gate_up", False):   # the kernel's epilogue applies bias and activation
             hidden = gate_up_w.apply_activated(xs, slots, self.activation, gate_up_b).astype(dtype)
         else:
-            gate_up = gate_up_w.apply_slots(xs, slots)
-            if gate_up_b is not None:
-                # Another device's rows (expert parallelism) sit in no slot; a slot's expert is a local one.
-                bias = jnp.take(jnp.asarray(gate_up_b, jnp.float32), slots.row_experts(), axis=0)
-                gate_up = gate_up.astype(jnp.float32) + bias
-            hidden = activate(self.activation, gate_up[:, :i], gate_up[:, i:]).astype(dtype)
+            # Another device's rows (expert parallelism) sit in no slot; a slot's expert is a local one.
+            bias = (None if gate_up_b is None else
+                    jnp.take(jnp.asarray(gate_up_b, jnp.float32), slots.row_experts(), axis=0))
+            hidden = self._hidden(gate_up_w.apply_slots(xs, slots), bias, dtype)
         hidden = jnp.where(slots.live()[:, None], hidden, jnp.zeros((), dtype))
         return slots.rows(down_w.apply_slots(hidden, slots).astype(dtype))
 
@@ -222,10 +227,8 @@ class MoE(nn.Module):
         if chains(gate_up_w, down_w, rows.shape[0]):
             out = self._experts_in_slots(gate_up_w, down_w, gate_up_b, rows, dispatch, dtype)
         else:
-            gate_up = self._project(gate_up_w, rows, dispatch.group_sizes)
-            if gate_up_b is not None:  # added in float32 too, so the activation rounds the sum once
-                gate_up = gate_up.astype(jnp.float32) + row_bias(gate_up_b, jnp.float32)
-            hidden = activate(self.activation, gate_up[:, :i], gate_up[:, i:]).astype(dtype)
+            bias = None if gate_up_b is None else row_bias(gate_up_b, jnp.float32)
+            hidden = self._hidden(self._project(gate_up_w, rows, dispatch.group_sizes), bias, dtype)
             out = self._project(down_w, hidden, dispatch.group_sizes)
         if down_b is not None:
             out = out + row_bias(down_b)

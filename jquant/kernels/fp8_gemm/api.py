@@ -126,8 +126,7 @@ def run_kernel(xq, x_scale, packed: PackedFp8, bias, out_dtype, cfg: Fp8GemmConf
     from jquant.kernels.fp8_gemm.mosaic_gpu import fp8_gemm_mgpu   # Mosaic GPU loads only where it runs
 
     m = xq.shape[0]
-    x_block = cfg.block_b if cfg.swap_ab else cfg.block_a * cfg.compute_wgs
-    rows = -(-m // x_block) * x_block
+    rows = -(-m // cfg.x_rows) * cfg.x_rows
     codes, cols = activation_operands(xq, x_scale, packed, rows)
     if bias is not None:
         bias = jnp.pad(bias, (0, packed.n_pad - packed.n))

@@ -31,6 +31,8 @@ class Fp8GemmConfig:
       >>> from jquant.kernels.fp8_gemm import Fp8GemmConfig
       >>> Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8)
       Fp8GemmConfig(swap_ab=True, block_a=64, block_b=8, max_concurrent_steps=4, compute_wgs=1, grid_tile_width=0, persistent_ctas=0)
+      >>> Fp8GemmConfig(swap_ab=False, block_a=64, block_b=128, compute_wgs=2).x_rows
+      128
       >>> Fp8GemmConfig(swap_ab=False, block_a=96, block_b=128)
       Traceback (most recent call last):
           ...
@@ -63,6 +65,12 @@ class Fp8GemmConfig:
                              f"{self.persistent_ctas!r}")
         if not isinstance(self.max_concurrent_steps, int) or self.max_concurrent_steps < 2:
             raise ValueError(f"Fp8GemmConfig.max_concurrent_steps must be ≥ 2, got {self.max_concurrent_steps!r}")
+
+    @property
+    def x_rows(self) -> int:
+        """Rows of x a CTA takes: ``block_b`` under swap AB, else ``block_a`` per compute warpgroup (a MoE
+        expert slot's height)."""
+        return self.block_b if self.swap_ab else self.block_a * self.compute_wgs
 
 
 # Fewest x rows of a tile whose per-K-step scale row (fp32) one TMA copy can land: each pipeline

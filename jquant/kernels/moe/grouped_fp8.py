@@ -61,8 +61,8 @@ def grouped_fp8(x: jax.Array, packed: PackedFp8, group_sizes: jax.Array, scheme:
                 config: Fp8GemmConfig | None = None, interpret: bool = False) -> jax.Array:
     """``y [T, N]``: the rows of x (sorted by expert) quantized as ``scheme``'s activations say, times
     each expert's e4m3 weight (fp32 accumulation, block scales promoted per K block), in x's dtype;
-    rows past the groups are 0. ``config``: the FP8 GEMM's launch (x as A; a slot is ``block_a ·
-    compute_wgs`` rows), by default ``grouped_fp8_config``'s.
+    rows past the groups are 0. ``config``: the FP8 GEMM's launch (x as A; a slot is ``x_rows``
+    rows), by default ``grouped_fp8_config``'s.
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np
@@ -82,7 +82,7 @@ def grouped_fp8(x: jax.Array, packed: PackedFp8, group_sizes: jax.Array, scheme:
     if x.ndim != 2 or x.shape[1] != packed.k:
         raise ValueError(f"grouped_fp8: x must be rows [T, K={packed.k}], got {tuple(x.shape)}")
     cfg = config or grouped_fp8_config(x.shape[0], jnp.shape(group_sizes)[0])
-    slots = Slots.plan(group_sizes, x.shape[0], cfg.block_a * cfg.compute_wgs)
+    slots = Slots.plan(group_sizes, x.shape[0], cfg.x_rows)
     # Quantized before the gather: at decode the slots hold many more rows than x.
     codes, scales = _quantize(scheme, x, interpret)
     return slots.rows(_slot_gemm(slots.take(codes), slots.take(scales), packed, slots, cfg, x.dtype, interpret))
@@ -91,7 +91,7 @@ def grouped_fp8(x: jax.Array, packed: PackedFp8, group_sizes: jax.Array, scheme:
 def grouped_fp8_slots(xs: jax.Array, packed: PackedFp8, slots: Slots, scheme: Scheme, *,
                       config: Fp8GemmConfig | None = None, interpret: bool = False) -> jax.Array:
     """``grouped_fp8`` in the slot layout: ``xs [S · block, K]`` (``slots.take`` of the sorted rows, a
-    slot ``config.block_a · config.compute_wgs`` rows) → ``[S · block, N]``. The slot rows are quantized
+    slot ``config.x_rows`` rows) → ``[S · block, N]``. The slot rows are quantized
     as they stand, so a scheme whose activation scale spans all rows (dynamic per tensor) would count
     the slots' zero rows; ``Fp8Experts.rows_independent`` keeps such schemes off this path.
 
@@ -107,7 +107,7 @@ def grouped_fp8_slots(xs: jax.Array, packed: PackedFp8, slots: Slots, scheme: Sc
       >>> packed = prepack_fp8_experts(quantize_expert_weights(rng.standard_normal((2, 256, 128)).astype(np.float32),
       ...                                                      scheme))
       >>> x, sizes = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16), jnp.array([3, 2], jnp.int32)
-      >>> slots = Slots.plan(sizes, rows=5, block_m=grouped_fp8_config(5, 2).block_a)
+      >>> slots = Slots.plan(sizes, rows=5, block_m=grouped_fp8_config(5, 2).x_rows)
       >>> ys = grouped_fp8_slots(slots.take(x), packed, slots, scheme, interpret=True)
       >>> ys.shape, bool((slots.rows(ys) == grouped_fp8(x, packed, sizes, scheme, interpret=True)).all())
       ((128, 256), True)
@@ -138,8 +138,8 @@ def _quantize(scheme: Scheme, x: jax.Array, interpret: bool) -> tuple[jax.Array,
 def _slot_gemm(codes, scales, packed: PackedFp8, slots: Slots, cfg: Fp8GemmConfig, out_dtype, interpret: bool):
     from jquant.kernels.fp8_gemm.mosaic_gpu import fp8_gemm_mgpu   # Mosaic GPU loads only where it runs
 
-    if cfg.block_a * cfg.compute_wgs != slots.block_m:
-        raise ValueError(f"grouped_fp8: the launch's slot of {cfg.block_a * cfg.compute_wgs} rows is not the "
+    if cfg.x_rows != slots.block_m:
+        raise ValueError(f"grouped_fp8: the launch's slot of {cfg.x_rows} rows is not the "
                          f"slots' {slots.block_m}")
     a, a_scale = activation_operands(codes, scales, packed, codes.shape[0])
     y = fp8_gemm_mgpu(a, a_scale, packed.data, packed.scale, None, out_dtype=out_dtype, config=cfg,
@@ -183,8 +183,7 @@ class Fp8Experts:
 
     def slot_rows(self, rows: int) -> int:
         """The slot height ``apply`` takes for ``rows`` sorted rows."""
-        cfg = grouped_fp8_config(rows, self.shape[0])
-        return cfg.block_a * cfg.compute_wgs
+        return grouped_fp8_config(rows, self.shape[0]).x_rows
 
     def apply_slots(self, xs: jax.Array, slots: Slots) -> jax.Array:
         """``apply`` in the slot layout (``grouped_fp8_slots``)."""
