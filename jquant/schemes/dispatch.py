@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 # Above these M, the 4-bit GEMM's "auto" runs XLA: the kernel decodes W once per 128 rows of x. On
 # the H200 it beat XLA dequant + dot up to M = 1024 for weights of 8192×8192 and up (917 vs 1371 µs
@@ -183,9 +184,13 @@ def native_fp8_dot(device: jax.Device | None = None) -> bool:
     return is_gpu(device)
 
 
-def decode_attention_impl(device: jax.Device | None = None) -> str:
-    """``"pallas"`` (the Triton-backend kernel) or ``"xla"`` (the kernel would run interpreted)."""
-    return "pallas" if runs_triton_pallas(device) else "xla"
+def decode_attention_impl(device: jax.Device | None = None, query_dtype=jnp.bfloat16) -> str:
+    """``"pallas"`` (the Triton-backend kernel) or ``"xla"``: where the kernel would run interpreted,
+    and for a float32 query. The kernel's tensor-core operands are 16-bit: it would round a float32
+    query and its probabilities to 8 mantissa bits, 2-4e-3 relative per layer (CPU, interpreted),
+    which a 5-layer random network amplified to logits 0.05-2 apart from the float32 prefill
+    (tests/models/test_llama_paged.py on the H100, and interpreted on CPU)."""
+    return "pallas" if runs_triton_pallas(device) and jnp.dtype(query_dtype).itemsize <= 2 else "xla"
 
 
 def w4a16_impl(m: int, capability: int, weight_elems: int = MGPU_LARGE_WEIGHT) -> str:

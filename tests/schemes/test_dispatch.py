@@ -55,6 +55,13 @@ def test_policy_per_architecture(device, cc, mosaic, triton, attention, fp8_dot,
     assert dispatch.w4a16_fallback(cc) == ("reference" if device is CPU else "xla")
 
 
+@pytest.mark.parametrize("device", [row[0] for row in POLICY], ids=lambda d: d.device_kind)
+def test_decode_attention_runs_a_float32_query_on_xla(device):
+    """The attention kernels' tensor-core operands are 16-bit: a float32 query stays on XLA everywhere."""
+    assert dispatch.decode_attention_impl(device, jnp.float32) == "xla"
+    assert dispatch.decode_attention_impl(device, jnp.float16) == dispatch.decode_attention_impl(device)
+
+
 def test_w4a16_m_thresholds_on_hopper():
     small = 4096 * 4096  # launch-bound past M = 128
     assert dispatch.w4a16_impl(dispatch.MGPU_MAX_M, 90) == "mgpu"

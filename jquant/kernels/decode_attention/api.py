@@ -24,8 +24,9 @@ _CODE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn, jnp.f
 
 
 def choose_impl(q, k_pages) -> str:
-    """"pallas" on a CUDA GPU of capability 8.0 or more, "xla" elsewhere (CPU: the kernel would run
-    interpreted); the policy is ``jquant.schemes.dispatch.decode_attention_impl``'s.
+    """"pallas" on a CUDA GPU of capability 8.0 or more for a 16-bit ``q``, "xla" elsewhere (CPU: the
+    kernel would run interpreted; float32 ``q``: its 16-bit operands would round the query); the
+    policy is ``jquant.schemes.dispatch.decode_attention_impl``'s.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -36,8 +37,8 @@ def choose_impl(q, k_pages) -> str:
       >>> jax.default_backend() != "cpu" or choose_impl(q, k_pages) == "xla"  # CPU: XLA
       True
     """
-    del q, k_pages
-    return dispatch.decode_attention_impl()
+    del k_pages
+    return dispatch.decode_attention_impl(query_dtype=q.dtype)
 
 
 def _check(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale):

@@ -2,8 +2,8 @@
 
 bf16, per-tensor FP8 and per-(token, head) INT8/FP8 pages go to ``decode_attention``; TurboQuant pages to
 their own kernel (``triton_turboquant``, scored in the rotated domain). Both run the Pallas kernel where
-``jquant.schemes.dispatch.decode_attention_impl`` says so (a CUDA GPU) and XLA elsewhere; for TurboQuant
-the XLA path is ``jquant.kv.attention_reference``.
+``jquant.schemes.dispatch.decode_attention_impl`` says so (a CUDA GPU, a 16-bit query) and XLA
+elsewhere; for TurboQuant the XLA path is ``jquant.kv.attention_reference``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def cache_decode_attention(q: jax.Array, layer: PagedKVCache, block_tables: jax.
             # Every preset, 3-bit values included, passes tests/kernels/decode_attention/test_turboquant_kernel.py
             # on the H100 (JQUANT_TEST_GPU=1, commit 7f859da), the 3-bit value tile rebuilt without a join.
             fits = triton_turboquant.supports(layer.spec, layer.head_dim)
-            impl = dispatch.decode_attention_impl() if fits else "xla"
+            impl = dispatch.decode_attention_impl(query_dtype=q.dtype) if fits else "xla"
         if impl == "xla":
             return attention_reference(q, layer, block_tables, lengths).astype(q.dtype)
         return triton_turboquant.turboquant_decode_attention(

@@ -318,3 +318,4 @@ def test_auto_picks_the_kernel_on_gpu():
     from jquant.kernels.decode_attention import choose_impl
     a = _args()
     assert choose_impl(a["q"], a["k"]) == "pallas"
+    assert choose_impl(a["q"].astype(jnp.float32), a["k"]) == "xla"   # 16-bit operands would round it

@@ -164,9 +164,21 @@ def test_unknown_impl():
                                                   ("turboquant_4bit_nc", True)])
 def test_auto_on_a_gpu_runs_every_preset_on_the_kernel(monkeypatch, name, kernel_expected):
     from jquant.schemes import dispatch
-    monkeypatch.setattr(dispatch, "decode_attention_impl", lambda device=None: "pallas")
+    monkeypatch.setattr(dispatch, "decode_attention_impl", lambda device=None, query_dtype=None: "pallas")
     q, layer, bt, ln = _realistic(name)
     assert _has_kernel(lambda *a: cache_decode_attention(*a), q, layer, bt, ln) == kernel_expected
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8", "int8_per_token_head", "turboquant_k8v4", "turboquant_3bit_nc"])
+def test_auto_on_a_gpu_keeps_a_float32_query_off_the_16_bit_kernels(monkeypatch, name):
+    """On a GPU that runs the kernels, a float32 model's decode attention is XLA's: the kernels' operands
+    are 16-bit and would round the query and its probabilities."""
+    from jquant.schemes import dispatch
+    monkeypatch.setattr(dispatch, "runs_triton_pallas", lambda device=None: True)
+    q, layer, bt, ln = _realistic(name)
+    auto = lambda *a: cache_decode_attention(*a)
+    assert _has_kernel(auto, q, layer, bt, ln)
+    assert not _has_kernel(auto, q.astype(jnp.float32), layer, bt, ln)
 
 
 def test_bad_tables_and_lengths_are_refused_before_the_kernel():
