@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "writes decode_unfused.{json,md}")
     dec.add_argument("--profile", default=None, metavar="DIR",
                      help="also write a jax.profiler trace of a few steps of every cell under DIR")
+    dec.add_argument("--in-loop", action="store_true",
+                     help="also time each cell's steps inside one jitted lax.scan, as generate runs them")
     dec.add_argument("--tp", type=_ints, default=None, metavar="N,...",
                      help="tensor-parallel degrees, e.g. 1,2,4,8: the step split over that many devices "
                           "(jquant.parallel), collective time broken out; writes decode_tp.{json,md}")
@@ -398,7 +400,8 @@ def _model_bench(parser, args) -> int:
                                            bench.tp_to_markdown)
                     continue
                 records += bench.run(args.layers, (batch,), (ctx,), weights, kv_dtypes, reps=args.reps, meta=meta,
-                                     profile_dir=args.profile, fused=not args.unfused, shape=shape)
+                                     profile_dir=args.profile, fused=not args.unfused, shape=shape,
+                                     in_loop=args.in_loop)
                 js, md = write_records(records, args.out, "decode_unfused" if args.unfused else "decode",
                                        bench.to_markdown)
     print(f"wrote {js} and {md}")

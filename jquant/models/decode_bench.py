@@ -95,14 +95,19 @@ def step_bytes(params: dict, kv_cache_dtype: str | None, batch: int, ctx: int, c
 
 
 def time_decode(model, variables, cache, batch: int, ctx: int, reps: int, warmup: int = 2,
-                step: Callable | None = None):
+                step: Callable | None = None, in_loop: bool = False):
     """Median µs per step over ``reps`` batches of back-to-back donated steps; returns (µs list, cache).
-    ``step(variables, token_ids, cache)``: the step to time (default ``decode_step`` of ``model``)."""
+    ``step(variables, token_ids, cache)``: the step to time (default ``decode_step`` of ``model``).
+    ``in_loop``: a batch is one jitted call running its steps inside ``lax.scan``, each feeding its
+    greedy token to the next, as ``generate`` runs them (no host dispatch between steps)."""
     token = jnp.ones((batch, 1), jnp.int32)
     decode = functools.partial(decode_step, model) if step is None else step
+    calls = STEPS_PER_BATCH
+    if in_loop:
+        decode, calls = _greedy_loop(decode, STEPS_PER_BATCH), 1
     for _ in range(warmup):
         cache = _at_ctx(cache, ctx)
-        for _ in range(STEPS_PER_BATCH):
+        for _ in range(calls):
             logits, cache = decode(variables, token, cache)
         logits.block_until_ready()
     samples = []
@@ -110,13 +115,29 @@ def time_decode(model, variables, cache, batch: int, ctx: int, reps: int, warmup
         cache = _at_ctx(cache, ctx)
         jax.block_until_ready(cache)
         t0 = time.perf_counter()
-        for _ in range(STEPS_PER_BATCH):
+        for _ in range(calls):
             logits, cache = decode(variables, token, cache)
         logits.block_until_ready()
         samples.append(1e6 * (time.perf_counter() - t0) / STEPS_PER_BATCH)
     if not np.isfinite(np.asarray(logits, np.float32)).all():
         raise FloatingPointError("the decode step produced non-finite logits")
     return samples, cache
+
+
+def _greedy_loop(step: Callable, steps: int) -> Callable:
+    """``steps`` calls of ``step`` inside one jitted ``lax.scan`` (the cache donated), the argmax of each
+    step's logits the next step's token: ``generate``'s loop. Returns the last step's logits."""
+    @functools.partial(jax.jit, donate_argnums=2)
+    def loop(variables, token, cache):
+        def body(carry, _):
+            token, cache, _ = carry
+            logits, cache = step(variables, token, cache)
+            return (jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], cache, logits), None
+        shape = jax.eval_shape(step, variables, token, cache)[0]
+        logits = jnp.zeros(shape.shape, shape.dtype)
+        (_, cache, logits), _ = jax.lax.scan(body, (token, cache, logits), None, length=steps)
+        return logits, cache
+    return loop
 
 
 def _trace(folder: str, model, variables, cache, batch: int, ctx: int, steps: int = 4) -> dict:
@@ -136,11 +157,12 @@ def run(num_layers: int = 8, batches: Iterable[int] = (1, 16), ctxs: Iterable[in
         schemes: Iterable[str] = ("bf16", "int4_g128"), kv_dtypes: Iterable[str] = ("bf16", "fp8"),
         reps: int = 7, meta: dict | None = None, log: Callable[[str], None] = print,
         shape: Callable[[int, int], LlamaConfig] = llama3_8b_shape, profile_dir: str | None = None,
-        fused: bool = True) -> list[dict]:
+        fused: bool = True, in_loop: bool = False) -> list[dict]:
     """Every (scheme, kv dtype) cell at every (batch, ctx), with the bf16/bf16 and dense-cache baselines
     of the same (batch, ctx) timed in the same rounds. ``shape(num_layers, max_len)`` gives the model.
     ``profile_dir``: also write a ``jax.profiler`` trace of a few steps of each cell there (one folder a cell),
-    to see where a step's time goes. ``fused``: q/k/v and gate/up as one GEMM each."""
+    to see where a step's time goes. ``fused``: q/k/v and gate/up as one GEMM each. ``in_loop``: also
+    time each cell's steps inside one jitted loop, as ``generate`` runs them (``loop_time_us``)."""
     schemes, kv_dtypes = tuple(schemes), tuple(kv_dtypes)
     hbm = device_hbm_bytes_per_s()
     log(f"  HBM copy rate {hbm / 1e12:.2f} TB/s")
@@ -162,6 +184,10 @@ def run(num_layers: int = 8, batches: Iterable[int] = (1, 16), ctxs: Iterable[in
                 try:  # the cache inside: a (batch, ctx) whose dense cache outgrows the GPU still times the rest
                     cache = filled_cache(model, kv_name, batch, ctx, max_len, jax.random.fold_in(key, 7))
                     samples, cache = time_decode(model, {"params": weights[scheme]}, cache, batch, ctx, reps)
+                    loop = None
+                    if in_loop:
+                        loop, cache = time_decode(model, {"params": weights[scheme]}, cache, batch, ctx, reps,
+                                                  in_loop=True)
                     profile = {}
                     if profile_dir:
                         profile = _trace(f"{profile_dir}/{scheme}_{kv}_b{batch}_ctx{ctx}", model,
@@ -171,11 +197,13 @@ def run(num_layers: int = 8, batches: Iterable[int] = (1, 16), ctxs: Iterable[in
                     log(f"  FAILED {scheme} kv={kv} B={batch} ctx={ctx}: {type(e).__name__}: {e}")
                     continue
                 timed[(scheme, kv)] = (float(np.median(samples)), samples,
-                                       step_bytes(weights[scheme], kv_name, batch, ctx, config), profile)
+                                       step_bytes(weights[scheme], kv_name, batch, ctx, config), profile, loop)
                 del cache
             base = timed.get(("bf16", "bf16"), (None,))[0]
             dense = timed.get(("bf16", "dense"), (None,))[0]
-            for (scheme, kv), (t, samples, nbytes, profile) in timed.items():
+            base_loop = timed.get(("bf16", "bf16"), (None,) * 5)[4]
+            base_loop = base_loop and float(np.median(base_loop))
+            for (scheme, kv), (t, samples, nbytes, profile, loop) in timed.items():
                 floor_us = 1e6 * nbytes / hbm
                 rec = dict(op="decode_step", scheme=scheme, kv_dtype=kv, batch=batch, ctx=ctx, layers=num_layers,
                            fused_projections=fused,
@@ -186,6 +214,11 @@ def run(num_layers: int = 8, batches: Iterable[int] = (1, 16), ctxs: Iterable[in
                            step_bytes=nbytes, byte_floor_us=round(floor_us, 1),
                            pct_of_byte_floor=round(100 * floor_us / t, 1), hbm_tb_per_s=round(hbm / 1e12, 3),
                            speedup_vs_bf16=base and round(base / t, 3), **(meta or {}))
+                if loop:
+                    t_loop = float(np.median(loop))
+                    rec.update(loop_time_us=round(t_loop, 1),
+                               loop_spread_pct=round(100 * (max(loop) - min(loop)) / t_loop, 1),
+                               loop_speedup_vs_bf16=base_loop and round(base_loop / t_loop, 3))
                 if profile:
                     rec["profile"] = profile
                 records.append(rec)
@@ -198,13 +231,22 @@ def to_markdown(records: list[dict]) -> str:
     meta = records[0] if records else {}
     detail = (f"Llama-3-8B-shaped, {meta.get('layers', '')} layers, random weights, "
               f"{'fused' if meta.get('fused_projections', True) else 'separate'} q/k/v and gate/up GEMMs")
+    loop = any("loop_time_us" in r for r in records)
+    if loop:
+        detail += ("; in-loop: the step inside one jitted lax.scan of 16 greedy steps, as generate runs it "
+                   "(no host dispatch between steps)")
+    extra = " in-loop µs | in-loop vs bf16 | in-loop spread % |" if loop else ""
     out = [markdown_title("Decode step benchmark", records, detail) +
            "| weights | KV | B | ctx | step µs | tokens/s | byte floor µs | % floor | vs bf16+bf16 KV | "
-           "bf16 dense-cache µs | spread % |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "bf16 dense-cache µs | spread % |" + extra, "|---|---|---|---|---|---|---|---|---|---|---|" +
+           "---|---|---|" * loop]
     for r in records:
-        out.append(f"| {r['scheme']} | {r['kv_dtype']} | {r['batch']} | {r['ctx']} | {r['time_us']} | "
-                   f"{r['tokens_per_s']} | {r['byte_floor_us']} | {r['pct_of_byte_floor']} | "
-                   f"{r['speedup_vs_bf16']} | {r['baselines']['bf16_weights_dense_cache']} | {r['spread_pct']} |")
+        row = (f"| {r['scheme']} | {r['kv_dtype']} | {r['batch']} | {r['ctx']} | {r['time_us']} | "
+               f"{r['tokens_per_s']} | {r['byte_floor_us']} | {r['pct_of_byte_floor']} | "
+               f"{r['speedup_vs_bf16']} | {r['baselines']['bf16_weights_dense_cache']} | {r['spread_pct']} |")
+        if loop:
+            row += f" {r.get('loop_time_us')} | {r.get('loop_speedup_vs_bf16')} | {r.get('loop_spread_pct')} |"
+        out.append(row)
     return "\n".join(out) + "\n"
 
 

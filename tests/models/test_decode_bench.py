@@ -31,6 +31,46 @@ def test_decode_bench_records_every_cell_with_its_floor():
     assert "| int8_ch | fp8_per_token_head | 2 | 40 |" in decode_bench.to_markdown(recs)
 
 
+def test_in_loop_cells_and_a_cache_that_does_not_fit(monkeypatch):
+    """``in_loop`` adds the loop's time to every cell; a cache that cannot be allocated fails its cell only."""
+    filled = decode_bench.filled_cache
+
+    def no_dense(model, kv, *a):
+        if kv is None:
+            raise MemoryError("RESOURCE_EXHAUSTED: the dense cache")
+        return filled(model, kv, *a)
+    monkeypatch.setattr(decode_bench, "filled_cache", no_dense)
+    logged = []
+    recs = decode_bench.run(num_layers=1, batches=(1,), ctxs=(24,), schemes=("int8_ch",), kv_dtypes=("bf16",),
+                            reps=1, shape=tiny, log=logged.append, in_loop=True)
+    assert {(r["scheme"], r["kv_dtype"]) for r in recs} == {("bf16", "bf16"), ("int8_ch", "bf16")}
+    assert any("FAILED bf16 kv=dense" in line for line in logged)
+    for r in recs:
+        assert r["loop_time_us"] > 0 and r["loop_speedup_vs_bf16"] > 0
+    assert "in-loop µs" in decode_bench.to_markdown(recs)
+
+
+def test_greedy_loop_is_steps_fed_their_argmax():
+    """The in-loop timing runs what ``generate`` runs: each step's argmax is the next step's token."""
+    import functools
+    import jax
+    import jax.numpy as jnp
+    from jquant.models.llama import decode_step
+    model = LlamaForCausalLM(tiny(2, 64))
+    params = {"params": decode_bench.random_bf16_params(model, jax.random.key(3))}
+    step = functools.partial(decode_step, model)
+    token = jnp.asarray([[5], [9]], jnp.int32)
+    cache = decode_bench.filled_cache(model, "bf16", 2, 20, 64, jax.random.key(1))
+    want, by_hand = None, decode_bench.filled_cache(model, "bf16", 2, 20, 64, jax.random.key(1))
+    t = token
+    for _ in range(3):
+        want, by_hand = step(params, t, by_hand)
+        t = jnp.argmax(want[:, -1], axis=-1).astype(jnp.int32)[:, None]
+    got, cache = decode_bench._greedy_loop(step, 3)(params, token, cache)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [23, 23])
+
+
 def test_filled_cache_holds_ctx_random_tokens():
     import jax
     model = LlamaForCausalLM(tiny(2, 64))
