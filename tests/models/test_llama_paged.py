@@ -97,12 +97,16 @@ def _attention_kernels(monkeypatch, on: bool):
             monkeypatch.setattr(module, name, lambda *a, run=run, **k: run(*a, **{**k, "interpret": True}))
 
 
-@pytest.mark.parametrize("kv", ["bf16", "int8_per_token_head", "fp8_per_token_head", "turboquant_3bit_nc"])
+# Not TurboQuant: at this model's head_dim 16 its kernel does not run (XLA's reference does), and its
+# 3-bit codes flip under any rounding upstream, so the distance to float32 measures the flips (on the
+# H100 0.132 against 0.053 with the same attention path for the TurboQuant layer); its kernel is tested
+# against the reference in tests/kernels/decode_attention/test_turboquant_kernel.py.
+@pytest.mark.parametrize("kv", ["bf16", "int8_per_token_head", "fp8_per_token_head"])
 def test_bf16_model_decodes_on_the_kernels_as_closely_as_on_xla(params, kv, monkeypatch):
     """A bf16 model's decode runs the 16-bit attention kernels on a GPU: it is as close to the float32
     model's over the same cache format as XLA's bf16 decode is. Interpreted on CPU, relative errors
-    kernel / XLA: 0.0192 / 0.0197, 0.0355 / 0.0329, 0.0656 / 0.0660, 0.0477 / 0.0478; an output 3 %
-    too large (a wrong scale) fails the first two."""
+    kernel / XLA: 0.0192 / 0.0197, 0.0355 / 0.0329, 0.0656 / 0.0660 (all three pass on the H100); an
+    output 3 % too large (a wrong scale) fails the first two."""
     ids = _ids(2, 9, 1)
     want = _decode_logits(MODEL, params, ids, kv)
     bf16 = LlamaForCausalLM(CONFIG, dtype=jnp.bfloat16)

@@ -52,9 +52,23 @@ def test_kernel_matches_the_schemes_xla_path(name, rows, interpret):
     # Both round fp32 sums to bf16: one bf16 step apart where the sums' order differs (and, on the GPU,
     # the tensor cores' reduced-precision accumulators, see test_fp8_gemm._scheme_atol).
     top = float(jnp.abs(ref.astype(jnp.float32)).max())
-    chex.assert_trees_all_close(y.astype(jnp.float32), ref.astype(jnp.float32), rtol=2**-7,
-                                atol=(2e-3 if ON_GPU else 1e-4) * top)
-    assert bool(jnp.isfinite(y).all())
+    atol = (2e-3 if ON_GPU else 1e-4) * top
+    if scheme.activation.mode == "dynamic_per_token_group":
+        # The bias is added to the bf16-rounded sum (vLLM's two roundings): one step apart there is two of
+        # the output's where the bias cancels a binade of it (19.5 against 19.25 from 33.25 against 33.0).
+        # Interpreted, 89 random cases (29 with outputs 2-32 steps apart): never more than one step of each.
+        y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
+        pre = ref - np.asarray(bias.astype(jnp.bfloat16), np.float32)
+        allowed = _bf16_step(pre) + _bf16_step(ref) + atol
+        assert np.all(np.abs(y - ref) <= allowed), np.abs(y - ref).max()
+    else:
+        chex.assert_trees_all_close(y.astype(jnp.float32), ref.astype(jnp.float32), rtol=2**-7, atol=atol)
+    assert bool(np.isfinite(np.asarray(y, np.float32)).all())
+
+
+def _bf16_step(a):
+    """The spacing of bfloat16 at each ``|a|`` (8 significant bits)."""
+    return 2.0 ** (np.floor(np.log2(np.maximum(np.abs(a), 2.0**-126))) - 7)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU run stands in XLA's FP8 dot with native_fp8_dot; the GPU has it")
