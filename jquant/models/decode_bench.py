@@ -26,7 +26,7 @@ import numpy as np
 
 from jquant.bench.profile import trace_steps
 from jquant.bench.records import markdown_title
-from jquant.bench.timing import array_bytes, device_bytes, device_hbm_bytes_per_s
+from jquant.bench.timing import Timing, array_bytes, device_bytes, device_hbm_bytes_per_s, spread_pct
 from jquant.checkpoint.hf_checkpoint import PROJECTIONS
 from jquant.kernels.decode_attention.bench import random_pages
 from jquant.kv.cache import PagedCache, token_bytes
@@ -96,7 +96,7 @@ def step_bytes(params: dict, kv_cache_dtype: str | None, batch: int, ctx: int, c
 
 def time_decode(model, variables, cache, batch: int, ctx: int, reps: int, warmup: int = 2,
                 step: Callable | None = None, in_loop: bool = False):
-    """Median µs per step over ``reps`` batches of back-to-back donated steps; returns (µs list, cache).
+    """µs per step over ``reps`` batches of back-to-back donated steps; returns (``Timing``, cache).
     ``step(variables, token_ids, cache)``: the step to time (default ``decode_step`` of ``model``).
     ``in_loop``: a batch is one jitted call running its steps inside ``lax.scan``, each feeding its
     greedy token to the next, as ``generate`` runs them (no host dispatch between steps)."""
@@ -121,7 +121,7 @@ def time_decode(model, variables, cache, batch: int, ctx: int, reps: int, warmup
         samples.append(1e6 * (time.perf_counter() - t0) / STEPS_PER_BATCH)
     if not np.isfinite(np.asarray(logits, np.float32)).all():
         raise FloatingPointError("the decode step produced non-finite logits")
-    return samples, cache
+    return Timing(float(np.median(samples)), min(samples), tuple(samples), STEPS_PER_BATCH), cache
 
 
 def _greedy_loop(step: Callable, steps: int) -> Callable:
@@ -130,12 +130,9 @@ def _greedy_loop(step: Callable, steps: int) -> Callable:
     @functools.partial(jax.jit, donate_argnums=2)
     def loop(variables, token, cache):
         def body(carry, _):
-            token, cache, _ = carry
-            logits, cache = step(variables, token, cache)
-            return (jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], cache, logits), None
-        shape = jax.eval_shape(step, variables, token, cache)[0]
-        logits = jnp.zeros(shape.shape, shape.dtype)
-        (_, cache, logits), _ = jax.lax.scan(body, (token, cache, logits), None, length=steps)
+            logits, cache = carry
+            return step(variables, jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32), cache), None
+        (logits, cache), _ = jax.lax.scan(body, step(variables, token, cache), None, length=steps - 1)
         return logits, cache
     return loop
 
@@ -183,7 +180,7 @@ def run(num_layers: int = 8, batches: Iterable[int] = (1, 16), ctxs: Iterable[in
                 cache = None
                 try:  # the cache inside: a (batch, ctx) whose dense cache outgrows the GPU still times the rest
                     cache = filled_cache(model, kv_name, batch, ctx, max_len, jax.random.fold_in(key, 7))
-                    samples, cache = time_decode(model, {"params": weights[scheme]}, cache, batch, ctx, reps)
+                    step_time, cache = time_decode(model, {"params": weights[scheme]}, cache, batch, ctx, reps)
                     loop = None
                     if in_loop:
                         loop, cache = time_decode(model, {"params": weights[scheme]}, cache, batch, ctx, reps,
@@ -196,29 +193,28 @@ def run(num_layers: int = 8, batches: Iterable[int] = (1, 16), ctxs: Iterable[in
                 except Exception as e:  # one failing cell must not end the run
                     log(f"  FAILED {scheme} kv={kv} B={batch} ctx={ctx}: {type(e).__name__}: {e}")
                     continue
-                timed[(scheme, kv)] = (float(np.median(samples)), samples,
-                                       step_bytes(weights[scheme], kv_name, batch, ctx, config), profile, loop)
+                timed[(scheme, kv)] = (step_time, step_bytes(weights[scheme], kv_name, batch, ctx, config), profile,
+                                       loop)
                 del cache
-            base = timed.get(("bf16", "bf16"), (None,))[0]
+            base, _, _, base_loop = timed.get(("bf16", "bf16"), (None,) * 4)
+            base, base_loop = (x and x.median_us for x in (base, base_loop))
             dense = timed.get(("bf16", "dense"), (None,))[0]
-            base_loop = timed.get(("bf16", "bf16"), (None,) * 5)[4]
-            base_loop = base_loop and float(np.median(base_loop))
-            for (scheme, kv), (t, samples, nbytes, profile, loop) in timed.items():
+            dense = dense and dense.median_us
+            for (scheme, kv), (step_time, nbytes, profile, loop) in timed.items():
+                t = step_time.median_us
                 floor_us = 1e6 * nbytes / hbm
                 rec = dict(op="decode_step", scheme=scheme, kv_dtype=kv, batch=batch, ctx=ctx, layers=num_layers,
                            fused_projections=fused,
                            time_us=round(t, 1), tokens_per_s=round(batch * 1e6 / t, 1),
                            baselines={"bf16_weights_bf16_kv": base and round(base, 1),
                                       "bf16_weights_dense_cache": dense and round(dense, 1)},
-                           spread_pct=round(100 * (max(samples) - min(samples)) / t, 1),
+                           spread_pct=spread_pct(step_time),
                            step_bytes=nbytes, byte_floor_us=round(floor_us, 1),
                            pct_of_byte_floor=round(100 * floor_us / t, 1), hbm_tb_per_s=round(hbm / 1e12, 3),
                            speedup_vs_bf16=base and round(base / t, 3), **(meta or {}))
                 if loop:
-                    t_loop = float(np.median(loop))
-                    rec.update(loop_time_us=round(t_loop, 1),
-                               loop_spread_pct=round(100 * (max(loop) - min(loop)) / t_loop, 1),
-                               loop_speedup_vs_bf16=base_loop and round(base_loop / t_loop, 3))
+                    rec.update(loop_time_us=round(loop.median_us, 1), loop_spread_pct=spread_pct(loop),
+                               loop_speedup_vs_bf16=base_loop and round(base_loop / loop.median_us, 3))
                 if profile:
                     rec["profile"] = profile
                 records.append(rec)
@@ -321,15 +317,15 @@ def run_tp(num_layers: int = 8, batches: Iterable[int] = (16,), ctxs: Iterable[i
                                 del cache
                             if False not in timed:
                                 continue
-                            t = float(np.median(timed[False]))
-                            alone = float(np.median(timed.get(True, timed[False])))
+                            t = timed[False].median_us
+                            alone = timed.get(True, timed[False]).median_us
                             group.append(dict(
                                 op="decode_step", scheme=scheme, kv_dtype=kv, batch=batch, ctx=ctx,
                                 layers=num_layers, fused_projections=fused, tp=tp, collectives=mode,
                                 time_us=round(t, 1), no_collectives_us=round(alone, 1),
                                 collective_us=round(t - alone, 1), collective_pct=round(100 * (t - alone) / t, 1),
                                 tokens_per_s=round(batch * 1e6 / t, 1), device_bytes=nbytes,
-                                spread_pct=round(100 * (max(timed[False]) - min(timed[False])) / t, 1),
+                                spread_pct=spread_pct(timed[False]),
                                 **(meta or {})))
                     tp1 = next((r["time_us"] for r in group if r["tp"] == 1), None)
                     for r in group:
