@@ -11,6 +11,7 @@ from jax import export
 
 from conftest import ON_GPU
 import jquant
+from jquant.formats import subnormal
 from jquant.formats.exact import exact_divide, exact_reciprocal, nearest_quotient, to_float32_exact
 
 # No subnormal operands or quotients: XLA on CPU flushes them (``jquant.formats.subnormal`` handles
@@ -135,10 +136,37 @@ def test_narrow_round_trips_keep_their_rounding_under_jit(dtype):
     assert not np.array_equal(np.asarray(fake)[0], np.asarray(x))
 
 
+def _random_floats(rng, n, lo_exponent, hi_exponent):
+    """float32 values with uniformly random sign, mantissa and biased exponent in [lo, hi], from bits."""
+    bits = (rng.integers(lo_exponent, hi_exponent + 1, n, dtype=np.uint32) << 23) | rng.integers(
+        0, 1 << 23, n, dtype=np.uint32) | (rng.integers(0, 2, n, dtype=np.uint32) << 31)
+    return bits.view(np.float32)
+
+
 def test_reciprocals_are_numpys():
     """``exact_reciprocal(x)``, as the formats' reciprocals compute it, is numpy's ``1 / x`` (XLA's GPU
-    ``1 / x`` was 1 ulp off for 13 % of random floats on the H100)."""
-    x = (np.random.default_rng().standard_normal(1 << 16) * np.exp(np.random.default_rng().uniform(-80, 80, 1 << 16)))
-    x = x.astype(np.float32)
+    ``1 / x`` was 1 ulp off for 13 % of random floats on the H100), for every normal x whose reciprocal
+    is normal: biased exponents 1 … 252, drawn uniformly. Outside that XLA flushes the subnormal operand
+    or quotient; ``subnormal.reciprocal`` covers it (below)."""
+    x = _random_floats(np.random.default_rng(), 1 << 16, 1, 252)
+    x[:4] = [2.0 ** -126, -2.0 ** -126, np.nextafter(np.float32(2.0 ** 126), np.float32(0)), 1.0]
     got = jax.jit(exact_reciprocal)(jnp.asarray(x))
     np.testing.assert_array_equal(np.asarray(got).view(np.uint32), (np.float32(1) / x).view(np.uint32))
+
+
+def test_subnormal_reciprocals_are_numpys():
+    """``subnormal.reciprocal`` (r, shift) with r · 2^-shift numpy's ``1 / a`` where XLA would flush: a
+    subnormal a (1 / a normal, or Inf under 2^-128) and a past 2^126 (1 / a subnormal, r normal)."""
+    rng = np.random.default_rng()
+    subnormals = (rng.integers(1, 1 << 23, 4096, dtype=np.uint32)).view(np.float32)
+    big = _random_floats(rng, 4096, 253, 254)
+    a = np.abs(np.concatenate([subnormals, big, np.float32([2.0 ** -149, 2.0 ** -128, 2.0 ** 126, 2.0 ** 127])]))
+    r, shift = jax.jit(subnormal.reciprocal)(jnp.asarray(a))
+    r, shift = np.asarray(r), np.asarray(shift)
+    with np.errstate(over="ignore"):
+        expected = np.float32(1) / a
+    np.testing.assert_array_equal(shift, np.where(a > np.float32(2.0 ** 126), 64, 0))
+    plain = shift == 0
+    np.testing.assert_array_equal(r[plain].view(np.uint32), expected[plain].view(np.uint32))
+    np.testing.assert_array_equal(np.ldexp(r[~plain].astype(np.float64), -64), expected[~plain].astype(np.float64))
+    assert np.isinf(expected).any() and (expected[~plain] < np.float32(2.0 ** -126)).all()
