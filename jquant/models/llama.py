@@ -162,7 +162,7 @@ class KVCache:
       ...                      max_position_embeddings=64)
       >>> cache = KVCache.zeros(config, batch=1, max_len=8)
       >>> len(cache.keys), cache.keys[0].shape, int(cache.length), cache.max_len
-      (1, (1, 8, 1, 32), 0, 8)
+      (1, (1, 1, 8, 32), 0, 8)
 
       A prefill and one decode step give the logits a full forward gives:
 
@@ -179,17 +179,21 @@ class KVCache:
       True
     """
 
-    keys: tuple[jax.Array, ...]    # per layer [batch, max_len, num_kv_heads, head_dim], RoPE applied
-    values: tuple[jax.Array, ...]  # per layer [batch, max_len, num_kv_heads, head_dim]
+    # Heads before positions, the layout attention reads: stored [batch, max_len, heads, head_dim], a
+    # decode step called with the cache (not inside a loop, where XLA picks the carried layout) copied
+    # K and V of every layer transposed (seen in the CPU compile; on the H100 the bf16 step at B = 16,
+    # ctx 8k took 11971 µs called per step against 3602 inside generate's loop).
+    keys: tuple[jax.Array, ...]    # per layer [batch, num_kv_heads, max_len, head_dim], RoPE applied
+    values: tuple[jax.Array, ...]  # per layer [batch, num_kv_heads, max_len, head_dim]
     length: jax.Array              # int32 scalar
 
     @property
     def max_len(self) -> int:
-        return self.keys[0].shape[1]
+        return self.keys[0].shape[2]
 
     @classmethod
     def zeros(cls, config: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-        shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+        shape = (batch, config.num_kv_heads, max_len, config.head_dim)
         # Distinct buffers for keys and values, so the cache can be donated to a step.
         return cls(keys=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
                    values=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
@@ -233,17 +237,19 @@ def causal_mask(query_positions: jax.Array, key_positions: jax.Array) -> jax.Arr
 def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Softmax attention; query head ``h`` reads KV head ``h // (heads // kv_heads)`` (HF ``repeat_kv``).
 
-    q [batch, T, heads, D]; k, v [batch, S, kv_heads, D]; mask [T, S] bool (or [batch, 1, 1, T, S]: one
-    per sequence). Returns [batch, T, heads, D].
+    q [batch, T, heads, D]; k, v [batch, kv_heads, S, D] (the dense cache's layout); mask [T, S] bool (or
+    [batch, 1, 1, T, S]: one per sequence). Returns [batch, T, heads, D].
     """
     batch, t, heads, d = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[1]
     q = q.reshape(batch, t, kv_heads, heads // kv_heads, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(d)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(d)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(batch, t, heads, d).astype(q.dtype)
+    # Heads-major out, as the probabilities and values are: written "btkgd", XLA's CPU compile made v the
+    # dot's left operand, which its bf16 dots with a float32 result do not run.
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs, v, preferred_element_type=jnp.float32)
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, t, heads, d).astype(q.dtype)
 
 
 # ---- modules -------------------------------------------------------------------------------------
@@ -289,10 +295,16 @@ class DecoderLayer(nn.Module):
             attended, layer = paged_attention(q, k, v, kv[0], kv[1], kv[2], positions, grouped_query_attention)
             kv = (layer,)
         else:
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [batch, kv_heads, T, head_dim]
             if kv is not None:  # write this step's keys/values into the cache, then attend over all of it
-                start = (0, write_index, 0, 0)
+                start = (0, 0, write_index, 0)
                 k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), start)
                 v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), start)
+                if k.dtype != self.dtype:
+                    # Else XLA fuses the update into both the new cache and the converted copy attention
+                    # reads, and each then needs the old cache: the in-place write becomes a copy of
+                    # the cache per layer (CPU compile, a float32 model on a bf16 cache).
+                    k, v = jax.lax.optimization_barrier((k, v))
                 kv = (k, v)
             attended = grouped_query_attention(q, k.astype(self.dtype), v.astype(self.dtype), mask)
         x = x + dense(c.hidden_size, name="o_proj")(attended.reshape(batch, t, c.num_heads * c.head_dim))

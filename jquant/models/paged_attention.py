@@ -23,7 +23,8 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: PagedKVCach
     """Writes ``k, v [B, T, Hkv, D]`` at ``positions [B, T]`` (= lengths[:, None] + arange(T)) and
     attends ``q [B, T, Hq, D]`` over each sequence's context. Returns ``([B, T, Hq, D], layer)``.
 
-    ``gqa_fn(q, k, v, mask)`` is the model's dense grouped-query attention (used for T > 1).
+    ``gqa_fn(q, k, v, mask)`` is the model's dense grouped-query attention (used for T > 1; k, v
+    [B, Hkv, L, D]).
 
     Bad tables and lengths: with concrete ``block_tables`` and ``lengths`` (eager), ``validate_append``
     raises before anything is written (a sequence past its pages, a negative length, a used page
@@ -52,7 +53,7 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: PagedKVCach
         # probability times NaN would still poison the sum.
         values = jnp.where((key_pos[None, :] < total[:, None])[:, :, None, None], values, 0)
         mask = key_pos[None, None, :] <= positions[:, :, None]          # [B, T, L]
-        out = gqa_fn(q, keys, values, mask[:, None, None])
+        out = gqa_fn(q, keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3), mask[:, None, None])
     capacity = _capacity(layer, block_tables)
     used = jnp.arange(block_tables.shape[1])[None, :] < -(-jnp.minimum(total, capacity) // layer.page_size)[:, None]
     outside = jnp.any(used & ((block_tables < 0) | (block_tables >= layer.num_pages)), axis=1)

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jquant.flax.sharding import LLAMA_COLUMN, LLAMA_ROW, LLAMA_VOCAB, tensor_parallel_shardings
 from jquant.models.fused import FUSED, _fuse_kernels
+from jquant.models.llama import KVCache
 from jquant.qtensor import QTensor
 from jquant.schemes.qparam import QParam
 
@@ -242,9 +243,9 @@ def local_params(variables: Any) -> Any:
 def cache_specs(cache: Any, axis: str = "tp") -> Any:
     """``shard_map`` specs of a ``PagedCache`` or dense ``KVCache``: split on the KV-heads axis.
 
-    Every cache array of rank 3 or more holds the KV heads on axis 2 (pages ``[P, S, Hkv, D]``,
-    per-(token, head) scales ``[P, S, Hkv]``, dense keys and values ``[B, L, Hkv, D]``); lower ranks are
-    block tables, lengths and per-tensor scales, which every device needs whole.
+    A paged cache holds the KV heads on axis 2 of every array of rank 3 or more (pages ``[P, S, Hkv,
+    D]``, per-(token, head) scales ``[P, S, Hkv]``), the dense one on axis 1 (keys and values ``[B, Hkv,
+    L, D]``); lower ranks are block tables, lengths and per-tensor scales, which every device needs whole.
 
     Examples:
       >>> from jquant.kv import PagedCache
@@ -255,7 +256,8 @@ def cache_specs(cache: Any, axis: str = "tp") -> Any:
       >>> specs.layers[0].k_pages, specs.layers[0].k_scale, specs.block_tables
       (P(None, None, 'tp'), P(None, None, 'tp'), P())
     """
-    return jax.tree.map(lambda a: P(None, None, axis) if a.ndim >= 3 else P(), cache)
+    heads_axis = 1 if isinstance(cache, KVCache) else 2
+    return jax.tree.map(lambda a: P(*[None] * heads_axis, axis) if a.ndim >= 3 else P(), cache)
 
 
 def shard_cache(plan: TensorParallel, cache: Any) -> Any:

@@ -1,6 +1,8 @@
 """The Llama model over a paged, quantized KV cache: equal to the dense cache in bf16, the prefill and
 decode paths agree on every format, ragged batches continue at their own lengths, overflow is loud."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -247,6 +249,25 @@ def test_decode_step_donates_the_cache(params):
     assert int(cache.lengths[0]) == 4
     if jax.default_backend() != "cpu":   # CPU ignores donation
         assert old.layers[0].k_pages.is_deleted()
+
+
+@pytest.mark.parametrize("model_dtype, cache_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.bfloat16),
+                                                      (jnp.bfloat16, jnp.float32)], ids=["bf16", "f32-on-bf16", "bf16-on-f32"])
+def test_a_decode_step_on_the_dense_cache_copies_none_of_it(params, model_dtype, cache_dtype):
+    """The dense cache is stored [B, Hkv, L, D], as its attention reads it: the step compiled for a donated
+    cache writes the token in place and copies or transposes no cache-sized array (stored [B, L, Hkv, D],
+    every layer's K and V were copied transposed; in a dtype other than the model's, XLA fused the
+    update into the converted read too, so both needed the old cache and it was copied)."""
+    cache = KVCache.zeros(CONFIG, 3, 80, cache_dtype)
+    assert cache.keys[0].shape == (3, CONFIG.num_kv_heads, 80, CONFIG.head_dim) and cache.max_len == 80
+    step = jax.jit(MODEL.clone(dtype=model_dtype).apply, donate_argnums=2)
+    compiled = step.lower(params, _ids(3, 1, 11), cache).compile()
+    text = compiled.as_text()
+    moved = [line for line in text.splitlines() for shape in re.findall(r"= \w+\[([\d,]+)\]\S* (?:copy|transpose)\(", line)
+             if sorted(map(int, shape.split(","))) == sorted(cache.keys[0].shape)]
+    assert "dynamic-update-slice" in text and not moved, moved
+    logits, cache = compiled(params, _ids(3, 1, 11), cache)  # and it runs
+    assert int(cache.length) == 1 and np.isfinite(np.asarray(logits)).all()
 
 
 def test_turboquant_keeps_boundary_layers_bf16():

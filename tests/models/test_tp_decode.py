@@ -112,6 +112,24 @@ def test_sharded_cache_and_donated_steps(weights):
     assert logits.shape == (2, 1, CONFIG.vocab_size) and np.isfinite(np.asarray(logits)).all()
 
 
+def test_the_dense_cache_splits_on_its_heads_and_decodes_as_on_one_device(weights):
+    """The dense ``KVCache`` [B, Hkv, L, D] splits on axis 1; tensor-parallel steps over it give the
+    single-device logits and cache."""
+    plan, variables, ids = tensor_parallel(MODEL, 4), weights["bf16"], _ids(2, 3, 7)
+    want_cache = new_cache(MODEL, 2, 16)
+    cache = shard_cache(plan, want_cache)
+    for leaf in (cache.keys[1], cache.values[0]):
+        assert leaf.sharding.spec[1] == "tp" and leaf.addressable_shards[0].data.shape[1] == CONFIG.num_kv_heads // 4
+    sharded, single = shard_params(plan, variables), jax.jit(functools.partial(quantized_apply, MODEL))
+    for t in range(ids.shape[1]):
+        want, want_cache = single(variables, ids[:, t:t + 1], want_cache)
+        got, cache = decode_step(plan, sharded, ids[:, t:t + 1], cache)
+    assert int(cache.length) == 3 and cache.keys[0].sharding.spec[1] == "tp"
+    top = float(np.abs(np.asarray(want)).max())
+    chex.assert_trees_all_close(got, want, atol=5e-5 * top, rtol=1e-4)
+    chex.assert_trees_all_close((cache.keys, cache.values), (want_cache.keys, want_cache.values), atol=1e-5, rtol=1e-4)
+
+
 def test_generate_under_tensor_parallelism_gives_the_same_tokens(weights):
     model = MODEL.clone(fused_projections=True)
     ids = _ids(2, 6, 3)
