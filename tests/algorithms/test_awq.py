@@ -174,4 +174,8 @@ def test_scale_search_loss_on_sampled_tokens_keeps_the_full_statistic():
     xs = x[::4]
     want = [np.mean((xs @ w.T - xs @ (np.asarray(qdq(w * s)) / np.asarray(s)).T) ** 2) for s in candidates]
     np.testing.assert_allclose(np.asarray(losses), want, rtol=2e-4)
-    chex.assert_trees_all_equal(scales, candidates[int(np.argmin(want))])
+    # The chosen candidate is the reference's best up to that tolerance (two candidates closer than it
+    # may swap places), and the scales returned are that candidate's.
+    best = int(np.argmin(np.asarray(losses)))
+    assert want[best] <= min(want) * (1 + 2e-4)
+    chex.assert_trees_all_equal(scales, candidates[best])
