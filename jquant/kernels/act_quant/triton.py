@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 
 from jquant.formats import fp8
+from jquant.kernels.lowered_once import lowered_once
 from jquant.kernels.triton_exact import clip_keep_nan, ieee_divide, max_keep_nan, row_abs_max
 from jquant.kernels.triton_launch import check_num_warps, check_power_of_two
 
@@ -97,6 +98,7 @@ def _kernel(x_ref, codes_ref, scale_ref, *, rows: int, k: int, group: int, width
     plt.store(scale_ref.at[dst * (k // group) + g], s, mask=live)
 
 
+@lowered_once("group", "per_group", "ue8m0", "config", "interpret")
 def quantize(x, group: int, *, per_group: bool, ue8m0: bool, config: ActQuantConfig, interpret: bool):
     """Codes ``[M, K]`` float8_e4m3fn and float32 scales ``[M, K / group]`` of a 2-D x (bf16, fp16 or
     float32) whose K ``group`` divides."""

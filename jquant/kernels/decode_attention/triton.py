@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jquant.kernels.decode_attention.config import TuningConfig, fit_launch, operand_dtype_for, split_plan
+from jquant.kernels.lowered_once import lowered_once
 
 # A finite "minus infinity": exp(mask - max) is 0 and mask - mask stays finite, so a split with
 # no tokens leaves m = _MASK, l = 0 and never produces a NaN.
@@ -114,6 +115,7 @@ def _kernel(lengths_ref, bt_ref, q_ref, k_ref, v_ref, *rest, page_size, kv_heads
     l_ref[...] = l
 
 
+@lowered_once("sm_scale", "config", "interpret")
 def partials(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, sm_scale: float,
              config: TuningConfig | None, interpret: bool):
     """Per-split unnormalised outputs ``[S, B, Hkv, G, D]`` and running max / sum

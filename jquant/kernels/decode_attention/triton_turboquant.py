@@ -40,6 +40,7 @@ from jax import lax
 
 from jquant.kernels.decode_attention.config import TuningConfig, split_plan
 from jquant.kernels.decode_attention.triton import _MASK, combine, pool_rows
+from jquant.kernels.lowered_once import lowered_once
 from jquant.kv import lloyd_max, turboquant
 from jquant.kv.dtypes import KVCacheSpec
 from jquant.kv.paged import PagedKVCache
@@ -214,6 +215,7 @@ def _kernel(lengths_ref, bt_ref, q_ref, qs_ref, k_ref, *refs, page_size, kv_head
     l_ref[...] = l
 
 
+@lowered_once("scale", "config", "interpret")
 def turboquant_decode_attention(q, layer: PagedKVCache, block_tables, lengths, *, scale: float | None = None,
                                 config: TuningConfig | None = None, interpret: bool = False):
     """``attention_reference`` of a TurboQuant layer by the kernel: float32 ``[B, Hq, D]``, zeros for

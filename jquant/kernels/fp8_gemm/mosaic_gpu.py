@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.kernels.fp8_gemm.config import BLOCK_K, MIN_SCALE_ROWS, Fp8GemmConfig
+from jquant.kernels.lowered_once import lowered_once
 
 
 def _tiles(cols: int, bits: int):
@@ -47,6 +48,7 @@ def promoted_step(a_tile, b_tile, a_scales, b_scales, total):
     return total + (part * jax.lax.broadcast_in_dim(sa, shape, (0,)) * jax.lax.broadcast_in_dim(sb, shape, (1,)))
 
 
+@lowered_once("out_dtype", "config", "interpret")
 def fp8_gemm_mgpu(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8GemmConfig,
                   interpret: bool = False, slots=None) -> jax.Array:
     """``acc`` scaled: ``[A rows, B rows]`` (or transposed, ``swap_ab``: ``[B rows, A rows]``, so

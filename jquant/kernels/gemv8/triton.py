@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jquant.kernels.gemv8.config import MAX_ROWS, GemvConfig, default_gemv_config, step_k
+from jquant.kernels.lowered_once import lowered_once
 
 _CODES = (jnp.int8, jnp.float8_e4m3fn)
 
@@ -92,6 +93,7 @@ def _kernel(*refs, rows, groups, steps, block_k, has):
 _OPTIONAL = ("group_scale", "zero", "x_group_scale", "col_scale", "row_scale", "global_scale", "bias")
 
 
+@lowered_once("group_size", "out_dtype", "config", "interpret")
 def gemv8(x, codes, *, group_size: int | None = None, group_scale=None, zero=None, x_group_scale=None,
           col_scale=None, row_scale=None, global_scale=None, bias=None, out_dtype=None,
           config: GemvConfig | None = None, interpret: bool = False) -> jax.Array:

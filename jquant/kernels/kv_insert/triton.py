@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jquant.kernels.lowered_once import lowered_once
 from jquant.kernels.triton_exact import clip_keep_nan, ieee_divide, max_keep_nan, row_abs_max, row_has_nan
 from jquant.kernels.triton_launch import check_num_warps, check_power_of_two
 from jquant.kv import scalar
@@ -164,6 +165,7 @@ def _kernel(*refs, spec: KVCacheSpec, tokens: int, kv_heads: int, head_dim: int,
             _store(side_outs[i], dst, ok, s)
 
 
+@lowered_once("config", "interpret")
 def insert(cache: PagedKVCache, k_new, v_new, slots, *, config: InsertConfig, interpret: bool) -> PagedKVCache:
     """``insert_reference``'s contract for a covered format (``covers``) and T ≥ 1; slots int32 [T]."""
     from jax.experimental import pallas as pl

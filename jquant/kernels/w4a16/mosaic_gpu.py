@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jquant.kernels.lowered_once import lowered_once
 from jquant.kernels.w4a16.layout import K_CHUNK, PackedW4NK, gather_pad, round_up
 from jquant.kernels.w4a16.mosaic_gpu_common import (check_launch, decode_mma_step,
                                                      launch_kernel, load_weight_spans,
@@ -43,6 +44,7 @@ from jquant.kernels.w4a16.mosaic_gpu_epilogue import start_bias_copy, store_fina
 from jquant.kernels.w4a16.mosaic_gpu_ws import w4a16_mgpu_ws
 
 
+@lowered_once("config", "interpret", "activation")
 def w4a16_mgpu(xs: jax.Array, packed: PackedW4NK, *, config: MgpuConfig, bias=None,
                interpret: bool = False, slots=None, activation: str | None = None) -> jax.Array:
     """fp32 ``[split_k, N_pad, M_pad]`` partials of ``(xs @ W)ᵀ`` for ``xs`` ``[M, K_pad]``
