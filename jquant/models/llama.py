@@ -179,9 +179,9 @@ class KVCache:
       True
     """
 
-    # Heads before positions, the layout attention reads: stored [batch, max_len, heads, head_dim], a
+    # Heads before positions, the layout attention reads. Stored [batch, max_len, heads, head_dim], a
     # decode step called with the cache (not inside a loop, where XLA picks the carried layout) copied
-    # K and V of every layer transposed (seen in the CPU compile; on the H100 the bf16 step at B = 16,
+    # every layer's K and V transposed (seen in the CPU compile; on the H100 the bf16 step at B = 16,
     # ctx 8k took 11971 µs called per step against 3602 inside generate's loop).
     keys: tuple[jax.Array, ...]    # per layer [batch, num_kv_heads, max_len, head_dim], RoPE applied
     values: tuple[jax.Array, ...]  # per layer [batch, num_kv_heads, max_len, head_dim]
