@@ -19,13 +19,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jquant.kernels.fp8_gemm.config import BLOCK_K, Fp8GemmConfig
 from jquant.kernels.fp8_gemm.mosaic_gpu import promoted_step
-from jquant.kernels.lowered_once import lowered_once
 
 # Registers left to the copy-issuing warpgroup (the compute warpgroups get the rest).
 _MEMORY_REGISTERS = 40
 
 
-@lowered_once("out_dtype", "config", "tiles", "interpret")
 def fp8_gemm_mgpu_ws(a, a_scale, b, b_scale, bias, *, out_dtype, config: Fp8GemmConfig, tiles,
                      interpret: bool = False, slots=None) -> jax.Array:
     """``fp8_gemm_mgpu``'s result (x as A) with ``config.compute_wgs`` compute warpgroups; ``tiles``:
