@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     w4.add_argument("--max-spread", type=float, default=25.0,
                     help="re-time a cell whose widest batch spread exceeds this (%%)")
     w4.add_argument("--retries", type=int, default=2, help="re-timings of a noisy cell at most")
+    w4.add_argument("--sweep", action="store_true",
+                    help="with --impls mgpu: also time the decode launches of bench.DECODE_SWEEP at M <= 16")
     w4.add_argument("--interpret", action="store_true",
                     help="Pallas kernels in interpret mode, so the plumbing runs without a GPU (its timings mean "
                          "nothing). On CPU the default --impls scheme takes XLA's path: add --impls scheme,mgpu "
@@ -345,7 +347,7 @@ def _w4a16(parser, args) -> int:
     for shape in shapes:   # rewrite the files after every shape: a run cut short keeps its rows
         records += w4a16.run((shape,), ms, schemes, impls=impls,
                              interpret=args.interpret, reps=args.reps,
-                             max_spread_pct=args.max_spread, retries=args.retries)
+                             max_spread_pct=args.max_spread, retries=args.retries, sweep=args.sweep)
         js, md = w4a16.write(records, args.out)
     print(f"wrote {js} and {md}")
     return 0

@@ -4,6 +4,7 @@ import json
 import subprocess
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jquant
@@ -118,6 +119,31 @@ def test_w4a16_run_writes_records(tmp_path):
     assert md.read_text().count("\n| int4_g128 |") == 2
     widest = max(records[0]["spread_pct"], *records[0]["baseline_spread_pct"].values())
     assert md.read_text().splitlines()[6].endswith(f"| {widest} |")
+
+
+def test_w4a16_sweep_times_each_decode_launch_beside_the_default():
+    """--sweep adds one record per valid decode launch (M ≤ 16) of the mgpu impl, each with its own config,
+    and none at larger M; every swept launch is a real change of the default that the weight admits."""
+    from jquant.kernels.w4a16 import default_mgpu_config, prepack_nk
+
+    packed = prepack_nk(np.zeros((4096, 256), np.int32), np.ones((32, 256), np.float32), group_size=128)
+    base = default_mgpu_config(1, packed)
+    swept = bench.sweep_configs(1, packed)
+    assert len(swept) >= 4 and base not in swept and len(set(swept)) == len(swept)
+    for c in swept:
+        steps, rem = divmod(packed.k_pad, c.split_k * c.block_k)
+        assert rem == 0 and steps >= 2 and packed.n_pad % c.block_n == 0
+        assert not c.group_acc or c.block_k % packed.group_size == 0
+    assert bench.sweep_configs(64, packed) == []
+    records = bench.run(shapes=((128, 1024),), ms=(1, 64), schemes=("int4_g128",), impls=("mgpu",),
+                        interpret=True, reps=1, log=lambda s: None, sweep=True)
+    m1 = [r for r in records if r["M"] == 1]
+    labels = [r["impl"] for r in m1]
+    assert labels[0] == "mgpu" and labels[1:] == [f"mgpu#{i}" for i in range(1, len(labels))]
+    assert len(labels) > 2 and len({str(r["config"]) for r in m1}) == len(m1)
+    assert [r["impl"] for r in records if r["M"] == 64] == ["mgpu"]
+    md = bench.to_markdown(records)
+    assert "(mgpu#1: " in md and "split-K" in md
 
 
 def test_w4a16_cells_time_what_users_run(monkeypatch):

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import jquant
 from jquant.bench.timing import (array_bytes, copies_for, device_hbm_bytes_per_s, roofline,
                                  spread_pct, time_interleaved, time_steadiest)
-from jquant.kernels.w4a16 import (IMPLS, PackedW4NK, default_mgpu_config, resolve_impl,
-                                   w4a16_matmul)
+from jquant.kernels.w4a16 import (IMPLS, MgpuConfig, PackedW4NK, default_mgpu_config,
+                                   resolve_impl, w4a16_matmul)
 from jquant.kernels.w4a16.from_qtensor import prepack_for_kernels, unified_w4
 from jquant.bench.records import markdown_title, run_meta, write_records
 
@@ -37,6 +37,45 @@ QUICK_MS = (1, 16, 128, 1024)
 # Registered scheme names timed by default; int4 is GPTQ-style symmetric uint4b8, groups of 128.
 SCHEMES = ("int4_g128", "mxfp4", "nvfp4", "nf4")
 M1_ONLY_SCHEMES = ("mxfp4", "nvfp4", "nf4")
+# Decode launches (M ≤ 16) timed beside the default by ``--sweep``, as changes to it: the decode
+# step's small weights (Llama-3-8B's 4096×4096 o and 6144×4096 q/k/v projections) run far below
+# their byte floor at the default's 128 CTAs of 8 steps each (docs/design/w4a16.md).
+DECODE_SWEEP = (dict(split_k=1), dict(split_k=4), dict(block_k=128, max_concurrent_steps=6),
+                dict(block_k=128, split_k=4), dict(block_n=128), dict(max_concurrent_steps=2),
+                dict(block_k=512, max_concurrent_steps=2))
+
+
+def sweep_configs(m: int, packed: PackedW4NK) -> list[MgpuConfig]:
+    """The ``DECODE_SWEEP`` launches other than the default that can run ``packed`` at ``m`` rows: the
+    default with each change applied, where the split K range still holds two steps and
+    ``group_acc`` still fits (else off).
+
+    Examples:
+      >>> import numpy as np
+      >>> from jquant.kernels.w4a16 import prepack_nk
+      >>> packed = prepack_nk(np.zeros((4096, 128), np.int32), np.ones((32, 128), np.float32), group_size=128)
+      >>> [(c.block_n, c.block_k, c.split_k, c.max_concurrent_steps) for c in sweep_configs(1, packed)][:3]
+      [(64, 256, 1, 4), (64, 256, 4, 4), (64, 128, 2, 6)]
+      >>> sweep_configs(64, packed)  # decode launches only
+      []
+    """
+    from jquant.kernels.w4a16.config import group_acc_fits
+
+    base = default_mgpu_config(m, packed)
+    if m > 16 or base.compute_wgs != 1:
+        return []
+    out = []
+    for change in DECODE_SWEEP:
+        cfg = dataclasses.replace(base, **change)
+        g = packed.group_size
+        if (packed.n_pad % cfg.block_n or packed.k_pad % (cfg.split_k * cfg.block_k)
+                or packed.k_pad // (cfg.split_k * cfg.block_k) < 2
+                or (g % cfg.block_k if g >= cfg.block_k else cfg.block_k % g)):
+            continue
+        cfg = dataclasses.replace(cfg, group_acc=cfg.group_acc and group_acc_fits(g, cfg.block_k, 1))
+        if cfg != base and cfg not in out:
+            out.append(cfg)
+    return out
 
 
 def _int4_baseline_weight(n: int, k: int, key) -> tuple[jax.Array, jax.Array]:
@@ -112,13 +151,15 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
         schemes: Iterable[str] = SCHEMES, configs: dict | None = None,
         impls: Iterable[str] = ("scheme",), interpret: bool = False, reps: int = 9,
         hbm_bytes_per_s: float | None = None, log: Callable[[str], None] = print,
-        max_copies: int = 64, max_spread_pct: float = 25.0, retries: int = 2) -> list[dict]:
+        max_copies: int = 64, max_spread_pct: float = 25.0, retries: int = 2,
+        sweep: bool = False) -> list[dict]:
     """Measures every (shape, M) for int4 (and the M=1 row for the other schemes).
 
     ``impls``: ``"scheme"`` times ``scheme.apply(x, prepared)``, what a model runs; the names of
     ``w4a16_matmul`` impls (``IMPLS``: auto, mgpu, xla, ...) time that function on the weight's
     kernel layout, a kernel-level A/B. ``configs`` maps ``(N, K, M)`` to an ``MgpuConfig`` for
-    those (e.g. a sweep's winners); missing entries use ``default_mgpu_config``.
+    those (e.g. a sweep's winners); missing entries use ``default_mgpu_config``. ``sweep``: the
+    ``mgpu`` impl also times the ``sweep_configs`` launches of each decode cell (M ≤ 16).
     A cell whose widest batch spread (kernel or baseline) exceeds ``max_spread_pct`` is timed
     again, up to ``retries`` times; its record keeps the steadiest attempt and lists every
     attempt's widest spread (``attempt_spreads_pct``). ``hbm_bytes_per_s``: the rate of the byte floor
@@ -138,7 +179,7 @@ def run(shapes: Iterable[tuple[int, int]] = SHAPES, ms: Iterable[int] = MS,
     meta = run_meta()
     how = _Timing(impls, configs, interpret, key, max_copies, warmup, reps,
                   hbm_bytes_per_s or device_hbm_bytes_per_s(),
-                  max_spread_pct, retries, meta, log)
+                  max_spread_pct, retries, meta, log, sweep)
     for n, k in shapes:
         w_bf16 = [jax.random.normal(jax.random.fold_in(key, c), (k, n), jnp.bfloat16)
                   for c in range(copies_for(k * n * 2, max_copies=max_copies))]
@@ -175,6 +216,7 @@ class _Timing:
     retries: int
     meta: dict
     log: Callable[[str], None]
+    sweep: bool = False
 
 
 def _cell(weight: _SchemeWeight, n: int, k: int, m: int, w_bf16: list, dequant: tuple,
@@ -195,7 +237,7 @@ def _cell(weight: _SchemeWeight, n: int, k: int, m: int, w_bf16: list, dequant: 
         cands["xla_bf16"] = (jnp.dot, [(xs[c % n_x], w) for c, w in enumerate(w_bf16)])
         cands["xla_dequant_dot"] = (dequant_fn, [(x, rows, int4_scale) for x in xs])
     timed = {}
-    for impl in impls:
+    for impl, label, sweep_cfg in _candidates(weight, impls, m, how.sweep):
         if impl == "scheme":
             op = _scheme_op(weight.prepared[0], m)
             cfg = default_mgpu_config(m, weight.prepared[0].data) if op == "w4a16_mgpu" else None
@@ -206,7 +248,7 @@ def _cell(weight: _SchemeWeight, n: int, k: int, m: int, w_bf16: list, dequant: 
                 log(f"  SKIPPED {scheme} {n}x{k} M={m} impl={impl}: no 4-bit kernel layout for this weight")
                 continue
             op = f"w4a16_{resolve_impl(impl, m, interpret, weight_elems=n * k)}"
-            cfg = (configs.get((n, k, m)) or default_mgpu_config(m, weight.packed[0])
+            cfg = (sweep_cfg or configs.get((n, k, m)) or default_mgpu_config(m, weight.packed[0])
                    if op == "w4a16_mgpu" else None)
             fn = jax.jit(lambda x, p, _impl=impl, _cfg=cfg: w4a16_matmul(
                 x, p, impl=_impl, config=_cfg, interpret=interpret))
@@ -215,10 +257,10 @@ def _cell(weight: _SchemeWeight, n: int, k: int, m: int, w_bf16: list, dequant: 
         try:
             jax.block_until_ready(fn(*args[0]))
         except Exception as e:  # one failing cell must not end the run
-            log(f"  FAILED {scheme} {n}x{k} M={m} impl={impl}: {type(e).__name__}: {e}")
+            log(f"  FAILED {scheme} {n}x{k} M={m} impl={label}: {type(e).__name__}: {e}")
             continue
-        cands[f"impl:{impl}"] = (fn, args)
-        timed[impl] = (op, cfg, copies[0])
+        cands[f"impl:{label}"] = (fn, args)
+        timed[label] = (impl, op, cfg, copies[0])
     if not timed:
         return []
     # 10 ms batches: the H200 A/Bs timed with them ran steady, the two H200 runs with 2 ms
@@ -230,11 +272,11 @@ def _cell(weight: _SchemeWeight, n: int, k: int, m: int, w_bf16: list, dequant: 
     baselines = {b: times[b].median_us for b in ("xla_bf16", "xla_dequant_dot") if b in times}
     spread = {b: spread_pct(times[b]) for b in baselines}
     records = []
-    for impl, (op, cfg, one) in timed.items():
-        t = times[f"impl:{impl}"]
+    for label, (impl, op, cfg, one) in timed.items():
+        t = times[f"impl:{label}"]
         nbytes = array_bytes(one, xs[0]) + m * n * 2
         roof = roofline(t.median_us, nbytes, 2 * m * n * k, how.hbm_bytes_per_s)
-        rec = dict(op=op, impl=impl, scheme=scheme, M=m, N=n, K=k,
+        rec = dict(op=op, impl=label, scheme=scheme, M=m, N=n, K=k,
                    prepared_impl=weight.prepared[0].impl,
                    time_us=round(t.median_us, 2),
                    baselines={b: round(v, 2) for b, v in baselines.items()},
@@ -248,11 +290,22 @@ def _cell(weight: _SchemeWeight, n: int, k: int, m: int, w_bf16: list, dequant: 
         if "xla_bf16" in baselines:
             rec["speedup_vs_bf16"] = round(baselines["xla_bf16"] / t.median_us, 3)
         records.append(rec)
-        log(f"  {scheme:9s} {n}x{k} M={m:<5d} {impl:6s} {rec['op']:11s} {rec['time_us']:9.1f} us"
+        log(f"  {scheme:9s} {n}x{k} M={m:<5d} {label:6s} {rec['op']:11s} {rec['time_us']:9.1f} us"
             f"  bf16 {baselines.get('xla_bf16', float('nan')):9.1f}"
             f"  x{rec.get('speedup_vs_bf16', float('nan')):.2f}"
             f"  {rec['tb_per_s']:.2f} TB/s")
     return records
+
+
+def _candidates(weight: _SchemeWeight, impls: tuple[str, ...], m: int, sweep: bool):
+    """``(impl, label, config)`` of each timed candidate: every impl with its default launch, and with
+    ``sweep`` the ``mgpu`` impl's ``sweep_configs`` too, labelled ``mgpu#i`` (the record's config says
+    which launch)."""
+    for impl in impls:
+        yield impl, impl, None
+        if sweep and impl == "mgpu" and weight.packed is not None:
+            for i, cfg in enumerate(sweep_configs(m, weight.packed[0]), 1):
+                yield impl, f"mgpu#{i}", cfg
 
 
 def to_markdown(records: list[dict]) -> str:
@@ -261,12 +314,20 @@ def to_markdown(records: list[dict]) -> str:
     rows = []
     for r in records:
         b = r["baselines"]
-        op = r["op"] if r.get("impl", "scheme") == "scheme" else f"{r['op']} ({r['impl']})"
+        op = r["op"] if r.get("impl", "scheme") == "scheme" else f"{r['op']} ({r['impl']}{_launch(r)})"
         rows.append(f"| {r['scheme']} | {r['N']}×{r['K']} | {r['M']} | {op} | {r['time_us']} | "
                     f"{b.get('xla_bf16', '')} | {b.get('xla_dequant_dot', '')} | "
                     f"{r.get('speedup_vs_bf16', '')} | {r['tb_per_s']} | {r['pct_of_byte_floor']} | "
                     f"{_cell_spread(r)} |")
     return markdown_title("W4A16 benchmark", records) + head + "\n".join(rows) + "\n"
+
+
+def _launch(record: dict) -> str:
+    """A swept launch's config, briefly: ``: block_n×block_k, split-K, stages``."""
+    c = record.get("config")
+    if "#" not in record.get("impl", "") or not c:
+        return ""
+    return f": {c['block_n']}×{c['block_k']}, split-K {c['split_k']}, {c['max_concurrent_steps']} stages"
 
 
 def _cell_spread(record: dict) -> str:
