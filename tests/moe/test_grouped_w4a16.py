@@ -189,9 +189,11 @@ def _gate_up_layer(fmt, activation, bias, e=6, h=128, i=192):
 def test_activation_in_the_epilogue_is_the_layers(fmt, activation, bias, tokens, i, interpret):
     """The gate/up GEMM applying bias and activation in its epilogue (three 128-row tiles of gate and up
     halves and more; decode and prefill launches; gpt-oss's clamps reached by biases of ±3σ) against the same
-    kernels with the activation applied by XLA between the GEMMs. Interpreted both run the same float32
-    operations and agree exactly; on the GPU the kernel's ``exp`` and XLA's may differ in the last
-    float32 bit, which can move a rare bf16 hidden value by one step."""
+    kernels with the activation applied by XLA between the GEMMs. Both run the same float32 operations,
+    but the kernel's ``exp`` and XLA's standalone one may differ in the last float32 bit (on the GPU, and on
+    the CPU between XLA's fused loop and the plain op), which moves a rare bf16 hidden value by one step:
+    interpreted, one token of 300 once differed in 8 of its 128 outputs, by at most 0.03. So every row
+    but a rare one (at most 1 %) is exact, and all are within the bound."""
     model, qparams, rng = _gate_up_layer(fmt, activation, bias, i=i)
     plain = {k: W4A16Experts.from_qexperts(v, interpret=interpret) if isinstance(v, QExperts) else v
              for k, v in qparams.items()}
@@ -201,10 +203,9 @@ def test_activation_in_the_epilogue_is_the_layers(fmt, activation, bias, tokens,
     y = np.asarray(model.apply({"params": fused}, x).astype(jnp.float32))
     ref = np.asarray(model.apply({"params": plain}, x).astype(jnp.float32))
     assert np.isfinite(y).all() and np.abs(ref).max() > 0
-    if ON_GPU:
-        np.testing.assert_allclose(y, ref, atol=2e-2 * np.abs(ref).max())
-    else:
-        np.testing.assert_array_equal(y, ref)
+    np.testing.assert_allclose(y, ref, atol=2e-2 * np.abs(ref).max())
+    if not ON_GPU:
+        assert np.any(y != ref, axis=1).mean() <= 0.01
 
 
 def test_gate_up_layout_keeps_the_plain_product():
