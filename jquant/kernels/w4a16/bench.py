@@ -27,7 +27,7 @@ from jquant.bench.timing import (array_bytes, copies_for, device_hbm_bytes_per_s
                                  spread_pct, time_interleaved, time_steadiest)
 from jquant.kernels.w4a16 import (IMPLS, MgpuConfig, PackedW4NK, default_mgpu_config,
                                    resolve_impl, w4a16_matmul)
-from jquant.kernels.gemv8.config import MAX_ROWS, GemvConfig
+from jquant.kernels.gemv8.config import GemvConfig
 from jquant.kernels.w4a16.from_qtensor import prepack_for_kernels, unified_w4
 from jquant.kernels.w4a16.triton_gemv import DEFAULT_CONFIG as GEMV_DEFAULT, gemv_fits
 from jquant.bench.records import markdown_title, run_meta, write_records
@@ -259,7 +259,7 @@ def _cell(weight: _SchemeWeight, n: int, k: int, m: int, w_bf16: list, dequant: 
                 continue
             op = f"w4a16_{resolve_impl(impl, m, interpret, weight_elems=n * k)}"
             cfg = sweep_cfg or (configs.get((n, k, m)) or default_mgpu_config(m, weight.packed[0])
-                                if op == "w4a16_mgpu" else None)
+                                if op == "w4a16_mgpu" else GEMV_DEFAULT if op == "w4a16_triton" else None)
             fn = jax.jit(lambda x, p, _impl=impl, _cfg=cfg: w4a16_matmul(
                 x, p, impl=_impl, config=_cfg, interpret=interpret))
             copies = weight.packed
@@ -312,8 +312,8 @@ def _candidates(weight: _SchemeWeight, impls: tuple[str, ...], m: int, sweep: bo
     ``sweep`` the ``mgpu`` impl's ``sweep_configs`` and the ``triton`` impl's ``GEMV_SWEEP`` too,
     labelled ``mgpu#i`` / ``triton#i`` (the record's config says which launch)."""
     for impl in impls:
-        if impl == "triton" and m > MAX_ROWS:   # the GEMV's rows
-            continue
+        if impl == "triton" and weight.packed is not None and not gemv_fits(weight.packed[0], m):
+            continue   # past the GEMV's rows, or a format or group it does not take
         yield impl, impl, None
         if not sweep or weight.packed is None:
             continue
