@@ -45,9 +45,10 @@ def warn_once(key: str, message: str) -> None:
 
 
 def resolve_impl(impl: str, m: int, interpret: bool = False,
-                 weight_elems: int = MGPU_LARGE_WEIGHT) -> str:
+                 weight_elems: int = MGPU_LARGE_WEIGHT, gemv: bool = True) -> str:
     """The implementation ``w4a16_matmul`` runs for ``impl`` at ``m`` rows on the default device,
-    for a weight of ``weight_elems`` = N·K weights.
+    for a weight of ``weight_elems`` = N·K weights; ``gemv``: whether the GEMV takes the weight
+    (``triton_gemv.gemv_fits``), so that ``"auto"`` may pick it.
 
     Examples:
       >>> import jax
@@ -61,7 +62,8 @@ def resolve_impl(impl: str, m: int, interpret: bool = False,
     """
     if impl == "triton":
         return resolve_gemv_impl(m, interpret, "w4a16")
-    return resolve_kernel_impl(impl, interpret, lambda cc: device_lib.w4a16_impl(m, cc, weight_elems), "w4a16")
+    return resolve_kernel_impl(impl, interpret, lambda cc: device_lib.w4a16_impl(m, cc, weight_elems, gemv),
+                               "w4a16")
 
 
 def resolve_kernel_impl(impl: str, interpret: bool, auto, kernel: str) -> str:
@@ -181,15 +183,14 @@ def _matmul(x2, packed: PackedW4NK, bias, impl, config, interpret):
     from jquant.kernels.w4a16.triton_gemv import gemv_fits
 
     m = x2.shape[0]
-    kind = kernel_for_config(resolve_impl(impl, m, interpret, weight_elems=packed.n * packed.k),
-                             impl, config, m, MgpuConfig)
-    if kind == "triton" and not gemv_fits(packed, m):
+    fits = gemv_fits(packed, m)
+    resolved = resolve_impl(impl, m, interpret, weight_elems=packed.n * packed.k, gemv=fits)
+    kind = kernel_for_config(resolved, impl, config, m, MgpuConfig)
+    if kind == "triton" and not fits:
         if impl != "auto":
             raise ValueError(f"impl={impl!r} runs the 4-bit GEMV, which takes int4 codes in groups of a "
                              f"multiple of 32; this weight is lut={packed.lut!r}, group_size={packed.group_size}")
-        kind = "mgpu" if interpret else device_lib.w4a16_impl(m, compute_capability(), packed.n * packed.k,
-                                                              gemv=False)
-        config = None   # a GemvConfig launches nothing else
+        kind, config = resolved, None   # a GemvConfig launches nothing else
     if kind == "triton":
         return _gemv(x2, packed, bias, config, interpret)
     if kind == "mgpu" and x2.dtype == jnp.float32:

@@ -149,11 +149,11 @@ def _copies(tree, max_copies: int) -> list:
 
 def _scheme_op(prepared: jquant.Prepared, m: int) -> str:
     """What ``scheme.apply`` runs at ``m`` rows: with the Mosaic GPU impl's layout, the path
-    ``w4a16_matmul(impl="auto")`` picks (``w4a16_mgpu`` or ``w4a16_xla``); else the impl's name
+    ``w4a16_matmul(impl="auto")`` picks (``w4a16_triton``, ``w4a16_mgpu`` or ``w4a16_xla``); else the impl's name
     (``xla``: the scheme's XLA reference, dequantize + dot)."""
     if isinstance(prepared.data, PackedW4NK):
-        impl = resolve_impl("auto", m, weight_elems=prepared.data.n * prepared.data.k)
-        return f"w4a16_{'mgpu' if impl == 'triton' and not gemv_fits(prepared.data, m) else impl}"
+        packed = prepared.data
+        return f"w4a16_{resolve_impl('auto', m, weight_elems=packed.n * packed.k, gemv=gemv_fits(packed, m))}"
     return prepared.impl
 
 
@@ -257,7 +257,7 @@ def _cell(weight: _SchemeWeight, n: int, k: int, m: int, w_bf16: list, dequant: 
             if weight.packed is None:
                 log(f"  SKIPPED {scheme} {n}x{k} M={m} impl={impl}: no 4-bit kernel layout for this weight")
                 continue
-            op = f"w4a16_{resolve_impl(impl, m, interpret, weight_elems=n * k)}"
+            op = f"w4a16_{resolve_impl(impl, m, interpret, n * k, gemv_fits(weight.packed[0], m))}"
             cfg = sweep_cfg or (configs.get((n, k, m)) or default_mgpu_config(m, weight.packed[0])
                                 if op == "w4a16_mgpu" else GEMV_DEFAULT if op == "w4a16_triton" else None)
             fn = jax.jit(lambda x, p, _impl=impl, _cfg=cfg: w4a16_matmul(

@@ -12,7 +12,8 @@ from cuda_lowering import triton_modules
 from w4_inputs import random_w4_weight
 from jquant.kernels.gemv8 import GemvConfig
 from jquant.kernels.gemv8.config import MAX_ROWS
-from jquant.kernels.w4a16 import MgpuConfig, dequantize_nk, prepack_nk, w4a16_matmul
+from jquant.kernels.w4a16 import MgpuConfig, dequantize_nk, prepack_nk, resolve_impl, w4a16_matmul
+from jquant.kernels.w4a16 import api as w4a16_api
 from jquant.kernels.w4a16.bench import GEMV_SWEEP
 from jquant.kernels.w4a16.triton_gemv import DEFAULT_CONFIG, w4a16_gemv
 from jquant.schemes import dispatch
@@ -143,6 +144,9 @@ def test_dispatch_takes_it_at_one_row_for_small_weights(monkeypatch):
     assert dispatch.w4a16_impl(1, 90, 4096 * 4097) == "mgpu"            # past the size
     assert dispatch.w4a16_impl(1, 80, 4096 * 4096) == "xla"             # Hopper only
     assert dispatch.w4a16_impl(1, 0, 4096 * 4096) == "reference"        # CPU
+    monkeypatch.setattr(w4a16_api, "compute_capability", lambda: 90)
+    assert resolve_impl("auto", 1, weight_elems=4096 * 4096) == "triton"
+    assert resolve_impl("auto", 1, weight_elems=4096 * 4096, gemv=False) == "mgpu"   # a weight it cannot take
 
 
 def test_auto_with_a_gemv_launch_falls_back_where_the_gemv_cannot(interpret):
