@@ -180,3 +180,13 @@ def test_bad_input_names_the_problem():
         w4a16_matmul(jnp.ones((1, 256), jnp.bfloat16), nf4, impl="triton", interpret=True)
     with pytest.raises(ValueError, match=r"x must be \[M, K_pad=256\]"):
         w4a16_gemv(jnp.ones((1, 128), jnp.bfloat16), packed, interpret=True)
+
+
+def test_word_order_in_closed_form_is_the_layouts():
+    """The kernel computes word order's permutation with bit operations (a Triton kernel cannot capture
+    an index array); it must be the layout's own, block after block."""
+    from jquant.kernels.w4a16.mosaic_gpu_decode import word_order_sources
+    from jquant.kernels.w4a16.triton_gemv import _word_sources
+
+    src = word_order_sources("int4")
+    np.testing.assert_array_equal(_word_sources(np.arange(96)), np.concatenate([src, src + 32, src + 64]))
