@@ -111,7 +111,8 @@ def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None
     or ``code − zero``), ``"e2m1"`` (FP4; optional ``global_scale``) or a table (``"nf4"``,
     ``"fp4_bnb"``; both without zeros). ``g_idx``: optional int32 ``[K]`` GPTQ act-order group of
     each input row, every group exactly G rows. Padded columns have scale 0, so they are exactly
-    0; padded rows meet the zero columns ``gather_pad`` appends to x. ``word_order``: K permuted
+    0; padded rows decode to 0 (code 8, or the last group's zero point rounded) and meet the zero
+    columns ``gather_pad`` appends to x. ``word_order``: K permuted
     within blocks of 32 codes (``to_word_order``) so the kernel reads a word per thread and row.
 
     Examples:
@@ -159,7 +160,13 @@ def prepack_nk(q, scale, zero=None, *, group_size, lut="int4", global_scale=None
     codes = q.astype(jnp.int32).T
     pad = ((0, n_pad - n), (0, k_pad - k))   # padded codes decode to 0
     if lut == "int4":
-        data = jnp.pad(codes - 8, pad).astype(jnp.int4)
+        data = jnp.pad(codes - 8, pad)
+        if zero is not None and k_pad > k:
+            # Padded rows of the last group hold its (rounded) zero point, so they decode to 0 too,
+            # not to (8 - z) * s (a finite weight that only x's zero padding cancelled, until it overflowed).
+            z_last = jnp.clip(jnp.round(jnp.asarray(zero, jnp.float32)[-1]), 0, 15).astype(jnp.int32) - 8
+            data = data.at[:n, k:].set(z_last[:, None])
+        data = data.astype(jnp.int4)
     elif lut == "e2m1":
         data = pack_e2m1_pairs(jnp.pad(codes, pad))
     else:   # a table (NF4, bnb FP4): the codes as they are

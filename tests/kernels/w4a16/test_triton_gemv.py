@@ -107,6 +107,35 @@ def test_adversarial_values(interpret):
     assert np.isneginf(y).all()
 
 
+def test_global_scale_multiplies_the_sums_before_the_bias(interpret):
+    """``prepack_nk``'s global scale on int4 codes with zero points, and a bias added after it."""
+    rng = np.random.default_rng()
+    k, n, m = 320, 192, 2
+    q, s, z = random_w4_weight(rng, k, n, 64, zeros="int")
+    packed = prepack_nk(q, s, z, group_size=64, global_scale=np.float32(rng.uniform(2, 8)))
+    bias = jnp.asarray(rng.standard_normal(n) * 4, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    _assert_close(w4a16_matmul(x, packed, bias=bias, impl="triton", interpret=interpret), packed, x, bias)
+
+
+def test_padded_rows_of_a_zero_point_group_are_zero(interpret):
+    """K = 80 in groups of 32 pads the last group with 16 rows; with zero points they decode to 0, so a
+    huge scale there cannot turn x's zero padding into 0 · Inf = NaN."""
+    rng = np.random.default_rng()
+    k, n = 80, 128
+    q = rng.integers(0, 16, (k, n)).astype(np.uint8)
+    z = rng.integers(0, 15, (3, n)).astype(np.uint8)
+    q[64:] = z[2] + 1             # weights of the last group: 1e38, finite; (8 - z) · 1e38 often is not
+    s = np.full((3, n), 0.01, np.float32)
+    s[2] = 1e38
+    packed = prepack_nk(q, s, z, group_size=32)
+    assert not np.asarray(dequantize_nk(packed))[k:].any()
+    x = jnp.asarray(rng.standard_normal((1, k)) * 1e-30, jnp.float32)
+    y = np.asarray(w4a16_matmul(x, packed, impl="triton", interpret=interpret))
+    assert np.isfinite(y).all()
+    _assert_close(jnp.asarray(y), packed, x)
+
+
 @pytest.mark.parametrize("scheme", ["int4_g128", "int4_g128_asym", "int4_g32"])
 def test_schemes_weights_run_it(scheme, interpret):
     """A scheme's quantized [N, K] weight runs the GEMV, equal to its own dequantization."""
