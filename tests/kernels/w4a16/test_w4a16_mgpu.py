@@ -228,12 +228,14 @@ def test_final_output_is_the_whole_call():
 @pytest.mark.parametrize("final_output", [False, True])
 def test_x_goes_to_the_kernel_unpadded(final_output):
     """K = 576 with groups of 128 pads the weight to K_pad = 640, but x stays [1, 576]: the copy
-    fills columns past K with zeros (the padded rows of an asymmetric weight are not zero, so
-    anything else shows), and no XLA op runs before the kernel."""
+    fills columns past K with zeros (the padded rows are made nonzero here, so anything else shows),
+    and no XLA op runs before the kernel."""
     rng = np.random.default_rng(8)
     q, s, z, _ = _weight(rng, 576, 128, 128, zeros="int")
     packed = prepack_nk(q, s, z, group_size=128)
     assert packed.k_pad == 640
+    # Stored columns 576-639 are whole 32-code word blocks, so they are the padded rows in word order too.
+    packed = dataclasses.replace(packed, data=packed.data.at[:, 576:].set(jnp.int4(-5)))
     assert np.abs(np.asarray(dequantize_nk(packed))[576:]).max() > 0
     cfg = MgpuConfig(block_n=64, block_k=128, block_m=8, split_k=1, max_concurrent_steps=2,
                      final_output=final_output)
