@@ -60,8 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="re-time a cell whose widest batch spread exceeds this (%%)")
     w4.add_argument("--retries", type=int, default=2, help="re-timings of a noisy cell at most")
     w4.add_argument("--sweep", action="store_true",
-                    help="with --impls mgpu / triton: also time the decode launches of bench.DECODE_SWEEP at "
-                         "M <= 16 / the GEMV launches of bench.GEMV_SWEEP")
+                    help="with --impls mgpu: also time the decode launches of bench.DECODE_SWEEP at M <= 16")
     w4.add_argument("--interpret", action="store_true",
                     help="Pallas kernels in interpret mode, so the plumbing runs without a GPU (its timings mean "
                          "nothing). On CPU the default --impls scheme takes XLA's path: add --impls scheme,mgpu "

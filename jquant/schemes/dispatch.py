@@ -41,10 +41,6 @@ import jax.numpy as jnp
 MGPU_MAX_M = 1024
 MGPU_MAX_M_SMALL_WEIGHT = 128
 MGPU_LARGE_WEIGHT = 8192 * 8192
-# At one row of x, 4-bit weights of up to this many values (N·K) run the Triton-backend 4-bit GEMV
-# (``jquant.kernels.w4a16.triton_gemv``) where it takes them, before the Mosaic GPU kernel. 0: off until
-# a device A/B at the decode step's shapes says where it wins (``jquant bench w4a16 --impls mgpu,triton``).
-W4A16_GEMV_MAX_WEIGHT = 0
 
 # The W8A16 kernel runs by default up to this M on Hopper: on the H200 it beat XLA's dequantize +
 # dot of the same weight at every M timed from 1 to 1024 (28672×8192: 71 vs 415 µs at M = 1, 924 vs
@@ -197,15 +193,12 @@ def decode_attention_impl(device: jax.Device | None = None, query_dtype=jnp.bflo
     return "pallas" if runs_triton_pallas(device) and jnp.dtype(query_dtype).itemsize <= 2 else "xla"
 
 
-def w4a16_impl(m: int, capability: int, weight_elems: int = MGPU_LARGE_WEIGHT, gemv: bool = True) -> str:
+def w4a16_impl(m: int, capability: int, weight_elems: int = MGPU_LARGE_WEIGHT) -> str:
     """The 4-bit weight-only GEMM's "auto" choice for ``m`` rows of x on a device of ``capability``
-    (``compute_capability``) and a weight of ``weight_elems`` = N·K values: ``"triton"`` (the GEMV; not
-    with ``gemv=False``, for weights it cannot take), ``"mgpu"``, ``"xla"`` or, off CUDA GPUs,
-    ``"reference"``."""
+    (``compute_capability``) and a weight of ``weight_elems`` = N·K values: ``"mgpu"``, ``"xla"`` or,
+    off CUDA GPUs, ``"reference"``."""
     if capability == 0:
         return w4a16_fallback(capability)
-    if gemv and has_wgmma(capability) and m == 1 and weight_elems <= W4A16_GEMV_MAX_WEIGHT:
-        return "triton"
     max_m = MGPU_MAX_M if weight_elems >= MGPU_LARGE_WEIGHT else MGPU_MAX_M_SMALL_WEIGHT
     return "mgpu" if has_wgmma(capability) and m <= max_m else "xla"
 

@@ -146,21 +146,6 @@ def test_w4a16_sweep_times_each_decode_launch_beside_the_default():
     assert "(mgpu#1: " in md and "split-K" in md
 
 
-def test_w4a16_sweep_times_each_gemv_launch_where_the_gemv_runs():
-    """--sweep with the triton impl: the GEMV's default and every other GEMV_SWEEP launch at one row, each
-    record with its own GemvConfig; nothing past MAX_ROWS rows nor for a format the GEMV does not take
-    (NVFP4), where a forced impl="triton" would refuse the weight."""
-    from jquant.kernels.gemv8.config import MAX_ROWS
-
-    records = bench.run(shapes=((64, 256),), ms=(1, MAX_ROWS + 1), schemes=("int4_g128", "nvfp4"),
-                        impls=("triton",), interpret=True, reps=1, log=lambda s: None, sweep=True)
-    assert {(r["scheme"], r["M"]) for r in records} == {("int4_g128", 1)}
-    labels = [r["impl"] for r in records]
-    assert labels == ["triton"] + [f"triton#{i}" for i in range(1, len(bench.GEMV_SWEEP) + 1)]
-    assert len({str(r["config"]) for r in records}) == len(records) and records[0]["config"]["block_n"] == 8
-    assert "(triton#1: 4×1024, 4 warps)" in bench.to_markdown(records)
-
-
 def test_w4a16_cells_time_what_users_run(monkeypatch):
     """By default a cell's candidate is scheme.apply on a weight from get_scheme → quantize_weight
     → process_weights_after_loading, and its record says which impl prepared it."""

@@ -4,13 +4,10 @@ device.
 Implementations (``impl``):
 * ``"mgpu"``: the Mosaic GPU kernel (Hopper), every M up to ``MGPU_MAX_M``.
 * ``"pallas"``: the kernel, nothing else (an error where no Hopper GPU can run it).
-* ``"triton"``: the 4-bit GEMV (``triton_gemv``): up to ``MAX_ROWS`` rows of x, int4 codes in groups of
-  a multiple of 32, CUDA GPUs of capability 8.0 and up.
 * ``"xla"``: dequantize to ``x``'s dtype, then ``jnp.dot`` with fp32 accumulation (XLA/cuBLAS).
 * ``"reference"``: dequantize in fp32, fp32 dot (the exact twin; slow on GPUs).
-* ``"auto"``: on Hopper, the GEMV at one row for weights of up to ``W4A16_GEMV_MAX_WEIGHT`` values that
-  it takes, ``mgpu`` up to ``MGPU_MAX_M`` rows (``MGPU_MAX_M_SMALL_WEIGHT`` for weights under
-  8192×8192), else xla; xla on other GPUs; reference on CPU
+* ``"auto"``: on Hopper, ``mgpu`` up to ``MGPU_MAX_M`` rows (``MGPU_MAX_M_SMALL_WEIGHT`` for
+  weights under 8192×8192), else xla; xla on other GPUs; reference on CPU
   (``jquant.schemes.dispatch.w4a16_impl``, with the rest of the device policy). With
   ``interpret=True`` the kernel runs on any device.
 
@@ -28,12 +25,11 @@ import jax.numpy as jnp
 from jquant.schemes import dispatch as device_lib
 from jquant.schemes.dispatch import (MGPU_LARGE_WEIGHT, MGPU_MAX_M, MGPU_MAX_M_SMALL_WEIGHT,  # noqa: F401
                                      compute_capability, has_wgmma)
-from jquant.kernels.gemv8.config import GemvConfig, kernel_for_config, resolve_gemv_impl
-from jquant.kernels.w4a16.layout import PackedW4NK, gather_pad, reference_nk
+from jquant.kernels.w4a16.layout import PackedW4NK, reference_nk
 from jquant.kernels.w4a16.config import MgpuConfig
 from jquant.qtensor import QTensor
 
-IMPLS = ("auto", "pallas", "mgpu", "triton", "xla", "reference")
+IMPLS = ("auto", "pallas", "mgpu", "xla", "reference")
 
 _warned: set[str] = set()
 
@@ -45,10 +41,9 @@ def warn_once(key: str, message: str) -> None:
 
 
 def resolve_impl(impl: str, m: int, interpret: bool = False,
-                 weight_elems: int = MGPU_LARGE_WEIGHT, gemv: bool = True) -> str:
+                 weight_elems: int = MGPU_LARGE_WEIGHT) -> str:
     """The implementation ``w4a16_matmul`` runs for ``impl`` at ``m`` rows on the default device,
-    for a weight of ``weight_elems`` = N·K weights; ``gemv``: whether the GEMV takes the weight
-    (``triton_gemv.gemv_fits``), so that ``"auto"`` may pick it.
+    for a weight of ``weight_elems`` = N·K weights.
 
     Examples:
       >>> import jax
@@ -60,10 +55,7 @@ def resolve_impl(impl: str, m: int, interpret: bool = False,
       >>> jax.default_backend() != "cpu" or resolve_impl("auto", 8) == "reference"  # CPU: the fp32 reference
       True
     """
-    if impl == "triton":
-        return resolve_gemv_impl(m, interpret, "w4a16")
-    return resolve_kernel_impl(impl, interpret, lambda cc: device_lib.w4a16_impl(m, cc, weight_elems, gemv),
-                               "w4a16")
+    return resolve_kernel_impl(impl, interpret, lambda cc: device_lib.w4a16_impl(m, cc, weight_elems), "w4a16")
 
 
 def resolve_kernel_impl(impl: str, interpret: bool, auto, kernel: str) -> str:
@@ -132,8 +124,7 @@ def w4a16_matmul(x, packed: PackedW4NK | QTensor, *, bias=None, impl: str = "aut
     recording ``k_axis=1`` (``x @ W.T``), laid out for the kernel on every call
     (``Scheme.process_weights_after_loading`` lays it out once); any other ``k_axis`` is refused.
 
-    ``config`` overrides the kernel's launch (an ``MgpuConfig``, or a ``GemvConfig`` for the GEMV);
-    ``interpret`` runs the kernel in
+    ``config`` overrides the kernel's launch (an ``MgpuConfig``); ``interpret`` runs the kernel in
     Pallas interpret mode (any device; every never-written output element is NaN there).
 
     Examples:
@@ -156,7 +147,7 @@ def w4a16_matmul(x, packed: PackedW4NK | QTensor, *, bias=None, impl: str = "aut
     if not isinstance(packed, PackedW4NK):
         raise TypeError("packed must be a PackedW4NK (prepack_nk) or a 4-bit QTensor, got "
                         f"{type(packed).__name__}")
-    x, bias = check_matmul_args(x, packed.k, packed.n, bias, config, (MgpuConfig, GemvConfig))
+    x, bias = check_matmul_args(x, packed.k, packed.n, bias, config, MgpuConfig)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, packed.k)
     return _matmul(x2, packed, bias, impl, config, interpret).reshape(*lead, packed.n)
@@ -180,19 +171,7 @@ def _pack_qtensor(qt: QTensor) -> PackedW4NK:
 
 
 def _matmul(x2, packed: PackedW4NK, bias, impl, config, interpret):
-    from jquant.kernels.w4a16.triton_gemv import gemv_fits
-
-    m = x2.shape[0]
-    fits = gemv_fits(packed, m)
-    resolved = resolve_impl(impl, m, interpret, weight_elems=packed.n * packed.k, gemv=fits)
-    kind = kernel_for_config(resolved, impl, config, m, MgpuConfig)
-    if kind == "triton" and not fits:
-        if impl != "auto":
-            raise ValueError(f"impl={impl!r} runs the 4-bit GEMV, which takes int4 codes in groups of a "
-                             f"multiple of 32; this weight is lut={packed.lut!r}, group_size={packed.group_size}")
-        kind, config = resolved, None   # a GemvConfig launches nothing else
-    if kind == "triton":
-        return _gemv(x2, packed, bias, config, interpret)
+    kind = resolve_impl(impl, x2.shape[0], interpret, weight_elems=packed.n * packed.k)
     if kind == "mgpu" and x2.dtype == jnp.float32:
         if impl == "auto":   # the kernel's wgmma takes 16-bit x; fp32 x keeps full precision in XLA
             kind = device_lib.w4a16_fallback(compute_capability())
@@ -210,12 +189,3 @@ def _matmul(x2, packed: PackedW4NK, bias, impl, config, interpret):
     from jquant.kernels.w4a16.mosaic_gpu import w4a16_mgpu_matmul
 
     return w4a16_mgpu_matmul(x2, packed, bias, config=config, interpret=interpret)
-
-
-def _gemv(x2, packed: PackedW4NK, bias, config, interpret):
-    from jquant.kernels.w4a16.triton_gemv import w4a16_gemv   # Pallas loads only where the kernel runs
-
-    if bias is not None:
-        bias = jnp.pad(bias.astype(jnp.float32), (0, packed.n_pad - packed.n))
-    out = w4a16_gemv(gather_pad(x2, packed, x2.shape[0]), packed, bias, config=config, interpret=interpret)
-    return out[:, :packed.n]

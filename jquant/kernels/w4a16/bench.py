@@ -27,9 +27,7 @@ from jquant.bench.timing import (array_bytes, copies_for, device_hbm_bytes_per_s
                                  spread_pct, time_interleaved, time_steadiest)
 from jquant.kernels.w4a16 import (IMPLS, MgpuConfig, PackedW4NK, default_mgpu_config,
                                    resolve_impl, w4a16_matmul)
-from jquant.kernels.gemv8.config import GemvConfig
 from jquant.kernels.w4a16.from_qtensor import prepack_for_kernels, unified_w4
-from jquant.kernels.w4a16.triton_gemv import DEFAULT_CONFIG as GEMV_DEFAULT, gemv_fits
 from jquant.bench.records import markdown_title, run_meta, write_records
 
 SHAPES = ((28672, 8192), (8192, 28672), (8192, 8192), (4096, 4096), (1536, 576))
@@ -45,13 +43,6 @@ M1_ONLY_SCHEMES = ("mxfp4", "nvfp4", "nf4")
 DECODE_SWEEP = (dict(split_k=1), dict(split_k=4), dict(block_k=128, max_concurrent_steps=6),
                 dict(block_k=128, split_k=4), dict(block_n=128), dict(max_concurrent_steps=2),
                 dict(block_k=512, max_concurrent_steps=2))
-
-
-# GEMV launches (``impl="triton"``) timed beside its default by ``--sweep``: rows a program × codes a
-# step, warps.
-GEMV_SWEEP = tuple(GemvConfig(block_n=bn, block_k=bk, num_warps=w)
-                   for bn, bk, w in ((4, 1024, 4), (8, 1024, 4), (16, 512, 4), (8, 256, 4), (16, 256, 4),
-                                     (8, 512, 8), (32, 256, 4)))
 
 
 def sweep_configs(m: int, packed: PackedW4NK) -> list[MgpuConfig]:
@@ -149,11 +140,10 @@ def _copies(tree, max_copies: int) -> list:
 
 def _scheme_op(prepared: jquant.Prepared, m: int) -> str:
     """What ``scheme.apply`` runs at ``m`` rows: with the Mosaic GPU impl's layout, the path
-    ``w4a16_matmul(impl="auto")`` picks (``w4a16_triton``, ``w4a16_mgpu`` or ``w4a16_xla``); else the impl's name
+    ``w4a16_matmul(impl="auto")`` picks (``w4a16_mgpu`` or ``w4a16_xla``); else the impl's name
     (``xla``: the scheme's XLA reference, dequantize + dot)."""
     if isinstance(prepared.data, PackedW4NK):
-        packed = prepared.data
-        return f"w4a16_{resolve_impl('auto', m, weight_elems=packed.n * packed.k, gemv=gemv_fits(packed, m))}"
+        return f"w4a16_{resolve_impl('auto', m, weight_elems=prepared.data.n * prepared.data.k)}"
     return prepared.impl
 
 
@@ -257,9 +247,9 @@ def _cell(weight: _SchemeWeight, n: int, k: int, m: int, w_bf16: list, dequant: 
             if weight.packed is None:
                 log(f"  SKIPPED {scheme} {n}x{k} M={m} impl={impl}: no 4-bit kernel layout for this weight")
                 continue
-            op = f"w4a16_{resolve_impl(impl, m, interpret, n * k, gemv_fits(weight.packed[0], m))}"
-            cfg = sweep_cfg or (configs.get((n, k, m)) or default_mgpu_config(m, weight.packed[0])
-                                if op == "w4a16_mgpu" else GEMV_DEFAULT if op == "w4a16_triton" else None)
+            op = f"w4a16_{resolve_impl(impl, m, interpret, weight_elems=n * k)}"
+            cfg = (sweep_cfg or configs.get((n, k, m)) or default_mgpu_config(m, weight.packed[0])
+                   if op == "w4a16_mgpu" else None)
             fn = jax.jit(lambda x, p, _impl=impl, _cfg=cfg: w4a16_matmul(
                 x, p, impl=_impl, config=_cfg, interpret=interpret))
             copies = weight.packed
@@ -309,22 +299,13 @@ def _cell(weight: _SchemeWeight, n: int, k: int, m: int, w_bf16: list, dequant: 
 
 def _candidates(weight: _SchemeWeight, impls: tuple[str, ...], m: int, sweep: bool):
     """``(impl, label, config)`` of each timed candidate: every impl with its default launch, and with
-    ``sweep`` the ``mgpu`` impl's ``sweep_configs`` and the ``triton`` impl's ``GEMV_SWEEP`` too,
-    labelled ``mgpu#i`` / ``triton#i`` (the record's config says which launch)."""
+    ``sweep`` the ``mgpu`` impl's ``sweep_configs`` too, labelled ``mgpu#i`` (the record's config says
+    which launch)."""
     for impl in impls:
-        if impl == "triton" and weight.packed is not None and not gemv_fits(weight.packed[0], m):
-            continue   # past the GEMV's rows, or a format or group it does not take
         yield impl, impl, None
-        if not sweep or weight.packed is None:
-            continue
-        if impl == "mgpu":
-            swept = sweep_configs(m, weight.packed[0])
-        elif impl == "triton":
-            swept = [c for c in GEMV_SWEEP if c != GEMV_DEFAULT and weight.packed[0].n_pad % c.block_n == 0]
-        else:
-            swept = []
-        for i, cfg in enumerate(swept, 1):
-            yield impl, f"{impl}#{i}", cfg
+        if sweep and impl == "mgpu" and weight.packed is not None:
+            for i, cfg in enumerate(sweep_configs(m, weight.packed[0]), 1):
+                yield impl, f"mgpu#{i}", cfg
 
 
 def to_markdown(records: list[dict]) -> str:
@@ -346,8 +327,6 @@ def _launch(record: dict) -> str:
     c = record.get("config")
     if "#" not in record.get("impl", "") or not c:
         return ""
-    if "split_k" not in c:   # a GemvConfig
-        return f": {c['block_n']}×{c['block_k']}, {c['num_warps']} warps"
     return f": {c['block_n']}×{c['block_k']}, split-K {c['split_k']}, {c['max_concurrent_steps']} stages"
 
 
