@@ -37,6 +37,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jquant.flax.linen import intercept_quantized
 from jquant.kv.cache import PagedCache
@@ -376,6 +377,7 @@ class LlamaForCausalLM(nn.Module):
             positions = jnp.arange(t, dtype=jnp.int32)[None]
             mask, write_index = causal_mask(positions[0], positions[0]), None
         else:
+            check_room(cache, t)
             positions = cache.length + jnp.arange(t, dtype=jnp.int32)[None]
             mask = causal_mask(positions[0], jnp.arange(cache.max_len, dtype=jnp.int32))
             write_index = cache.length
@@ -401,6 +403,9 @@ class LlamaForCausalLM(nn.Module):
         elif cache is not None:
             new_cache = KVCache(tuple(kv[0] for kv in new_layers), tuple(kv[1] for kv in new_layers),
                                 cache.length + t)
+            # Under jit nothing can raise: XLA clamps the write into the cache's last slots, so an
+            # overflowing step's logits are NaN rather than a plausible answer (as the paged cache's).
+            logits = jnp.where((cache.length < 0) | (cache.length + t > cache.max_len), jnp.nan, logits)
         else:
             new_cache = None
         return logits.astype(jnp.float32), new_cache
@@ -505,10 +510,52 @@ def generate(model: LlamaForCausalLM, params, prompt_ids, max_new_tokens: int, g
                      kv_cache_dtype, page_size, forward, scales)
 
 
+def check_room(cache: PagedCache | KVCache, new_tokens: int) -> None:
+    """Raises ``ValueError`` if ``new_tokens`` more tokens do not fit a sequence of ``cache`` (or its
+    length is negative). Reads the lengths, so it waits for the step that wrote them; a no-op on traced
+    lengths (under jit, where an overflowing sequence's logits come out NaN instead).
+
+    Examples:
+      >>> from jquant.kv import PagedCache
+      >>> from jquant.models.llama import check_room
+      >>> cache = PagedCache.allocate("bf16", num_layers=1, batch=1, max_len=16, kv_heads=1, head_dim=16)
+      >>> check_room(cache, 16)   # fits: no error
+      >>> check_room(cache, 17)
+      Traceback (most recent call last):
+          ...
+      ValueError: sequence 0 holds 0 tokens; 17 more do not fit the cache's 16 a sequence: allocate a larger one (new_cache(..., max_len=...))
+    """
+    paged = isinstance(cache, PagedCache)
+    lengths, room = (cache.lengths, cache.capacity) if paged else (cache.length, cache.max_len)
+    if new_tokens > room:
+        raise ValueError(f"{new_tokens} tokens do not fit the cache's {room} a sequence: allocate a larger one "
+                         "(new_cache(..., max_len=...))")
+    if isinstance(lengths, jax.core.Tracer):
+        return
+    held = np.atleast_1d(np.asarray(lengths)).astype(np.int64)
+    bad = np.flatnonzero((held < 0) | (held + new_tokens > room))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"sequence {b} holds {held[b]} tokens; {new_tokens} more do not fit the cache's {room} "
+                         "a sequence: allocate a larger one (new_cache(..., max_len=...))")
+
+
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
-def decode_step(model: LlamaForCausalLM, variables, token_ids: jax.Array, cache: PagedCache | KVCache):
-    """``model.apply(variables, token_ids, cache)`` as one jitted step ``(logits [B, T, vocab], cache)``, the cache donated so its pages are updated in
-    place (the caller must not reuse the ``cache`` it passed). Quantized Dense kernels (QParams) run
-    their scheme."""
+def _decode_step(model: LlamaForCausalLM, variables, token_ids: jax.Array, cache: PagedCache | KVCache):
     with intercept_quantized():
         return model.apply(variables, token_ids, cache)
+
+
+def decode_step(model: LlamaForCausalLM, variables, token_ids: jax.Array, cache: PagedCache | KVCache, *,
+                check: bool = True):
+    """``model.apply(variables, token_ids, cache)`` as one jitted step ``(logits [B, T, vocab], cache)``, the
+    cache donated so its pages are updated in place (the caller must not reuse the ``cache`` it passed).
+    Quantized Dense kernels (QParams) run their scheme.
+
+    ``check``: first ``check_room`` (a ``ValueError`` naming the sequence whose new tokens would pass
+    the cache's end, before anything is written or donated); it reads the cache's lengths, so the host
+    waits for the previous step. With ``check=False``, or called under jit, nothing raises: an
+    overflowing sequence's tokens are not written and its logits are NaN."""
+    if check:
+        check_room(cache, jnp.shape(token_ids)[1])
+    return _decode_step(model, variables, token_ids, cache)

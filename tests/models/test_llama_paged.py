@@ -169,6 +169,31 @@ def test_overflow_raises_eagerly_and_is_nan_under_jit_writing_nothing(params):
     _same_pages(before, after.layers)
 
 
+def test_decode_step_refuses_tokens_past_the_cache_before_donating_it(params):
+    """decode_step reads the lengths first: a step past a sequence's end raises and the cache (not
+    donated) stays usable; with check=False the step runs and the overflowing sequence's logits are NaN."""
+    cache = new_cache(MODEL, 2, 8, "int8_per_token_head", page_size=4)
+    _, cache = decode_step(MODEL, params, _ids(2, 6, 3), cache)
+    with pytest.raises(ValueError, match=r"sequence 0 holds 6 tokens; 3 more do not fit the cache's 8"):
+        decode_step(MODEL, params, _ids(2, 3, 4), cache)
+    logits, _ = decode_step(MODEL, params, _ids(2, 3, 4), cache, check=False)
+    assert np.isnan(np.asarray(logits)).all()
+
+
+def test_a_dense_cache_refuses_tokens_past_its_end(params):
+    """Eager: a ValueError, as for the paged cache; under jit (where XLA would clamp the write over the
+    last tokens) NaN logits; a step that exactly fills the cache is fine."""
+    cache = new_cache(MODEL, 1, 8)
+    _, cache = MODEL.apply(params, _ids(1, 6, 3), cache)
+    with pytest.raises(ValueError, match=r"sequence 0 holds 6 tokens; 3 more do not fit the cache's 8"):
+        MODEL.apply(params, _ids(1, 3, 4), cache)
+    with pytest.raises(ValueError, match=r"9 tokens do not fit the cache's 8"):
+        jax.jit(MODEL.apply)(params, _ids(1, 9, 4), new_cache(MODEL, 1, 8))
+    step = jax.jit(MODEL.apply)
+    assert np.isnan(np.asarray(step(params, _ids(1, 3, 4), cache)[0])).all()
+    assert np.isfinite(np.asarray(step(params, _ids(1, 2, 4), cache)[0])).all()
+
+
 def _with(cache, block_tables=None, lengths=None):
     return PagedCache(cache.layers, jnp.asarray(cache.block_tables if block_tables is None else block_tables, jnp.int32),
                       jnp.asarray(cache.lengths if lengths is None else lengths, jnp.int32))
