@@ -19,6 +19,9 @@ import argparse
 import sys
 
 
+_OUT_DEFAULT = " (default: bench/results/<device>, e.g. h200 or cpu)"
+
+
 def _shapes(text: str) -> tuple[tuple[int, int], ...]:
     try:
         return tuple(tuple(int(v) for v in s.lower().split("x")) for s in text.split(","))
@@ -46,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
     w4 = sub.add_parser("w4a16", help="4-bit weight-only GEMM kernels against XLA")
-    w4.add_argument("--out", default="bench/results", help="folder for w4a16.json and w4a16.md")
+    w4.add_argument("--out", default=None, help="folder for w4a16.json and w4a16.md" + _OUT_DEFAULT)
     w4.add_argument("--shapes", type=_shapes, default=None, help="NxK list, e.g. 28672x8192,8192x8192")
     w4.add_argument("--ms", type=_ints, default=None, help="M values, e.g. 1,16,128")
     w4.add_argument("--schemes", default=None,
@@ -67,25 +70,25 @@ def build_parser() -> argparse.ArgumentParser:
                          "to include the Pallas kernel")
 
     att = sub.add_parser("attention", help="paged decode attention per kv_cache_dtype against JAX's kernel")
-    att.add_argument("--out", default="bench/results", help="folder for attention.json and attention.md")
+    att.add_argument("--out", default=None, help="folder for attention.json and attention.md" + _OUT_DEFAULT)
     att.add_argument("--batches", type=_ints, default=(8,))
     att.add_argument("--ctxs", type=_ints, default=(32768,))
     _kv_kernel_options(att)
 
     ins = sub.add_parser("insert", help="quantize-and-insert of new KV tokens per kv_cache_dtype against XLA")
-    ins.add_argument("--out", default="bench/results", help="folder for insert.json and insert.md")
+    ins.add_argument("--out", default=None, help="folder for insert.json and insert.md" + _OUT_DEFAULT)
     ins.add_argument("--tokens", type=_ints, default=None, help="new tokens per insert (default 8,4096,32768)")
     _kv_kernel_options(ins)
 
     aq = sub.add_parser("act-quant", help="e4m3 activation quantization (per token, per 1 x 128 group) against XLA")
-    aq.add_argument("--out", default="bench/results", help="folder for act_quant.json and act_quant.md")
+    aq.add_argument("--out", default=None, help="folder for act_quant.json and act_quant.md" + _OUT_DEFAULT)
     aq.add_argument("--shapes", type=_shapes, default=None,
                     help="MxK list (default 16x4096,4096x8192,4096x14336,4096x7168)")
     aq.add_argument("--reps", type=int, default=9)
     aq.add_argument("--sweep", action="store_true", help="also time the launch configs of bench.sweep")
 
     dec = sub.add_parser("decode", help="one decode step of a Llama-3-8B-shaped stack per weights x KV dtype")
-    dec.add_argument("--out", default="bench/results", help="folder for decode.json and decode.md")
+    dec.add_argument("--out", default=None, help="folder for decode.json and decode.md" + _OUT_DEFAULT)
     dec.add_argument("--layers", type=int, default=8, help="decoder layers (Llama-3-8B has 32)")
     dec.add_argument("--batches", type=_ints, default=(1, 16))
     dec.add_argument("--ctxs", type=_ints, default=(1024, 8192))
@@ -109,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(a quick plumbing check)")
     dec.add_argument("--allow-cpu", action="store_true", help="run without a GPU (timings are the CPU's)")
     g8 = sub.add_parser("gemm8", help="8-bit weight schemes (W8A16 kernel, FP8 W8A8) against XLA bf16")
-    g8.add_argument("--out", default="bench/results", help="folder for gemm8.json and gemm8.md")
+    g8.add_argument("--out", default=None, help="folder for gemm8.json and gemm8.md" + _OUT_DEFAULT)
     g8.add_argument("--shapes", type=_shapes, default=None,
                     help="NxK list (default 28672x8192,8192x28672,8192x8192,4096x4096)")
     g8.add_argument("--deepseek", action="store_true", help="DeepSeek-V3's block-FP8 projection shapes")
@@ -124,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(its timings mean nothing); on CPU the scheme rows take XLA's path")
 
     gq = sub.add_parser("gptq", help="GPTQ of one Llama-3-8B-shaped layer (7 projections)")
-    gq.add_argument("--out", default="bench/results", help="folder for gptq.json and gptq.md")
+    gq.add_argument("--out", default=None, help="folder for gptq.json and gptq.md" + _OUT_DEFAULT)
     gq.add_argument("--rows", type=int, default=128, help="calibration sequences")
     gq.add_argument("--seq-len", type=int, default=2048)
     gq.add_argument("--batch-rows", type=int, default=8, help="sequences per Hessian update")
@@ -139,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _moe_parser(sub) -> None:
     # Defaults live in jquant.kernels.moe.bench (SHAPES, TOKENS), imported only to run: keep --help fast.
     moe = sub.add_parser("moe", help="one MoE layer per expert format x tokens against bf16 ragged_dot")
-    moe.add_argument("--out", default="bench/results", help="folder for moe.json and moe.md")
+    moe.add_argument("--out", default=None, help="folder for moe.json and moe.md" + _OUT_DEFAULT)
     moe.add_argument("--shapes", default=None,
                      help="comma list of gpt-oss-20b, deepseek-v3, qwen3-30b-a3b (default all)")
     moe.add_argument("--tokens", type=_ints, default=None, help="tokens per call (default 1,8,64,512,4096)")
@@ -163,9 +166,23 @@ def _moe_parser(sub) -> None:
                      help="with --tp: also time the all-reduce in FP8 (else bf16 psum only)")
 
 
+def default_out() -> str:
+    """``bench/results/<device>``: a GPU's model number lowercased (``h100``, ``h200``), else the platform
+    (``cpu``), so records of different devices never share a file and CPU plumbing runs stay out of the
+    GPU tables."""
+    import re
+
+    from jquant.schemes import dispatch
+
+    model = re.search(r"\b([A-Z]\d{2,4})\b", dispatch.device_kind()) if dispatch.is_gpu() else None
+    return f"bench/results/{model.group(1).lower() if model else dispatch.platform()}"
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = default_out()
     if args.bench == "w4a16":
         return _w4a16(parser, args)
     if args.bench == "gptq":

@@ -182,8 +182,13 @@ def quantize_params(params: Any, rules: str | Scheme | Sequence, *,
                 try:
                     qw = scheme.quantize_kernel(leaf)
                 except (ValueError, TypeError) as e:
+                    # The scheme sees the [out, in] transpose of Flax's [in, out] kernel (vLLM's orientation),
+                    # so its error names that shape: say which dimension is the kernel's input.
+                    hint = (f" (the scheme quantizes the kernel's transpose, [out, in] = "
+                            f"{tuple(leaf.shape[::-1])}, in groups along the input dimension {leaf.shape[0]})"
+                            if leaf.ndim == 2 else "")
                     raise ValueError(f"parameter {name!r} (shape {tuple(leaf.shape)}) cannot be quantized "
-                                     f"with scheme {scheme.name!r}: {e}") from e
+                                     f"with scheme {scheme.name!r}: {e}{hint}") from e
                 quantized[name] = scheme.name
                 return QParam(scheme.process_weights_after_loading(qw) if prepare else qw, scheme)
         kept.append(name)

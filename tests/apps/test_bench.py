@@ -230,3 +230,17 @@ def test_gptq_bench_refuses_rows_that_are_not_whole_batches(argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench_cli.main(["gptq", "--allow-cpu", *argv])
     assert e.value.code == 2 and "--rows must be a positive multiple of --batch-rows" in capsys.readouterr().err
+
+
+def test_records_go_to_a_folder_named_for_the_device(monkeypatch):
+    """``--out`` defaults to bench/results/<device>: cpu here, h100 / h200 on those GPUs, so CPU plumbing
+    runs never write into the GPU tables of record."""
+    from jquant.apps import bench as cli
+    from jquant.schemes import dispatch
+
+    assert cli.default_out() == "bench/results/cpu"
+    assert cli.build_parser().parse_args(["decode"]).out is None
+    monkeypatch.setattr(dispatch, "is_gpu", lambda device=None: True)
+    for kind, folder in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200")):
+        monkeypatch.setattr(dispatch, "device_kind", lambda device=None, kind=kind: kind)
+        assert cli.default_out() == f"bench/results/{folder}"
