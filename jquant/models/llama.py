@@ -516,14 +516,16 @@ def check_room(cache: PagedCache | KVCache, new_tokens: int) -> None:
     lengths (under jit, where an overflowing sequence's logits come out NaN instead).
 
     Examples:
+      >>> import dataclasses, jax.numpy as jnp
       >>> from jquant.kv import PagedCache
       >>> from jquant.models.llama import check_room
-      >>> cache = PagedCache.allocate("bf16", num_layers=1, batch=1, max_len=16, kv_heads=1, head_dim=16)
-      >>> check_room(cache, 16)   # fits: no error
-      >>> check_room(cache, 17)
+      >>> cache = PagedCache.allocate("bf16", num_layers=1, batch=2, max_len=16, kv_heads=1, head_dim=16)
+      >>> cache = dataclasses.replace(cache, lengths=jnp.array([3, 10], jnp.int32))
+      >>> check_room(cache, 6)   # fits: no error
+      >>> check_room(cache, 7)
       Traceback (most recent call last):
           ...
-      ValueError: sequence 0 holds 0 tokens; 17 more do not fit the cache's 16 a sequence: allocate a larger one (new_cache(..., max_len=...))
+      ValueError: sequence 1 holds 10 tokens; 7 more do not fit the cache's 16 a sequence: allocate a larger one (new_cache(..., max_len=...))
     """
     paged = isinstance(cache, PagedCache)
     lengths, room = (cache.lengths, cache.capacity) if paged else (cache.length, cache.max_len)
