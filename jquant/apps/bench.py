@@ -9,8 +9,16 @@ into the paged cache per ``kv_cache_dtype`` against XLA; ``decode`` times one do
 Llama-3-8B-shaped stack per weight scheme × KV dtype, with the bf16 model in the same run; ``gptq`` times
 GPTQ of one Llama-3-8B-shaped layer (Hessians and the column loop); ``moe`` times one MoE layer (gpt-oss-20b,
 DeepSeek-V3, Qwen3-30B-A3B shapes) per expert format and token count against the same layer on bf16 experts. All need a
-CUDA GPU (Hopper for the Mosaic GPU kernels); ``--interpret`` (w4a16, gemm8) runs the same plumbing on CPU,
-whose timings mean nothing.
+CUDA GPU (Hopper for the Mosaic GPU kernels).
+
+Without a GPU, each still runs its plumbing on small inputs (timings mean nothing; the files go to
+bench/results/cpu), in seconds to a minute:
+
+  jquant bench w4a16 --interpret --shapes 512x512 --ms 1 --schemes int4_g128 --reps 1
+  jquant bench gemm8 --interpret --shapes 512x512 --ms 1 --schemes int8_ch --reps 1
+  jquant bench decode --allow-cpu --shrink 8 --layers 1 --batches 1 --ctxs 256 --schemes bf16,int4_g128 --kv-dtypes bf16
+  jquant bench gptq --allow-cpu --shrink 16 --rows 4 --seq-len 64 --batch-rows 2
+  jquant bench moe --allow-cpu --tiny --shapes gpt-oss-20b --tokens 1 --formats int4_g32 --reps 1
 """
 
 from __future__ import annotations
@@ -18,8 +26,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jquant.apps.help_format import HelpFormatter
+
 
 _OUT_DEFAULT = " (default: bench/results/<device>, e.g. h200 or cpu)"
+_REPS = "timed batches per cell (the median is reported)"
 
 
 def _shapes(text: str) -> tuple[tuple[int, int], ...]:
@@ -39,16 +50,16 @@ def _ints(text: str) -> tuple[int, ...]:
 def _kv_kernel_options(parser: argparse.ArgumentParser) -> None:
     """The options the paged-cache kernel benchmarks (attention, insert) share."""
     parser.add_argument("--kv-dtypes", default=None, help="comma list of kv_cache_dtype names")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per cache page")
+    parser.add_argument("--reps", type=int, default=9, help=_REPS)
     parser.add_argument("--sweep", action="store_true", help="also time the launch configs of bench.SWEEP")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jquant bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
-    w4 = sub.add_parser("w4a16", help="4-bit weight-only GEMM kernels against XLA")
+    w4 = sub.add_parser("w4a16", formatter_class=HelpFormatter, help="4-bit weight-only GEMM kernels against XLA")
     w4.add_argument("--out", default=None, help="folder for w4a16.json and w4a16.md" + _OUT_DEFAULT)
     w4.add_argument("--shapes", type=_shapes, default=None, help="NxK list, e.g. 28672x8192,8192x8192")
     w4.add_argument("--ms", type=_ints, default=None, help="M values, e.g. 1,16,128")
@@ -58,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="what to time per cell: scheme (scheme.apply, the default) and/or w4a16_matmul "
                          "impls for a kernel-level A/B, e.g. scheme,auto,xla")
     w4.add_argument("--quick", action="store_true", help="3 shapes and 4 M values")
-    w4.add_argument("--reps", type=int, default=9)
+    w4.add_argument("--reps", type=int, default=9, help=_REPS)
     w4.add_argument("--max-spread", type=float, default=25.0,
                     help="re-time a cell whose widest batch spread exceeds this (%%)")
     w4.add_argument("--retries", type=int, default=2, help="re-timings of a noisy cell at most")
@@ -69,32 +80,32 @@ def build_parser() -> argparse.ArgumentParser:
                          "nothing). On CPU the default --impls scheme takes XLA's path: add --impls scheme,mgpu "
                          "to include the Pallas kernel")
 
-    att = sub.add_parser("attention", help="paged decode attention per kv_cache_dtype against JAX's kernel")
+    att = sub.add_parser("attention", formatter_class=HelpFormatter, help="paged decode attention per kv_cache_dtype against JAX's kernel")
     att.add_argument("--out", default=None, help="folder for attention.json and attention.md" + _OUT_DEFAULT)
-    att.add_argument("--batches", type=_ints, default=(8,))
-    att.add_argument("--ctxs", type=_ints, default=(32768,))
+    att.add_argument("--batches", type=_ints, default=(8,), help="sequences per call")
+    att.add_argument("--ctxs", type=_ints, default=(32768,), help="tokens in each sequence's cache")
     _kv_kernel_options(att)
 
-    ins = sub.add_parser("insert", help="quantize-and-insert of new KV tokens per kv_cache_dtype against XLA")
+    ins = sub.add_parser("insert", formatter_class=HelpFormatter, help="quantize-and-insert of new KV tokens per kv_cache_dtype against XLA")
     ins.add_argument("--out", default=None, help="folder for insert.json and insert.md" + _OUT_DEFAULT)
     ins.add_argument("--tokens", type=_ints, default=None, help="new tokens per insert (default 8,4096,32768)")
     _kv_kernel_options(ins)
 
-    aq = sub.add_parser("act-quant", help="e4m3 activation quantization (per token, per 1 x 128 group) against XLA")
+    aq = sub.add_parser("act-quant", formatter_class=HelpFormatter, help="e4m3 activation quantization (per token, per 1 x 128 group) against XLA")
     aq.add_argument("--out", default=None, help="folder for act_quant.json and act_quant.md" + _OUT_DEFAULT)
     aq.add_argument("--shapes", type=_shapes, default=None,
                     help="MxK list (default 16x4096,4096x8192,4096x14336,4096x7168)")
-    aq.add_argument("--reps", type=int, default=9)
+    aq.add_argument("--reps", type=int, default=9, help=_REPS)
     aq.add_argument("--sweep", action="store_true", help="also time the launch configs of bench.sweep")
 
-    dec = sub.add_parser("decode", help="one decode step of a Llama-3-8B-shaped stack per weights x KV dtype")
+    dec = sub.add_parser("decode", formatter_class=HelpFormatter, help="one decode step of a Llama-3-8B-shaped stack per weights x KV dtype")
     dec.add_argument("--out", default=None, help="folder for decode.json and decode.md" + _OUT_DEFAULT)
     dec.add_argument("--layers", type=int, default=8, help="decoder layers (Llama-3-8B has 32)")
-    dec.add_argument("--batches", type=_ints, default=(1, 16))
-    dec.add_argument("--ctxs", type=_ints, default=(1024, 8192))
+    dec.add_argument("--batches", type=_ints, default=(1, 16), help="sequences per step")
+    dec.add_argument("--ctxs", type=_ints, default=(1024, 8192), help="tokens in each sequence's cache")
     dec.add_argument("--schemes", default="bf16,int4_g128", help="bf16 and/or registered scheme names")
     dec.add_argument("--kv-dtypes", default="bf16,fp8", help="comma list of kv_cache_dtype names")
-    dec.add_argument("--reps", type=int, default=7)
+    dec.add_argument("--reps", type=int, default=7, help=_REPS)
     dec.add_argument("--unfused", action="store_true",
                      help="separate q/k/v and gate/up GEMMs (default: fused, as vLLM loads them); "
                           "writes decode_unfused.{json,md}")
@@ -111,14 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="divide hidden size, head_dim, intermediate size and vocabulary by 2, 4 or 8 "
                           "(a quick plumbing check)")
     dec.add_argument("--allow-cpu", action="store_true", help="run without a GPU (timings are the CPU's)")
-    g8 = sub.add_parser("gemm8", help="8-bit weight schemes (W8A16 kernel, FP8 W8A8) against XLA bf16")
+    g8 = sub.add_parser("gemm8", formatter_class=HelpFormatter, help="8-bit weight schemes (W8A16 kernel, FP8 W8A8) against XLA bf16")
     g8.add_argument("--out", default=None, help="folder for gemm8.json and gemm8.md" + _OUT_DEFAULT)
     g8.add_argument("--shapes", type=_shapes, default=None,
                     help="NxK list (default 28672x8192,8192x28672,8192x8192,4096x4096)")
     g8.add_argument("--deepseek", action="store_true", help="DeepSeek-V3's block-FP8 projection shapes")
     g8.add_argument("--ms", type=_ints, default=None, help="M values, e.g. 1,16,128")
     g8.add_argument("--schemes", default=None, help="comma list of the 8-bit schemes (default all six)")
-    g8.add_argument("--reps", type=int, default=9)
+    g8.add_argument("--reps", type=int, default=9, help=_REPS)
     g8.add_argument("--sweep", action="store_true",
                     help="also time the launches of jquant.kernels.w8a16.bench.FP8_SWEEP (FP8 GEMM, M >= 128) "
                          "and W8_SWEEP (W8A16 kernel, M >= 256)")
@@ -126,10 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the forced kernel (the mgpu rows) in interpret mode, so the plumbing runs without a GPU "
                          "(its timings mean nothing); on CPU the scheme rows take XLA's path")
 
-    gq = sub.add_parser("gptq", help="GPTQ of one Llama-3-8B-shaped layer (7 projections)")
+    gq = sub.add_parser("gptq", formatter_class=HelpFormatter, help="GPTQ of one Llama-3-8B-shaped layer (7 projections)")
     gq.add_argument("--out", default=None, help="folder for gptq.json and gptq.md" + _OUT_DEFAULT)
     gq.add_argument("--rows", type=int, default=128, help="calibration sequences")
-    gq.add_argument("--seq-len", type=int, default=2048)
+    gq.add_argument("--seq-len", type=int, default=2048, help="tokens per calibration sequence")
     gq.add_argument("--batch-rows", type=int, default=8, help="sequences per Hessian update")
     gq.add_argument("--schemes", default="int4_g128", help="comma list of integer schemes")
     gq.add_argument("--shrink", type=int, default=1,
@@ -141,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _moe_parser(sub) -> None:
     # Defaults live in jquant.kernels.moe.bench (SHAPES, TOKENS), imported only to run: keep --help fast.
-    moe = sub.add_parser("moe", help="one MoE layer per expert format x tokens against bf16 ragged_dot")
+    moe = sub.add_parser("moe", formatter_class=HelpFormatter, help="one MoE layer per expert format x tokens against bf16 ragged_dot")
     moe.add_argument("--out", default=None, help="folder for moe.json and moe.md" + _OUT_DEFAULT)
     moe.add_argument("--shapes", default=None,
                      help="comma list of gpt-oss-20b, deepseek-v3, qwen3-30b-a3b (default all)")
@@ -150,11 +161,12 @@ def _moe_parser(sub) -> None:
                      help="comma list of registered schemes for every shape (default each shape's own: "
                           "gpt-oss-20b mxfp4,int4_g32; deepseek-v3 fp8_e4m3_block128x128,int4_g128,mxfp4; "
                           "qwen3-30b-a3b fp8_e4m3_block128x128,int4_g128)")
-    moe.add_argument("--reps", type=int, default=9)
+    moe.add_argument("--reps", type=int, default=9, help=_REPS)
     moe.add_argument("--profile", default=None, metavar="DIR",
                      help="also write a jax.profiler trace of a few calls of the quantized layer and of the "
                           "grouped kernel of every cell under DIR")
-    moe.add_argument("--shrink", action="store_true", help="tiny layers of the same kinds (a plumbing check)")
+    moe.add_argument("--tiny", action="store_true",
+                     help="layers a few hundred times smaller, of the same kinds (a quick plumbing check)")
     moe.add_argument("--allow-cpu", action="store_true", help="run without a GPU (timings are the CPU's)")
     moe.add_argument("--tp", type=_ints, default=None, metavar="N,...",
                      help="device counts, e.g. 1,2,4,8: the layer split over that many devices "
@@ -215,7 +227,7 @@ def _moe(parser, args) -> int:
     _check_tp(parser, args)
     if not args.allow_cpu and _no_gpu(args):
         return 1
-    shapes = [bench.SHAPES[n].tiny() if args.shrink else bench.SHAPES[n] for n in names]
+    shapes = [bench.SHAPES[n].tiny() if args.tiny else bench.SHAPES[n] for n in names]
     if args.tp:
         return _moe_split(args, shapes, tokens, formats)
     return _write_as_it_runs("moe", args.out, "moe", bench.to_markdown, lambda on_records: bench.run(
@@ -337,10 +349,18 @@ def _no_gpu(args) -> bool:
 
     if dispatch.is_gpu() or getattr(args, "interpret", False):
         return False
+    if args.bench in ("w4a16", "gemm8"):
+        instead = ", or add --interpret to check the plumbing on CPU (its timings mean nothing)"
+    elif hasattr(args, "allow_cpu"):
+        small = {"decode": " --shrink 8 --layers 1 --batches 1 --ctxs 256", "gptq": " --shrink 16 --rows 4 "
+                 "--seq-len 64 --batch-rows 2", "moe": " --tiny --tokens 1"}[args.bench]
+        instead = (f", or add --allow-cpu to run it on CPU (its timings mean nothing; add{small} for a run "
+                   "of seconds)")
+    else:
+        instead = ""
     print(f"jquant bench: no GPU present (JAX runs on {dispatch.platform()}); the benchmark times CUDA "
           "kernels. Run it on a machine with an NVIDIA GPU (Hopper for the Mosaic GPU kernels) and "
-          "jax[cuda12] installed" + (", or add --interpret to check the plumbing on CPU (its timings "
-                                     "mean nothing)." if args.bench in ("w4a16", "gemm8") else "."), file=sys.stderr)
+          f"jax[cuda12] installed{instead}.", file=sys.stderr)
     return True
 
 

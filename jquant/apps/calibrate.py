@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jquant.apps.help_format import HelpFormatter
+
 METHODS = ("gptq", "awq", "smoothquant", "rtn")
 
 
@@ -43,22 +45,25 @@ def awq_config(bits: int, group_size: int) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jquant calibrate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--method", choices=METHODS, default="gptq")
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--method", choices=METHODS, default="gptq",
+                        help="gptq (Hessian error feedback), awq (activation-aware scales), smoothquant "
+                             "(activation outliers moved into the weights) or rtn (round to nearest)")
     parser.add_argument("--scheme", default=None, help="a registered scheme (overrides --bits/--group-size/--asym)")
-    parser.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=4)
+    parser.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=4, help="integer code width")
     parser.add_argument("--group-size", type=int, default=64, help="-1: one scale per output channel")
     parser.add_argument("--asym", action="store_true", help="zero points (uint codes); default symmetric")
     parser.add_argument("--act-order", action="store_true", help="GPTQ desc_act (writes g_idx)")
-    parser.add_argument("--damp-percent", type=float, default=0.01)
+    parser.add_argument("--damp-percent", type=float, default=0.01,
+                        help="GPTQ: fraction of the mean Hessian diagonal added to it")
     parser.add_argument("--rotate", type=int, default=None, choices=(16, 32, 64, 128),
                         help="Hadamard block: quantize W·H, rotate the inputs online (rtn, gptq)")
     parser.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
-    parser.add_argument("--calib-rows", type=int, default=32)
+    parser.add_argument("--calib-rows", type=int, default=32, help="calibration rows of --seq-len tokens")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per calibration and evaluation row")
     parser.add_argument("--calib-offset", type=int, default=16384,
                         help="first calibration token of the text (the evaluation slice is its start)")
-    parser.add_argument("--eval-tokens", type=int, default=2048)
+    parser.add_argument("--eval-tokens", type=int, default=2048, help="tokens of the perplexity evaluation")
     parser.add_argument("--out", default=None, help="directory for the quantized checkpoint")
     parser.add_argument("--record", default=None, help="quality table (.json) to add this run's rows to")
     return parser

@@ -7,6 +7,8 @@ import importlib.metadata
 import math
 import sys
 
+from jquant.apps.help_format import HelpFormatter
+
 
 def _demo(argv) -> int:
     from jquant.apps.demo import run
@@ -40,7 +42,7 @@ def _ledger(argv) -> int:
     from jquant.checkpoint.hf_checkpoint import PROJECTIONS
     from jquant.schemes.scheme import schemes
 
-    parser = argparse.ArgumentParser(prog="jquant ledger", description=_ledger.__doc__)
+    parser = argparse.ArgumentParser(prog="jquant ledger", description=_ledger.__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--schemes", default="int8_ch,fp8_e4m3_channel,int4_g64,mxfp4,nvfp4,nf4_dq",
                         help="comma-separated registered schemes, one row each after the float32 one "
                              "(default %(default)s)")

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jquant.apps.help_format import HelpFormatter
 from jquant.schemes import dispatch
 
 FOUR_BIT = ("int4", "uint4", "mxfp4", "nvfp4", "nf4", "fp4_bnb")
@@ -69,7 +70,7 @@ def run(argv=None) -> int:
     from jquant.schemes.scheme import get_scheme, schemes
 
     parser = argparse.ArgumentParser(prog="jquant demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per evaluation row (default %(default)s)")
     parser.add_argument("--num-seqs", type=int, default=4, help="rows of --seq-len tokens (default 4×512 = 2048)")
     parser.add_argument("--schemes", default="",

@@ -21,6 +21,8 @@ import sys
 import jax
 import numpy as np
 
+from jquant.apps.help_format import HelpFormatter
+
 DEFAULT_SCHEMES = ("int8_ch,fp8_e4m3_channel,int4_g128,int4_g64,int4_g32,int4_g128_asym,int4_g32_asym,"
                    "nf4,mxfp4,nvfp4")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
@@ -102,7 +104,7 @@ def run(argv=None) -> int:
     from jquant.models.bert import BertModel, load_bert, minilm_path
 
     parser = argparse.ArgumentParser(prog="jquant embed-quality", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--schemes", default=DEFAULT_SCHEMES, help="comma-separated weight schemes")
     parser.add_argument("--num-sentences", type=int, default=200)
     parser.add_argument("--offset", type=int, default=100, help="first sentence taken (of those kept)")

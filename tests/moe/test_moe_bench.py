@@ -49,7 +49,7 @@ def fake_tokamax(monkeypatch):
 
 @pytest.mark.skipif(ON_GPU, reason="a CPU smoke run of the bench; on the GPU it times for real")
 def test_cpu_smoke_run_writes_the_records(tmp_path, capsys, fake_tokamax):
-    assert bench_cli.main(["moe", "--shrink", "--allow-cpu", "--shapes", "gpt-oss-20b", "--tokens", "1",
+    assert bench_cli.main(["moe", "--tiny", "--allow-cpu", "--shapes", "gpt-oss-20b", "--tokens", "1",
                            "--formats", "int4_g32", "--reps", "1", "--out", str(tmp_path)]) == 0
     assert "wrote" in capsys.readouterr().out
     records = json.loads((tmp_path / "moe.json").read_text())
@@ -154,7 +154,7 @@ def test_a_candidate_that_fails_is_recorded_and_the_rest_timed():
 
 @pytest.mark.skipif(ON_GPU, reason="a CPU smoke run of the bench; on the GPU it times for real")
 def test_profile_traces_the_quantized_layer_of_every_cell(tmp_path):
-    assert bench_cli.main(["moe", "--shrink", "--allow-cpu", "--shapes", "gpt-oss-20b", "--tokens", "1",
+    assert bench_cli.main(["moe", "--tiny", "--allow-cpu", "--shapes", "gpt-oss-20b", "--tokens", "1",
                            "--formats", "int4_g32", "--reps", "1", "--out", str(tmp_path / "out"),
                            "--profile", str(tmp_path / "traces")]) == 0
     (record,) = json.loads((tmp_path / "out" / "moe.json").read_text())
@@ -166,7 +166,7 @@ def test_profile_traces_the_quantized_layer_of_every_cell(tmp_path):
 @pytest.mark.multidevice
 def test_split_run_on_simulated_devices_writes_the_records(tmp_path, capsys):
     # conftest gives 8 simulated CPU devices; the timings mean nothing, the records' fields do.
-    assert bench_cli.main(["moe", "--shrink", "--allow-cpu", "--shapes", "gpt-oss-20b", "--tokens", "4",
+    assert bench_cli.main(["moe", "--tiny", "--allow-cpu", "--shapes", "gpt-oss-20b", "--tokens", "4",
                            "--formats", "mxfp4", "--reps", "1", "--tp", "1,2", "--fp8-collectives",
                            "--out", str(tmp_path)]) == 0
     assert "wrote" in capsys.readouterr().out
