@@ -65,6 +65,23 @@ def save_file(tensors: dict[str, np.ndarray], path: str | os.PathLike, metadata:
         safetensors.serialize_file(specs, where, metadata=dict(metadata) if metadata else None)
     except safetensors.SafetensorError as e:
         raise ValueError(f"cannot write safetensors file {where!r}: {e}") from e
+    # The package (0.8.0) writes a temporary file of mode 0600 and renames it into place, so the
+    # checkpoint would be readable by its owner only; give it the mode open() would have.
+    os.chmod(where, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, without changing it where Linux reports it (os.umask can only swap it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _layout(where: str, names=None) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -1,6 +1,7 @@
 import json
 import os
 import struct
+import stat
 import tempfile
 
 import ml_dtypes
@@ -258,3 +259,18 @@ def test_fuzz_a_clear_error_or_what_the_official_package_reads(data):
         assert {k: _as_official(v) for k, v in ours.items()} == _official(data)
     finally:
         os.unlink(path)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_a_written_file_has_the_mode_open_gives(tmp_path, umask):
+    # the package writes through a temporary file of mode 0600: a checkpoint others could not read
+    old = os.umask(umask)
+    try:
+        path = tmp_path / "model.safetensors"
+        save_file({"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, path)
+        with open(tmp_path / "plain.bin", "wb"):
+            pass
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~umask
+    assert stat.S_IMODE(os.stat(path).st_mode) == stat.S_IMODE(os.stat(tmp_path / "plain.bin").st_mode)
