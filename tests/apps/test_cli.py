@@ -179,6 +179,8 @@ def test_demo_kv_table(tiny_model, capsys):
     # One layer of one KV head of 32: bf16 128 bytes a token, int8 + a float32 scale per token-head 72.
     assert "| bf16 | 128 | 1.00× |" in rows["bf16"] and "| +0.000 | 100.0% | 100.0% |" in rows["bf16"]
     assert "| int8_per_token_head | 72 | 1.78× |" in rows["int8_per_token_head"]
+    # Two PPLs of the same float model, on rows of different lengths: each table says its rows.
+    assert "in 2 rows of 16," in out and "2 rows of 1024 (rows of 1024, not 16 as above" in out
 
 
 def test_demo_rejects_unknown_kv_dtypes_before_any_work(monkeypatch, capsys):
