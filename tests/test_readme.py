@@ -103,6 +103,34 @@ def test_readme_speed_table_matches_the_table_of_record():
         assert abs(bf16 - records[("int4_g128", shape, 1)]["baselines"]["xla_bf16"]) <= 0.05 + 1e-9
 
 
+def test_readme_quality_table_matches_the_quality_record():
+    """Each row of the README's calibration table is ``quality.json``'s: the format's bits per weight
+    (round-to-nearest's), and round-to-nearest's, GPTQ act-order's and AWQ's ΔPPL (recovered share) to
+    the digits shown."""
+    import json
+
+    rows = json.loads((ROOT / "bench/results/quality.json").read_text())["rows"]
+    record = {(r["weights"], r["method"]): r for r in rows}
+    text = (ROOT / "README.md").read_text()
+    head = text.index("| weights | bits/weight | round-to-nearest ΔPPL | GPTQ, act-order | AWQ |")
+    table = re.findall(r"^\| ([^|]+?) \| ([\d.]+) \| ([+\d.]+) \| ([^|]+) \| ([^|]+) \|",
+                       text[head:].split("\n\n", 1)[0], re.M)
+    assert len(table) >= 10
+    for weights, bits, rtn, gptq, awq in table:
+        weights = weights.split(" (")[0]
+        base = record[(weights, "round-to-nearest")]
+        assert abs(float(bits) - base["bits_per_weight"]) <= 0.005 + 1e-9, weights
+        assert abs(float(rtn) - base["delta_ppl"]) <= 0.005 + 1e-9, weights
+        for cell, method in ((gptq, "GPTQ, act-order"), (awq, "AWQ")):
+            if cell.strip() == "–":
+                assert (weights, method) not in record, (weights, method)
+                continue
+            delta, pct = re.fullmatch(r"([+\d.]+) \((\d+)%\)", cell.strip()).groups()
+            r = record[(weights, method)]
+            assert abs(float(delta) - r["delta_ppl"]) <= 0.005 + 1e-9, cell
+            assert abs(int(pct) - 100 * r["recovered"]) <= 0.5 + 1e-9, cell
+
+
 def test_bench_readme_documents_every_record_field():
     """bench/README.md's record table names exactly the fields the table of record holds."""
     text = (ROOT / "bench/README.md").read_text()
