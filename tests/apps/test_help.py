@@ -74,3 +74,8 @@ def test_without_a_gpu_the_message_names_the_cpu_option(name, small, tmp_path, c
     err = capsys.readouterr().err
     assert "no GPU present" in err and "--allow-cpu" in err and small in err
     assert not list(tmp_path.iterdir())
+
+
+def test_descriptions_read_as_plain_text():
+    text = bench.build_parser().format_help()
+    assert "``" not in text and "jquant bench {w4a16," in text
