@@ -6,8 +6,11 @@ Calibration rows come from the Britannica text starting at token ``--calib-offse
 default), disjoint from the evaluation slice, which is the first ``--eval-tokens`` tokens (as
 ``jquant demo`` uses). The weights are an integer GPTQ format from ``--bits/--group-size/--asym``, or
 any registered scheme with ``--scheme`` (``mxfp4``, ``nvfp4``, ``fp8_e4m3_channel``, ...). ``--out``
-writes an HF-style directory whose ``config.json`` carries the ``quantization_config`` (``gptq``, or
-``awq`` for AWQ's uint4 format) for the integer formats; ``load_hf_checkpoint`` reads it back.
+writes an HF-style directory whose ``config.json`` carries the ``quantization_config`` vLLM reads:
+``gptq``, or ``awq`` for AWQ's uint4 format, for the integer formats; with ``--scheme``, the layout of
+``jquant.checkpoint.scheme_config.checkpoint_config`` (compressed-tensors for int8, FP8 per channel and
+NVFP4, ``fp8`` for block FP8, ``bitsandbytes`` for NF4 / FP4; MXFP4 has no dense one).
+``load_hf_checkpoint`` reads it back.
 ``--record FILE.json`` adds the run's rows (float, round-to-nearest, the method) to a quality table
 and rewrites its markdown twin (``FILE.md``).
 """
@@ -24,23 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jquant.apps.help_format import HelpFormatter
+from jquant.checkpoint.scheme_config import awq_config, checkpoint_config, gptq_config
 
 METHODS = ("gptq", "awq", "smoothquant", "rtn")
-
-
-def gptq_config(bits: int, group_size: int | None, symmetric: bool, act_order: bool) -> dict:
-    """The HF ``quantization_config`` of a GPTQ checkpoint with these settings (``group_size`` None:
-    per output channel, written as -1). Asymmetric weights are stored ``gptq_v2`` (zero points as they
-    are, read so by vLLM's ``use_v2_format``): v1 stores zero - 1, which cannot hold the zero point 0 of an
-    all-positive group."""
-    config = {"quant_method": "gptq", "bits": bits, "group_size": -1 if group_size is None else group_size,
-              "sym": symmetric, "desc_act": act_order}
-    return config if symmetric else {**config, "checkpoint_format": "gptq_v2"}
-
-
-def awq_config(bits: int, group_size: int) -> dict:
-    """The HF ``quantization_config`` of an AWQ (GEMM) checkpoint: uint codes with zero points."""
-    return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True, "version": "gemm"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--calib-offset", type=int, default=16384,
                         help="first calibration token of the text (the evaluation slice is its start)")
     parser.add_argument("--eval-tokens", type=int, default=2048, help="tokens of the perplexity evaluation")
-    parser.add_argument("--out", default=None, help="directory for the quantized checkpoint")
+    parser.add_argument("--out", default=None,
+                        help="directory for the quantized checkpoint, in the layout vLLM reads for the scheme "
+                             "(GPTQ, AWQ, compressed-tensors, fp8, bitsandbytes)")
     parser.add_argument("--record", default=None, help="quality table (.json) to add this run's rows to")
     return parser
 
@@ -87,6 +78,13 @@ def _check(parser, args) -> tuple[dict | None, "object"]:
         except (KeyError, ValueError) as e:
             parser.error(str(e))
         config = None
+        if args.out:
+            # The config's scheme runs the same numerics as the registered one and writes its layout.
+            try:
+                config = checkpoint_config(args.scheme, act_order=args.act_order)
+            except ValueError as e:
+                parser.error(f"--out: {e}")
+            scheme = scheme_from_config(config)
     elif args.method == "awq" and args.asym:
         if group is None:
             parser.error("AWQ checkpoints need a group size (not -1)")
@@ -95,9 +93,9 @@ def _check(parser, args) -> tuple[dict | None, "object"]:
     else:
         config = gptq_config(args.bits, group, not args.asym, args.act_order)
         scheme = scheme_from_config(config)
-    if args.out and (config is None or args.rotate):
-        parser.error("--out writes integer GPTQ/AWQ checkpoints (no --scheme, no --rotate); save other "
-                     "results with jquant.flax.orbax_io.save_quantized")
+    if args.out and args.rotate:
+        parser.error("--out: vLLM checkpoints hold no online rotation (--rotate); save rotated results with "
+                     "jquant.flax.orbax_io.save_quantized")
     return config, scheme
 
 

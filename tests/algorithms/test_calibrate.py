@@ -95,7 +95,7 @@ def test_gptq_through_calibration_beats_round_to_nearest_on_the_model_output(par
 
 def test_a_calibrated_model_saves_as_a_gptq_checkpoint_and_loads_back(params, tmp_path):
     from jquant.algorithms import gptq_group
-    from jquant.apps.calibrate import gptq_config
+    from jquant.checkpoint.scheme_config import gptq_config
     from jquant.checkpoint.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
     from jquant.checkpoint.hf_config import scheme_from_config
 

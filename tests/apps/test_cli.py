@@ -198,7 +198,9 @@ def test_calibrate_refuses_bad_options_before_loading_anything(capsys):
                           (["calibrate", "--method", "awq", "--rotate", "32"], "--rotate goes with"),
                           (["calibrate", "--rotate", "48"], "invalid choice"),
                           (["calibrate", "--scheme", "int5_nope"], "int5_nope"),
-                          (["calibrate", "--scheme", "mxfp4", "--out", "x"], "--out writes integer"),
+                          (["calibrate", "--scheme", "mxfp4", "--out", "x"], "--out: no dense checkpoint layout"),
+                          (["calibrate", "--scheme", "fp8_e4m3_tensor", "--out", "x"], "write fp8_e4m3_channel"),
+                          (["calibrate", "--rotate", "32", "--out", "x"], "no online rotation"),
                           (["calibrate", "--method", "awq", "--asym", "--group-size", "-1"], "need a group size")):
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
@@ -220,3 +222,29 @@ def test_calibrate_refuses_a_group_that_does_not_divide_k_before_reading_text(ar
     monkeypatch.setattr(jquant.apps.data, "britannica_text", lambda: pytest.fail("read the text"))
     code, out = _exit_code(["calibrate", *argv], capsys)
     assert code == 2 and message in out.err and "Traceback" not in out.err
+
+
+@pytest.mark.parametrize("argv, method", [(["--scheme", "nvfp4"], "compressed-tensors"),
+                                          (["--scheme", "int8_ch", "--method", "gptq", "--act-order"],
+                                           "compressed-tensors"),
+                                          (["--scheme", "int4_g32", "--method", "gptq", "--act-order"], "gptq"),
+                                          (["--scheme", "fp8_e4m3_channel", "--method", "smoothquant"],
+                                           "compressed-tensors")])
+def test_calibrate_writes_a_checkpoint_of_the_scheme_that_loads_back(argv, method, tiny_model, tmp_path, capsys):
+    import json
+
+    from jquant import scheme_from_config
+    from jquant.checkpoint.hf_checkpoint import load_hf_checkpoint
+    from jquant.flax import QParam
+
+    argv = ["--method", "rtn", *argv] if "--method" not in argv else argv
+    rc = cli.main(["calibrate", *argv, "--out", str(tmp_path), "--seq-len", "16", "--calib-rows", "2",
+                   "--eval-tokens", "32", "--calib-offset", "64"])
+    assert rc == 0 and f"wrote {tmp_path}" in capsys.readouterr().out
+    config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    scheme = scheme_from_config(config)
+    assert config["quant_method"] == method and scheme.name == argv[argv.index("--scheme") + 1]
+    assert config.get("desc_act", "--act-order" in argv) == ("--act-order" in argv)
+    loaded = load_hf_checkpoint(tmp_path, _tiny_variables()[1]["params"], prepare=False)
+    quantized = [x for x in jax.tree.leaves(loaded, is_leaf=lambda x: isinstance(x, QParam)) if isinstance(x, QParam)]
+    assert len(quantized) == 7 * TINY.num_layers

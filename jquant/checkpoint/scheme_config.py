@@ -1,0 +1,101 @@
+"""Registered scheme → the HF ``quantization_config`` a checkpoint of it carries (for writing).
+
+The inverse of ``scheme_from_config`` for the schemes vLLM runs on a dense model with the same
+numerics: ``scheme_from_config(checkpoint_config(name))`` quantizes and computes exactly as
+``get_scheme(name)`` (``tests/checkpoint/test_scheme_config.py``), and its ``checkpoint_layout`` is
+the layout the weights are written in.
+"""
+
+from __future__ import annotations
+
+import copy
+
+
+def gptq_config(bits: int, group_size: int | None, symmetric: bool, act_order: bool) -> dict:
+    """The HF ``quantization_config`` of a GPTQ checkpoint with these settings (``group_size`` None:
+    per output channel, written as -1). Asymmetric weights are stored ``gptq_v2`` (zero points as they
+    are, read so by vLLM's ``use_v2_format``): v1 stores zero - 1, which cannot hold the zero point 0 of an
+    all-positive group."""
+    config = {"quant_method": "gptq", "bits": bits, "group_size": -1 if group_size is None else group_size,
+              "sym": symmetric, "desc_act": act_order}
+    return config if symmetric else {**config, "checkpoint_format": "gptq_v2"}
+
+
+def awq_config(bits: int, group_size: int) -> dict:
+    """The HF ``quantization_config`` of an AWQ (GEMM) checkpoint: uint codes with zero points."""
+    return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True, "version": "gemm"}
+
+
+def _compressed_tensors(fmt: str, weights: dict, activations: dict | None = None) -> dict:
+    group = {"targets": ["Linear"], "weights": {"symmetric": True, "dynamic": False, **weights}}
+    if activations is not None:
+        group["input_activations"] = {"symmetric": True, "dynamic": True, "strategy": "token", **activations}
+    return {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {"group_0": group}}
+
+
+def _fp8_block(ue8m0: bool) -> dict:
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    return {**config, "scale_fmt": "ue8m0"} if ue8m0 else config
+
+
+def _bnb(quant_type: str, double_quant: bool) -> dict:
+    return {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": quant_type,
+            "bnb_4bit_use_double_quant": double_quant}
+
+
+_CONFIGS = {
+    **{f"int4_g{g}": gptq_config(4, g, True, False) for g in (32, 64, 128)},
+    "int4_g128_asym": awq_config(4, 128),
+    "int8_ch": _compressed_tensors("pack-quantized", {"num_bits": 8, "type": "int", "strategy": "channel"}),
+    "int8_w8a8": _compressed_tensors("int-quantized", {"num_bits": 8, "type": "int", "strategy": "channel"},
+                                     {"num_bits": 8, "type": "int"}),
+    "fp8_e4m3_channel": _compressed_tensors("float-quantized", {"num_bits": 8, "type": "float", "strategy": "channel"},
+                                            {"num_bits": 8, "type": "float"}),
+    "fp8_e4m3_block128x128": _fp8_block(ue8m0=False),
+    "fp8_e4m3_block128x128_ue8m0": _fp8_block(ue8m0=True),
+    # No input_activations: vLLM runs it weight-only (W4A16 NVFP4), as jquant's nvfp4 does on Hopper.
+    "nvfp4": _compressed_tensors("nvfp4-pack-quantized", {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                                          "group_size": 16}),
+    "nf4": _bnb("nf4", False),
+    "nf4_dq": _bnb("nf4", True),
+    "fp4_bnb": _bnb("fp4", False),
+}
+_NO_CONFIG = {
+    "fp8_e4m3_tensor": "vLLM runs a dynamic per-tensor FP8 checkpoint with per-token activations (another "
+                       "numerics) and a static one needs calibrated input_scales; write fp8_e4m3_channel",
+    "mxfp4": "vLLM reads MXFP4 weights only as MoE experts (gpt-oss), not as dense projections",
+}
+
+
+def checkpoint_config(name: str, *, act_order: bool = False) -> dict:
+    """The HF ``quantization_config`` of a checkpoint of registered scheme ``name``. ``act_order`` sets
+    GPTQ's ``desc_act`` (weights carrying ``g_idx``) on the GPTQ-written int4 schemes; the other layouts
+    need no flag (compressed-tensors stores a ``weight_g_idx`` where the weights have one, GPTQ of the
+    float formats keeps static groups).
+
+    Examples:
+      >>> from jquant.checkpoint.scheme_config import checkpoint_config
+      >>> checkpoint_config("fp8_e4m3_block128x128")
+      {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic', 'weight_block_size': [128, 128]}
+      >>> checkpoint_config("int4_g64", act_order=True)["desc_act"]
+      True
+      >>> checkpoint_config("mxfp4")
+      Traceback (most recent call last):
+          ...
+      ValueError: no dense checkpoint layout for scheme 'mxfp4': vLLM reads MXFP4 weights only as MoE experts (gpt-oss), not as dense projections
+
+    Raises ValueError for a scheme with no such checkpoint, saying why and which schemes have one.
+    """
+    if name in _NO_CONFIG:
+        raise ValueError(f"no dense checkpoint layout for scheme {name!r}: {_NO_CONFIG[name]}")
+    if name not in _CONFIGS:
+        raise ValueError(f"no checkpoint layout known for scheme {name!r}; schemes with one: {', '.join(_CONFIGS)}")
+    config = copy.deepcopy(_CONFIGS[name])
+    if act_order and config["quant_method"] == "gptq":
+        config["desc_act"] = True
+    return config
+
+
+def writable_schemes() -> tuple[str, ...]:
+    """The registered schemes ``checkpoint_config`` has a checkpoint for."""
+    return tuple(_CONFIGS)
