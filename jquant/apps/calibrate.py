@@ -38,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--method", choices=METHODS, default="gptq",
                         help="gptq (Hessian error feedback), awq (activation-aware scales), smoothquant "
                              "(activation outliers moved into the weights) or rtn (round to nearest)")
-    parser.add_argument("--scheme", default=None, help="a registered scheme (overrides --bits/--group-size/--asym)")
+    from jquant.schemes.scheme import schemes
+
+    parser.add_argument("--scheme", default=None, help=f"a registered scheme, one of {', '.join(schemes())} "
+                                                        "(overrides --bits/--group-size/--asym)")
     parser.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=4, help="integer code width")
     parser.add_argument("--group-size", type=int, default=64, help="-1: one scale per output channel")
     parser.add_argument("--asym", action="store_true", help="zero points (uint codes); default symmetric")
