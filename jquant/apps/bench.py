@@ -24,6 +24,7 @@ bench/results/cpu), in seconds to a minute:
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from jquant.apps.help_format import HelpFormatter
@@ -31,6 +32,8 @@ from jquant.apps.help_format import HelpFormatter
 
 _OUT_DEFAULT = " (default: bench/results/<device>, e.g. h200 or cpu)"
 _REPS = "timed batches per cell (the median is reported)"
+# The CPU plumbing command of each benchmark that has one, as the docstring above lists them.
+_CPU_EXAMPLES = {line.split()[2]: line.strip() for line in __doc__.splitlines() if line.startswith("  jquant bench ")}
 
 
 def _shapes(text: str) -> tuple[tuple[int, int], ...]:
@@ -58,8 +61,9 @@ def _kv_kernel_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jquant bench", description=__doc__,
                                      formatter_class=HelpFormatter)
-    sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
-    w4 = sub.add_parser("w4a16", formatter_class=HelpFormatter, help="4-bit weight-only GEMM kernels against XLA")
+    sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser, formatter_class=HelpFormatter))
+    w4 = sub.add_parser("w4a16", help="4-bit weight-only GEMM kernels against XLA")
     w4.add_argument("--out", default=None, help="folder for w4a16.json and w4a16.md" + _OUT_DEFAULT)
     w4.add_argument("--shapes", type=_shapes, default=None, help="NxK list, e.g. 28672x8192,8192x8192")
     w4.add_argument("--ms", type=_ints, default=None, help="M values, e.g. 1,16,128")
@@ -80,25 +84,25 @@ def build_parser() -> argparse.ArgumentParser:
                          "nothing). On CPU the default --impls scheme takes XLA's path: add --impls scheme,mgpu "
                          "to include the Pallas kernel")
 
-    att = sub.add_parser("attention", formatter_class=HelpFormatter, help="paged decode attention per kv_cache_dtype against JAX's kernel")
+    att = sub.add_parser("attention", help="paged decode attention per kv_cache_dtype against JAX's kernel")
     att.add_argument("--out", default=None, help="folder for attention.json and attention.md" + _OUT_DEFAULT)
     att.add_argument("--batches", type=_ints, default=(8,), help="sequences per call")
     att.add_argument("--ctxs", type=_ints, default=(32768,), help="tokens in each sequence's cache")
     _kv_kernel_options(att)
 
-    ins = sub.add_parser("insert", formatter_class=HelpFormatter, help="quantize-and-insert of new KV tokens per kv_cache_dtype against XLA")
+    ins = sub.add_parser("insert", help="quantize-and-insert of new KV tokens per kv_cache_dtype against XLA")
     ins.add_argument("--out", default=None, help="folder for insert.json and insert.md" + _OUT_DEFAULT)
     ins.add_argument("--tokens", type=_ints, default=None, help="new tokens per insert (default 8,4096,32768)")
     _kv_kernel_options(ins)
 
-    aq = sub.add_parser("act-quant", formatter_class=HelpFormatter, help="e4m3 activation quantization (per token, per 1 x 128 group) against XLA")
+    aq = sub.add_parser("act-quant", help="e4m3 activation quantization (per token, per 1 x 128 group) against XLA")
     aq.add_argument("--out", default=None, help="folder for act_quant.json and act_quant.md" + _OUT_DEFAULT)
     aq.add_argument("--shapes", type=_shapes, default=None,
                     help="MxK list (default 16x4096,4096x8192,4096x14336,4096x7168)")
     aq.add_argument("--reps", type=int, default=9, help=_REPS)
     aq.add_argument("--sweep", action="store_true", help="also time the launch configs of bench.sweep")
 
-    dec = sub.add_parser("decode", formatter_class=HelpFormatter, help="one decode step of a Llama-3-8B-shaped stack per weights x KV dtype")
+    dec = sub.add_parser("decode", help="one decode step of a Llama-3-8B-shaped stack per weights x KV dtype")
     dec.add_argument("--out", default=None, help="folder for decode.json and decode.md" + _OUT_DEFAULT)
     dec.add_argument("--layers", type=int, default=8, help="decoder layers (Llama-3-8B has 32)")
     dec.add_argument("--batches", type=_ints, default=(1, 16), help="sequences per step")
@@ -122,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="divide hidden size, head_dim, intermediate size and vocabulary by 2, 4 or 8 "
                           "(a quick plumbing check)")
     dec.add_argument("--allow-cpu", action="store_true", help="run without a GPU (timings are the CPU's)")
-    g8 = sub.add_parser("gemm8", formatter_class=HelpFormatter, help="8-bit weight schemes (W8A16 kernel, FP8 W8A8) against XLA bf16")
+    g8 = sub.add_parser("gemm8", help="8-bit weight schemes (W8A16 kernel, FP8 W8A8) against XLA bf16")
     g8.add_argument("--out", default=None, help="folder for gemm8.json and gemm8.md" + _OUT_DEFAULT)
     g8.add_argument("--shapes", type=_shapes, default=None,
                     help="NxK list (default 28672x8192,8192x28672,8192x8192,4096x4096)")
@@ -137,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the forced kernel (the mgpu rows) in interpret mode, so the plumbing runs without a GPU "
                          "(its timings mean nothing); on CPU the scheme rows take XLA's path")
 
-    gq = sub.add_parser("gptq", formatter_class=HelpFormatter, help="GPTQ of one Llama-3-8B-shaped layer (7 projections)")
+    gq = sub.add_parser("gptq", help="GPTQ of one Llama-3-8B-shaped layer (7 projections)")
     gq.add_argument("--out", default=None, help="folder for gptq.json and gptq.md" + _OUT_DEFAULT)
     gq.add_argument("--rows", type=int, default=128, help="calibration sequences")
     gq.add_argument("--seq-len", type=int, default=2048, help="tokens per calibration sequence")
@@ -152,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _moe_parser(sub) -> None:
     # Defaults live in jquant.kernels.moe.bench (SHAPES, TOKENS), imported only to run: keep --help fast.
-    moe = sub.add_parser("moe", formatter_class=HelpFormatter, help="one MoE layer per expert format x tokens against bf16 ragged_dot")
+    moe = sub.add_parser("moe", help="one MoE layer per expert format x tokens against bf16 ragged_dot")
     moe.add_argument("--out", default=None, help="folder for moe.json and moe.md" + _OUT_DEFAULT)
     moe.add_argument("--shapes", default=None,
                      help="comma list of gpt-oss-20b, deepseek-v3, qwen3-30b-a3b (default all)")
@@ -349,15 +353,8 @@ def _no_gpu(args) -> bool:
 
     if dispatch.is_gpu() or getattr(args, "interpret", False):
         return False
-    if args.bench in ("w4a16", "gemm8"):
-        instead = ", or add --interpret to check the plumbing on CPU (its timings mean nothing)"
-    elif hasattr(args, "allow_cpu"):
-        small = {"decode": " --shrink 8 --layers 1 --batches 1 --ctxs 256", "gptq": " --shrink 16 --rows 4 "
-                 "--seq-len 64 --batch-rows 2", "moe": " --tiny --tokens 1"}[args.bench]
-        instead = (f", or add --allow-cpu to run it on CPU (its timings mean nothing; add{small} for a run "
-                   "of seconds)")
-    else:
-        instead = ""
+    example = _CPU_EXAMPLES.get(args.bench)
+    instead = f"; without one, its plumbing runs on CPU (timings mean nothing), e.g. {example}" if example else ""
     print(f"jquant bench: no GPU present (JAX runs on {dispatch.platform()}); the benchmark times CUDA "
           "kernels. Run it on a machine with an NVIDIA GPU (Hopper for the Mosaic GPU kernels) and "
           f"jax[cuda12] installed{instead}.", file=sys.stderr)

@@ -33,13 +33,13 @@ METHODS = ("gptq", "awq", "smoothquant", "rtn")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jquant.schemes.scheme import schemes
+
     parser = argparse.ArgumentParser(prog="jquant calibrate", description=__doc__,
                                      formatter_class=HelpFormatter)
     parser.add_argument("--method", choices=METHODS, default="gptq",
                         help="gptq (Hessian error feedback), awq (activation-aware scales), smoothquant "
                              "(activation outliers moved into the weights) or rtn (round to nearest)")
-    from jquant.schemes.scheme import schemes
-
     parser.add_argument("--scheme", default=None, help=f"a registered scheme, one of {', '.join(schemes())} "
                                                         "(overrides --bits/--group-size/--asym)")
     parser.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=4, help="integer code width")

@@ -42,7 +42,8 @@ def _ledger(argv) -> int:
     from jquant.checkpoint.hf_checkpoint import PROJECTIONS
     from jquant.schemes.scheme import schemes
 
-    parser = argparse.ArgumentParser(prog="jquant ledger", description=_ledger.__doc__, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(prog="jquant ledger", description=_ledger.__doc__,
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--schemes", default="int8_ch,fp8_e4m3_channel,int4_g64,mxfp4,nvfp4,nf4_dq",
                         help="comma-separated registered schemes, one row each after the float32 one "
                              "(default %(default)s)")

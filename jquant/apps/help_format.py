@@ -7,10 +7,10 @@ import argparse
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Descriptions as written (their examples keep their lines; reST literals as plain text), and each
-    option's default after its help. Unlike argparse's ``ArgumentDefaultsHelpFormatter`` it skips empty defaults (None, False, "")
-    and help that already names its default, and writes a tuple default as the comma list the option
-    takes (``1,16``, not ``(1, 16)``). argparse prints no default for an option without help text: every
-    option of ``jquant`` has some (``tests/apps/test_help.py``)."""
+    option's default after its help. Unlike argparse's ``ArgumentDefaultsHelpFormatter`` it skips empty
+    defaults (None, False, "") and help that already names its default, and writes a tuple default as
+    the comma list the option takes (``1,16``, not ``(1, 16)``). argparse prints no default for an option
+    without help text: every option of ``jquant`` has some (``tests/apps/test_help.py``)."""
 
     def _format_text(self, text):
         return super()._format_text(text.replace("``", ""))   # the docstrings' reST literals, read as plain text

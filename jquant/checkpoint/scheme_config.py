@@ -82,7 +82,7 @@ def checkpoint_config(name: str, *, act_order: bool = False) -> dict:
       >>> checkpoint_config("mxfp4")
       Traceback (most recent call last):
           ...
-      ValueError: no dense checkpoint layout for scheme 'mxfp4': vLLM reads MXFP4 weights only as MoE experts (gpt-oss), not as dense projections
+      ValueError: no dense checkpoint layout for scheme 'mxfp4': vLLM reads MXFP4 weights only as MoE experts ...
 
     Raises ValueError for a scheme with no such checkpoint, saying why and which schemes have one.
     """

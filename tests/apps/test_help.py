@@ -55,7 +55,7 @@ def test_top_level_help_lists_the_commands(capsys):
     assert all(name in out for name in cli.COMMANDS)
 
 
-_EXAMPLES = [line.strip().split()[2:] for line in bench.__doc__.splitlines() if line.startswith("  jquant bench ")]
+_EXAMPLES = [line.split()[2:] for line in bench._CPU_EXAMPLES.values()]
 
 
 def test_the_help_shows_a_cpu_example_of_every_benchmark_that_has_a_cpu_mode():
