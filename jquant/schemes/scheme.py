@@ -17,6 +17,7 @@ or XLA's native FP8 dot) serves every scheme on every device.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Any, Callable
 
@@ -164,7 +165,7 @@ class Scheme:
         if bias is not None and bias.shape != (weight.shape[0],):
             raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
         if self.activation.mode != "static":
-            return _IMPLS[weight.impl].run(self, x, weight.data, bias)
+            return _run(self, x, weight, bias)
         if input_scale is None:
             if self.activation.input_scale is None:
                 raise ValueError(f"scheme {self.name!r} quantizes activations with a static scale: pass "
@@ -175,7 +176,7 @@ class Scheme:
         if input_scale.size != 1 or not jnp.issubdtype(input_scale.dtype, jnp.floating):
             raise ValueError(f"scheme {self.name!r}: input_scale must be one float (per tensor), got "
                              f"{input_scale.dtype} with shape {tuple(input_scale.shape)}")
-        return _IMPLS[weight.impl].run(self, x, weight.data, bias, input_scale=input_scale.reshape(()))
+        return _run(self, x, weight, bias, input_scale=input_scale.reshape(()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +221,14 @@ class Impl:
 _IMPLS: dict[str, Impl] = {}
 _SCHEMES: dict[str, Scheme] = {}
 _WARNED: set[str] = set()
+
+
+def _run(scheme: Scheme, x: jax.Array, weight: Prepared, bias: jax.Array | None, **kwargs) -> jax.Array:
+    if math.prod(x.shape[:-1]) == 0:
+        # No tokens (an empty batch, an expert no token chose): the activation quantizers have no amax
+        # to take and the kernels no row to tile, so the empty product is made here.
+        return jnp.zeros((*x.shape[:-1], weight.shape[0]), x.dtype)
+    return _IMPLS[weight.impl].run(scheme, x, weight.data, bias, **kwargs)
 
 
 def register_impl(impl: Impl) -> None:

@@ -142,3 +142,17 @@ def test_static_fp8_apply_uses_the_given_input_scale():
         scheme.apply(x, qw)
     with pytest.raises(ValueError, match="one float"):
         scheme.apply(x, qw, input_scale=jnp.ones(3))
+
+
+@pytest.mark.parametrize("name", jquant.schemes())
+@pytest.mark.parametrize("lead", [(0,), (2, 0), (0, 3)])
+def test_apply_to_no_tokens_is_empty(name, lead):
+    # An empty batch used to fail in the activation quantizers ("x is empty") or in a reshape
+    # (ZeroDivisionError) of the W8A8 schemes.
+    scheme = get_scheme(name)
+    w, _, b = _data()
+    prepared = scheme.process_weights_after_loading(scheme.quantize_weight(w))
+    x = jnp.ones((*lead, 256), jnp.bfloat16)
+    kwargs = {"input_scale": 0.05} if scheme.activation.mode == "static" else {}
+    for y in (scheme.apply(x, prepared, b, **kwargs), jax.jit(scheme.apply)(x, prepared, b, **kwargs)):
+        assert y.shape == (*lead, 96) and y.dtype == jnp.bfloat16
