@@ -33,7 +33,12 @@ def exact_divide(numerator: jax.Array, denominator) -> jax.Array:
     """
     denominator = jnp.asarray(denominator, numerator.dtype)
     full = jnp.broadcast_to(denominator, numerator.shape)
-    quotient = numerator / jnp.where(jnp.isnan(numerator), numerator, full)
+    # The numerator becomes where(isnan(n), 1, n), so it is no quotient itself: XLA's simplifier
+    # regroups (a / b) / c into a / (b · c), one rounding instead of two (an NVFP4 block scale
+    # (amax / 6) / global came out one E4M3 step off torchao's, compiled on the CPU). A NaN n still
+    # gives n's NaN, its sign included (1 / n); the predicate is n's, as d may be a constant XLA folds.
+    numerator_kept = jnp.where(jnp.isnan(numerator), jnp.ones_like(numerator), numerator)
+    quotient = numerator_kept / jnp.where(jnp.isnan(numerator), numerator, full)
     if quotient.dtype != jnp.float32:
         return quotient
     # Lowered for CPU, whose division is IEEE, the correction would move nothing; it only slowed the
