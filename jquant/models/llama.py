@@ -464,7 +464,8 @@ def generate(model: LlamaForCausalLM, params, prompt_ids, max_new_tokens: int, g
              k_scales: Sequence[float] | None = None, v_scales: Sequence[float] | None = None) -> jax.Array:
     """``max_new_tokens`` tokens after ``prompt_ids`` [batch, P] (equal-length prompts, no padding):
     one prefill through the KV cache, then one decode step per token inside ``lax.scan``.
-    Greedy takes the argmax; otherwise tokens are sampled at ``temperature`` from ``rng``.
+    Greedy takes the argmax; otherwise tokens are sampled at ``temperature`` from ``rng`` (0 is greedy,
+    as in vLLM; negative, NaN or infinite temperatures raise).
     ``kv_cache_dtype`` (a vLLM name: ``bf16``, ``fp8``, ``int8_per_token_head``, ``turboquant_3bit_nc``,
     ...) stores the cache paged in that format, ``page_size`` tokens a page; None keeps a dense cache in
     the model's dtype; ``k_scales`` / ``v_scales``: its static per-tensor scales, one per layer (a
@@ -499,6 +500,12 @@ def generate(model: LlamaForCausalLM, params, prompt_ids, max_new_tokens: int, g
                          f"context length {model.config.max_position_embeddings}")
     if not greedy and rng is None:
         raise ValueError("sampling (greedy=False) needs an rng key")
+    if not greedy and not isinstance(temperature, jax.core.Tracer):
+        t = float(temperature)
+        if not t >= 0 or t == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        # vLLM's convention: temperature 0 is greedy (logits / 0 sampled token 0 everywhere).
+        greedy = t == 0
     if kv_cache_dtype is not None:
         kv_cache_spec(kv_cache_dtype)  # an unknown name fails here, before tracing
     scales = tuple((name, tuple(float(v) for v in value)) for name, value in

@@ -19,7 +19,7 @@ import pytest
 from jquant.apps import data
 from jquant.models import gguf_loader
 from jquant.models.gguf_loader import load_gguf, permute_qk_rows, smollm2_path, unpermute_qk_rows
-from jquant.models.llama import KVCache, LlamaForCausalLM, apply_rope, apply_rope_adjacent_pairs, generate
+from jquant.models.llama import KVCache, LlamaConfig, LlamaForCausalLM, apply_rope, apply_rope_adjacent_pairs, generate
 from jquant.models.tokenizer import build_tokenizer
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "goldens" / "transformers_smollm2.npz"
@@ -127,6 +127,21 @@ def test_generate_greedy_follows_the_full_forward(smollm2, golden, forward):
     np.testing.assert_array_equal(logits[:, prompt.shape[1] - 1:-1].argmax(-1), new)
     with pytest.raises(ValueError, match="rng"):
         generate(LlamaForCausalLM(config), params, prompt, max_new_tokens=1, greedy=False)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_sampling_temperature_zero_is_greedy_and_bad_ones_raise(bad):
+    # temperature=0 divided the logits by 0 and sampled token 0 at every step, silently.
+    config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-5,
+                         max_position_embeddings=64)
+    model, ids = LlamaForCausalLM(config), jnp.array([[1, 5, 7, 2]], jnp.int32)
+    params = model.init(jax.random.key(0), ids)
+    greedy = np.asarray(generate(model, params, ids, max_new_tokens=6))
+    sampled = generate(model, params, ids, max_new_tokens=6, greedy=False, rng=jax.random.key(1), temperature=0.0)
+    np.testing.assert_array_equal(sampled, greedy)
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        generate(model, params, ids, max_new_tokens=1, greedy=False, rng=jax.random.key(1), temperature=bad)
 
 
 # ---- tokenizer and data ---------------------------------------------------------------------------
