@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jquant.kv import scalar, turboquant
 from jquant.kv.paged import PagedKVCache, token_slots, validate_append
@@ -17,10 +18,32 @@ def _scatter(arr, slots, new):
     return flat.at[safe].set(new.astype(arr.dtype), mode="drop").reshape(arr.shape)
 
 
+def check_slots(cache: PagedKVCache, k_new, v_new, slots) -> None:
+    """Raises unless k_new, v_new are [T, kv_heads, head_dim] and slots [T] integers; concrete slots
+    must also lie below the pool's end (negative ones are padding)."""
+    if k_new.shape != v_new.shape or k_new.shape[1:] != (cache.kv_heads, cache.head_dim):
+        raise ValueError(f"k_new/v_new must be [T, {cache.kv_heads}, {cache.head_dim}]; got {k_new.shape}, "
+                         f"{v_new.shape}")
+    dtype = slots.dtype if hasattr(slots, "dtype") else np.asarray(slots).dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"slots must be integers (flat slot indices), got {dtype}")
+    if jnp.shape(slots) != k_new.shape[:1]:
+        raise ValueError(f"slots must be [{k_new.shape[0]}] (one flat slot per new token), got shape "
+                         f"{jnp.shape(slots)}")
+    if isinstance(slots, jax.core.Tracer):
+        return
+    pool = cache.num_pages * cache.page_size
+    past = np.flatnonzero(np.asarray(slots) >= pool)
+    if past.size:
+        raise ValueError(f"slot {int(np.asarray(slots)[past[0]])} (token {int(past[0])}) is past the pool's {pool} "
+                         f"slots ({cache.num_pages} pages x {cache.page_size}); negative slots are padding")
+
+
 def insert_reference(cache: PagedKVCache, k_new, v_new, slots) -> PagedKVCache:
     """Quantize k_new, v_new [T, kv_heads, head_dim] and write token i at flat slot slots[i].
 
-    Negative slots are padding (skipped). Per-tensor formats use the cache's static scales.
+    Negative slots are padding (skipped). A slot past the pool raises when the slots are concrete;
+    under jit it is skipped like padding. Per-tensor formats use the cache's static scales.
 
     Examples:
       Three tokens into slots 0, 1 and 5 of an FP8 cache with a static scale of 0.5; slot -1 is padding:
@@ -36,9 +59,7 @@ def insert_reference(cache: PagedKVCache, k_new, v_new, slots) -> PagedKVCache:
       (True, 0.0)
     """
     spec, d = cache.spec, cache.head_dim
-    if k_new.shape != v_new.shape or k_new.shape[1:] != (cache.kv_heads, d):
-        raise ValueError(f"k_new/v_new must be [T, {cache.kv_heads}, {d}]; got {k_new.shape}, "
-                         f"{v_new.shape}")
+    check_slots(cache, k_new, v_new, slots)
     slots = jnp.asarray(slots, jnp.int32)
     ks, vs, vm = cache.k_scale, cache.v_scale, cache.v_min
     if spec.kind == "dense":
@@ -84,6 +105,9 @@ def append_reference(cache: PagedKVCache, k_new, v_new, block_tables, lengths, *
           ...
       ValueError: sequence 1 would hold 5 tokens, past its 4 slots (1 pages x 4)
     """
+    if not np.shape(k_new)[:1] == np.shape(lengths) == np.shape(block_tables)[:1]:
+        raise ValueError(f"k_new [B, kv_heads, D], lengths [B] and block_tables [B, max_pages] must agree on B; "
+                         f"got {np.shape(k_new)}, {np.shape(lengths)}, {np.shape(block_tables)}")
     if validate and not any(isinstance(x, jax.core.Tracer) for x in (block_tables, lengths)):
         validate_append(block_tables, lengths, 1, cache.num_pages, cache.page_size)
     lengths = jnp.asarray(lengths)

@@ -158,6 +158,9 @@ def test_bad_tables_raise_before_write():
     cache = allocate("int8_per_token_head", 2, 4, 1, 8)
     with pytest.raises(ValueError):
         append_reference(cache, jnp.ones((1, 1, 8)), jnp.ones((1, 1, 8)), np.asarray([[5]]), [0])
+    # Three tokens for two sequences: the message was XLA's broadcasting error.
+    with pytest.raises(ValueError, match="must agree on B"):
+        append_reference(cache, jnp.ones((3, 1, 8)), jnp.ones((3, 1, 8)), np.asarray([[0], [1]]), [0, 0])
 
 
 def test_jit_append_at_a_full_or_negative_length_writes_nothing():

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jquant.kernels.kv_insert import triton
 from jquant.kernels.kv_insert.triton import InsertConfig
 from jquant.kv.dtypes import KVCacheSpec
-from jquant.kv.insert_reference import insert_reference
+from jquant.kv.insert_reference import check_slots, insert_reference
 from jquant.kv.paged import PagedKVCache
 from jquant.schemes import dispatch
 
@@ -54,7 +54,8 @@ def choose_impl(spec: KVCacheSpec) -> str:
 def insert(cache: PagedKVCache, k_new: jax.Array, v_new: jax.Array, slots: jax.Array, *,
            impl: str = "auto", config: InsertConfig | None = None, interpret: bool = False) -> PagedKVCache:
     """Quantize ``k_new, v_new [T, kv_heads, head_dim]`` and write token i at flat slot ``slots[i]``
-    (``page * page_size + offset``); negative or out-of-range slots are dropped (nothing written).
+    (``page * page_size + offset``); negative slots are padding (nothing written), a slot past the pool
+    raises if the slots are concrete and is dropped like padding under jit.
 
     Same contract and bits as ``jquant.kv.insert_reference``. ``impl``: "pallas" (the kernel),
     "xla" (the reference) or "auto" (``choose_impl``). Formats the kernel does not cover
@@ -85,11 +86,7 @@ def insert(cache: PagedKVCache, k_new: jax.Array, v_new: jax.Array, slots: jax.A
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     d = cache.head_dim
-    if k_new.shape != v_new.shape or k_new.shape[1:] != (cache.kv_heads, d):
-        raise ValueError(f"k_new/v_new must be [T, {cache.kv_heads}, {d}]; got {k_new.shape}, "
-                         f"{v_new.shape}")
-    if jnp.shape(slots) != k_new.shape[:1]:
-        raise ValueError(f"slots must be [{k_new.shape[0]}], got {jnp.shape(slots)}")
+    check_slots(cache, k_new, v_new, slots)
     if impl == "auto":
         impl = choose_impl(cache.spec)
     if (impl == "xla" or k_new.shape[0] == 0 or not triton.covers(cache.spec, d)

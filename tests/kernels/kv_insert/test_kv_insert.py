@@ -118,7 +118,8 @@ def test_slots_not_addressed_keep_their_exact_old_contents(name, interpret):
     written = np.zeros(6 * page_size, bool)
     written[slots[(slots >= 0) & (slots < written.size)]] = True
     k, v = _new_tokens(rng, (slots >= 0) & (slots < written.size), hkv, d, jnp.bfloat16)
-    out = insert(cache, k, v, jnp.asarray(slots), impl="pallas", interpret=interpret)
+    # Under jit (concrete past-the-pool slots raise; test_rejects_bad_arguments).
+    out = _compiled(functools.partial(insert, impl="pallas", interpret=interpret), cache, k, v, jnp.asarray(slots))
     assert written.any() and not written.all()
     for new, old in zip(jax.tree.leaves(out), jax.tree.leaves(cache)):
         if old.ndim:      # per-tensor scalars are read, never written
@@ -183,6 +184,12 @@ def test_rejects_bad_arguments():
         insert(cache, x, jnp.zeros((3, 2, 32)), jnp.zeros(3, jnp.int32))
     with pytest.raises(ValueError, match=r"slots must be \[3\]"):
         insert(cache, x, x, jnp.zeros(4, jnp.int32))
+    for run in (insert, functools.partial(insert, impl="xla"), insert_reference):
+        # A slot past the pool was dropped silently; float slots were truncated to integers.
+        with pytest.raises(ValueError, match=r"slot 32 \(token 2\) is past the pool's 32 slots"):
+            run(cache, x, x, jnp.array([0, -1, 32], jnp.int32))
+        with pytest.raises(TypeError, match="slots must be integers"):
+            run(cache, x, x, jnp.array([0.5, 1.7, 2.2]))
     with pytest.raises(ValueError, match="power of two"):
         InsertConfig(block_tokens=24)
 
