@@ -86,7 +86,9 @@ def int_weight_spec(scheme: str | Scheme | WeightSpec) -> WeightSpec:
     """The integer ``WeightSpec`` of a scheme name, a Scheme or a spec."""
     spec = scheme if isinstance(scheme, WeightSpec) else get_scheme(scheme).weight
     if spec.family != "int":
-        raise ValueError(f"GPTQ quantizes to integer formats (int*/uint*); {scheme!r} has format {spec.format!r}")
+        name = scheme.name if isinstance(scheme, Scheme) else scheme if isinstance(scheme, str) else "the spec"
+        raise ValueError(f"GPTQ quantizes to integer formats (int*/uint*) and {' / '.join(FP4_FORMATS)} "
+                         f"(gptq_quantize_weight); {name} has format {spec.format!r}")
     return spec
 
 

@@ -201,7 +201,10 @@ def test_calibrate_refuses_bad_options_before_loading_anything(capsys):
                           (["calibrate", "--scheme", "mxfp4", "--out", "x"], "--out: no dense checkpoint layout"),
                           (["calibrate", "--scheme", "fp8_e4m3_tensor", "--out", "x"], "write fp8_e4m3_channel"),
                           (["calibrate", "--rotate", "32", "--out", "x"], "no online rotation"),
-                          (["calibrate", "--method", "awq", "--asym", "--group-size", "-1"], "need a group size")):
+                          (["calibrate", "--method", "awq", "--asym", "--group-size", "-1"], "need a group size"),
+                          # These two were tracebacks after the model had loaded.
+                          (["calibrate", "--scheme", "fp8_e4m3_channel"], "use --method rtn, awq or smoothquant"),
+                          (["calibrate", "--method", "smoothquant", "--alpha", "5"], "--alpha must be in [0, 1]")):
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
