@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 
+from jquant.schemes.scheme import Scheme, get_scheme, schemes
+
 
 def gptq_config(bits: int, group_size: int | None, symmetric: bool, act_order: bool) -> dict:
     """The HF ``quantization_config`` of a GPTQ checkpoint with these settings (``group_size`` None:
@@ -67,8 +69,9 @@ _NO_CONFIG = {
 }
 
 
-def checkpoint_config(name: str, *, act_order: bool = False) -> dict:
-    """The HF ``quantization_config`` of a checkpoint of registered scheme ``name``. ``act_order`` sets
+def checkpoint_config(name: "str | Scheme", *, act_order: bool = False) -> dict:
+    """The HF ``quantization_config`` of a checkpoint of registered scheme ``name`` (or the registered
+    ``Scheme`` itself). ``act_order`` sets
     GPTQ's ``desc_act`` (weights carrying ``g_idx``) on the GPTQ-written int4 schemes; the other layouts
     need no flag (compressed-tensors stores a ``weight_g_idx`` where the weights have one, GPTQ of the
     float formats keeps static groups).
@@ -86,6 +89,14 @@ def checkpoint_config(name: str, *, act_order: bool = False) -> dict:
 
     Raises ValueError for a scheme with no such checkpoint, saying why and which schemes have one.
     """
+    if isinstance(name, Scheme):
+        registered = name.name in schemes() and get_scheme(name.name) == name
+        if not registered:
+            raise ValueError(f"scheme {name.name!r} is not a registered scheme (or differs from the one of that "
+                             "name): checkpoint_config writes the registered schemes, named as in schemes()")
+        name = name.name
+    if not isinstance(name, str):
+        raise TypeError(f"checkpoint_config takes a registered scheme's name, got {type(name).__name__}")
     if name in _NO_CONFIG:
         raise ValueError(f"no dense checkpoint layout for scheme {name!r}: {_NO_CONFIG[name]}")
     if name not in _CONFIGS:

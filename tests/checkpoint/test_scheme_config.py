@@ -72,3 +72,14 @@ def test_the_returned_config_is_a_copy():
 def test_schemes_without_a_checkpoint_say_why(name, match):
     with pytest.raises(ValueError, match=match):
         checkpoint_config(name)
+
+
+def test_a_registered_scheme_object_is_taken_as_its_name():
+    # A Scheme was looked up as a name and refused with "schemes with one: ..., int8_ch, ...".
+    import dataclasses
+
+    assert checkpoint_config(get_scheme("int8_ch")) == checkpoint_config("int8_ch")
+    with pytest.raises(ValueError, match="'custom' is not a registered scheme"):
+        checkpoint_config(dataclasses.replace(get_scheme("int8_ch"), name="custom"))
+    with pytest.raises(TypeError, match="takes a registered scheme's name"):
+        checkpoint_config(8)
