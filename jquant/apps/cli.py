@@ -34,13 +34,8 @@ def _positive(kind):
     return parse
 
 
-def _ledger(argv) -> int:
-    """Memory account of SmolLM2-135M under each scheme, with its KV cache and the concurrency a budget allows."""
-    from jquant.apps.ledger import format_table, scheme_ledger, serving_ledger
+def build_ledger_parser() -> argparse.ArgumentParser:
     from jquant.kv.dtypes import VALID_NAMES as KV_DTYPES
-    from jquant.models import load_gguf, smollm2_path
-    from jquant.checkpoint.hf_checkpoint import PROJECTIONS
-    from jquant.schemes.scheme import schemes
 
     parser = argparse.ArgumentParser(prog="jquant ledger", description=_ledger.__doc__,
                                      formatter_class=HelpFormatter)
@@ -55,6 +50,17 @@ def _ledger(argv) -> int:
                         help="a vLLM kv_cache_dtype (default %(default)s)")
     parser.add_argument("--budget-mib", type=_positive(float), default=1024.0,
                         help="memory for weights + KV cache (default %(default)s)")
+    return parser
+
+
+def _ledger(argv) -> int:
+    """Memory account of SmolLM2-135M under each scheme, with its KV cache and the concurrency a budget allows."""
+    from jquant.apps.ledger import format_table, scheme_ledger, serving_ledger
+    from jquant.models import load_gguf, smollm2_path
+    from jquant.checkpoint.hf_checkpoint import PROJECTIONS
+    from jquant.schemes.scheme import schemes
+
+    parser = build_ledger_parser()
     args = parser.parse_args(argv)
     names = [s for s in args.schemes.split(",") if s]
     unknown = [n for n in names if n not in schemes()]

@@ -60,15 +60,7 @@ def _kv_dtypes(parser, text: str) -> tuple[str, ...]:
     return names
 
 
-def run(argv=None) -> int:
-    from jquant.apps.data import eval_batches
-    from jquant.apps.ledger import weight_ledger
-    from jquant.models import build_tokenizer, generate, load_gguf, smollm2_path
-    from jquant.checkpoint.hf_checkpoint import PROJECTIONS
-    from jquant.models.llama import LlamaForCausalLM
-    from jquant.flax import intercept_quantized, prepare_params, quantize_params, quantized_apply
-    from jquant.schemes.scheme import get_scheme, schemes
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jquant demo", description=__doc__,
                                      formatter_class=HelpFormatter)
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per evaluation row (default %(default)s)")
@@ -84,6 +76,19 @@ def run(argv=None) -> int:
                              "kv_cache_dtypes (all: every one) on 2 rows of --kv-seq-len tokens")
     parser.add_argument("--kv-seq-len", type=int, default=1024,
                         help="tokens per row of the KV cache evaluation (default %(default)s)")
+    return parser
+
+
+def run(argv=None) -> int:
+    from jquant.apps.data import eval_batches
+    from jquant.apps.ledger import weight_ledger
+    from jquant.models import build_tokenizer, generate, load_gguf, smollm2_path
+    from jquant.checkpoint.hf_checkpoint import PROJECTIONS
+    from jquant.models.llama import LlamaForCausalLM
+    from jquant.flax import intercept_quantized, prepare_params, quantize_params, quantized_apply
+    from jquant.schemes.scheme import get_scheme, schemes
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     names = [] if args.schemes == "none" else [s for s in args.schemes.split(",") if s] or list(schemes())
     unknown = [n for n in names if n not in schemes()]

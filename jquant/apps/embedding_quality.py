@@ -97,19 +97,24 @@ def _activations(scheme) -> str:
     return "float" if spec.mode == "none" else f"{spec.format} {spec.mode.replace('_', ' ')}"
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jquant embed-quality", description=__doc__,
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--schemes", default=DEFAULT_SCHEMES, help="comma-separated weight schemes")
+    parser.add_argument("--num-sentences", type=int, default=200, help="sentences embedded (at least 2)")
+    parser.add_argument("--offset", type=int, default=100, help="first sentence taken (of those kept)")
+    parser.add_argument("--min-words", type=int, default=6, help="shorter sentences are skipped")
+    parser.add_argument("--out", default=None, help="also write the markdown table to this file")
+    return parser
+
+
 def run(argv=None) -> int:
     from jquant.apps.ledger import weight_ledger
     from jquant.bench.records import markdown_title, run_meta
     from jquant.flax import prepare_params, quantize_params
     from jquant.models.bert import BertModel, load_bert, minilm_path
 
-    parser = argparse.ArgumentParser(prog="jquant embed-quality", description=__doc__,
-                                     formatter_class=HelpFormatter)
-    parser.add_argument("--schemes", default=DEFAULT_SCHEMES, help="comma-separated weight schemes")
-    parser.add_argument("--num-sentences", type=int, default=200)
-    parser.add_argument("--offset", type=int, default=100, help="first sentence taken (of those kept)")
-    parser.add_argument("--min-words", type=int, default=6, help="shorter sentences are skipped")
-    parser.add_argument("--out", default=None, help="also write the markdown table to this file")
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.num_sentences < 2 or args.offset < 0 or args.min_words < 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -21,6 +22,19 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         if not default or "default" in help_text:
             return help_text
         return f"{help_text} (default: {default.replace('%', '%%')})".strip()
+
+    def _split_lines(self, text, width):
+        # Lines break at spaces and after the commas of a comma list (a default such as
+        # int8_ch,fp8_e4m3_channel,...), never inside a name: argparse cut "fp8_e" from "4m3_channel".
+        lines, line = [], ""
+        for word in text.split():
+            for i, piece in enumerate(re.findall(r"[^,]*,|[^,]+", word)):
+                joined = line + (" " if line and i == 0 else "") + piece
+                if line and len(joined) > width:
+                    lines.append(line)
+                    joined = piece
+                line = joined
+        return lines + [line] if line else lines
 
     @staticmethod
     def _default_text(action) -> str:

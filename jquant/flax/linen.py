@@ -42,7 +42,9 @@ def intercept_quantized():
 
 def quantized_apply(model: nn.Module, variables: Any, *args, **kwargs):
     """``model.apply(variables, *args, **kwargs)`` where ``nn.Dense`` layers whose kernel is a QParam
-    (from ``quantize_params``) run their scheme instead of a float matmul.
+    (from ``quantize_params``) run their scheme instead of a float matmul. A quantized layer computes
+    in its ``dtype`` if set, else in its input's: a float32 kernel fed bfloat16 gives bfloat16, where
+    Flax promotes to float32 (a quantized kernel has no float dtype left to promote with).
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np, flax.linen as nn

@@ -169,8 +169,9 @@ def quantize_fp8(x, fmt: str = "fp8_e4m3", *, granularity: str = "tensor", axis:
     if convention == "compressed-tensors":
         # A zero scale becomes its dtype's eps, so all-zero blocks stay 0, not NaN.
         eps = jnp.asarray(jnp.finfo(x.dtype).eps, scale.dtype)
+        eps32 = eps.astype(jnp.float32)   # lifted in float32: 2^64 overflows a float16 eps
         scale, lifted = (jnp.where(lifted == 0, eps, scale),
-                         jnp.where(lifted == 0, jnp.where(tiny, eps * 2.0 ** LIFT, eps), lifted))
+                         jnp.where(lifted == 0, jnp.where(tiny, eps32 * 2.0 ** LIFT, eps32), lifted))
     if ue8m0:
         lifted = round_scale_up_to_pow2(lifted).astype(scale.dtype)
         scale = unlift_exact(lifted, tiny).astype(scale.dtype)

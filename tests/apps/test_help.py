@@ -4,13 +4,14 @@ import argparse
 
 import pytest
 
-from jquant.apps import bench, calibrate, cli
+from jquant.apps import bench, calibrate, cli, demo, embedding_quality
 from jquant.apps.help_format import HelpFormatter
 
 
 def _parsers():
     """Every (sub)parser of the commands whose parser is built without running them."""
-    todo = [bench.build_parser(), calibrate.build_parser()]
+    todo = [bench.build_parser(), calibrate.build_parser(), demo.build_parser(), embedding_quality.build_parser(),
+            cli.build_ledger_parser()]
     while todo:
         parser = todo.pop()
         yield parser
@@ -29,7 +30,8 @@ def test_every_option_has_help_and_shows_its_default(parser):
         assert action.help and action.help.strip(), f"{parser.prog} {action.option_strings[0]} has no help"
         if action.default not in (None, False, "", argparse.SUPPRESS) and "default" not in action.help:
             shown = HelpFormatter._default_text(action)
-            assert f"(default: {shown})" in " ".join(text.split()), (parser.prog, action.option_strings[0])
+            # Whitespace aside: a long comma list wraps after its commas.
+            assert f"(default:{shown})" in "".join(text.split()), (parser.prog, action.option_strings[0])
 
 
 def test_defaults_read_as_the_option_takes_them():
@@ -46,6 +48,16 @@ def test_a_percent_sign_in_a_default_or_help_prints(capsys):
     parser.add_argument("--y", type=float, default=25.0, help="spread limit (%%)")
     text = parser.format_help()
     assert "a share (default: 5%)" in text and "spread limit (%) (default: 25.0)" in text
+
+
+def test_a_comma_list_wraps_after_a_comma_never_inside_a_name():
+    parser = argparse.ArgumentParser(formatter_class=HelpFormatter)
+    names = ",".join(f"scheme_number_{i}" for i in range(12))
+    parser.add_argument("--schemes", default=names, help="schemes")
+    text = parser.format_help()
+    block = text[text.index("--schemes SCHEMES "):].splitlines()
+    assert len(block) > 2 and all(line.rstrip().endswith((",", ")")) for line in block), block
+    assert f"(default:{names})" in "".join("".join(block).split())
 
 
 def test_top_level_help_lists_the_commands(capsys):
