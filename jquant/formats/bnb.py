@@ -27,7 +27,9 @@ Inf when any absmax is, as in bnb.
 
 Subnormals are reproduced although XLA flushes them (``jquant.formats.subnormal``): subnormal
 elements and absmaxes, bnb's 1e-38 absmax floor, ``1 / absmax`` past 2^126 (a subnormal reciprocal)
-and products that torch keeps as tiny subnormals (FP4 codes +tiny as 0b1000, 0 as 0b0000).
+and products that torch keeps as tiny subnormals (FP4 codes +tiny as 0b1000, 0 as 0b0000); double
+quantization's statistics when every block maximum is below 2^-60 (an all-zero tensor with a short
+last block: the mean of its 1e-38 floor and zeros is a subnormal), worked on lifted by 2^64.
 
 Bit-exactness under XLA needs two guards (see ``_divide`` and ``_dequantize_dynamic8``): XLA turns
 division by a broadcast or constant into multiplication by a reciprocal, and fuses a multiply
@@ -179,21 +181,59 @@ def _row_sum(vectors):
     return total
 
 
-def _torch_mean(x):
-    """``torch.mean`` of a 1-D float32 array as torch computes it on CPU in one thread.
+def _torch_sum(x):
+    """``torch.sum`` of a 1-D float32 array as torch computes it on CPU in one thread.
 
     (torch splits sums of >= 32768 elements across its threads, so bnb's offset for tensors with that
     many blocks depends on its thread count; a checkpoint's stored offset is always kept exactly.)
     """
     n = x.shape[0]
     if n < _TORCH_LANES:
-        return exact_divide(_row_sum(x[:, None])[0], jnp.float32(n))
+        return _row_sum(x[:, None])[0]
     vectors = n // _TORCH_LANES
     lanes = _row_sum(x[:vectors * _TORCH_LANES].reshape(vectors, _TORCH_LANES))
     total = _fold(x[vectors * _TORCH_LANES:])
     for k in range(_TORCH_LANES):
         total = total + lanes[k]
-    return exact_divide(total, jnp.float32(n))
+    return total
+
+
+def _torch_mean(x):
+    """``torch.mean`` of a 1-D float32 array as torch computes it on CPU in one thread."""
+    return exact_divide(_torch_sum(x), jnp.float32(x.shape[0]))
+
+
+def _tiny_mean_lifted(lifted):
+    """``torch.mean`` · 2^64 of values given as ``subnormal.lift64`` of them, the mean rounded where
+    PyTorch rounds it: to a multiple of 2^-149 (2^-85 lifted) when it is subnormal."""
+    n = lifted.shape[0]
+    total = _torch_sum(lifted)
+    mean = exact_divide(total, jnp.float32(n))
+    # A subnormal total is t · 2^-149 with an integer t < 2^23: the quotient rounded half to even.
+    t = (total * np.float32(2.0 ** 85)).astype(jnp.int32)
+    q, r = t // n, t % n
+    q = q + ((2 * r > n) | ((2 * r == n) & (q % 2 == 1))).astype(jnp.int32)
+    # A normal total over a subnormal mean: rounded twice (to 24 bits, then to the grid), which can
+    # differ from PyTorch's once only at a tie of the second rounding.
+    grid = jnp.where(total < np.float32(2.0 ** -62), q.astype(jnp.float32),
+                     jnp.round(mean * np.float32(2.0 ** 85)))
+    return jnp.where(mean < np.float32(2.0 ** -62), grid * np.float32(2.0 ** -85), mean)
+
+
+def _double_quantize(absmax):
+    """bnb's ``compress_statistics``: the float32 mean of the block maxima (the offset) and their
+    differences from it in ``bnb_dynamic8``. Block maxima all below 2^-60 (an all-zero tensor's are 0
+    and bnb's 1e-38 floor for a short last block) are worked on lifted by 2^64, where the subnormal
+    mean and differences PyTorch keeps are normal floats."""
+    offset = _torch_mean(absmax)
+    nested = _dynamic8(absmax - offset, NESTED_BLOCKSIZE)
+    tiny = jnp.max(abs_bits(absmax)) < abs_bits(np.float32(2.0 ** -60))
+    lifted = subnormal.lift64(absmax)
+    offset_lifted = _tiny_mean_lifted(lifted)
+    nested_lifted = _dynamic8(lifted - offset_lifted, NESTED_BLOCKSIZE)
+    return nested.replace(data=jnp.where(tiny, nested_lifted.data, nested.data),
+                          scale=jnp.where(tiny, subnormal.unlift64(nested_lifted.scale), nested.scale),
+                          zero=jnp.where(tiny, subnormal.unlift64(offset_lifted), offset))
 
 
 # ---- input checks -------------------------------------------------------------------------------
@@ -249,10 +289,21 @@ def _dynamic8(x, blocksize):
 @functools.partial(jax.jit, static_argnums=1)
 def _dequantize_dynamic8(qt: QTensor, dtype) -> jnp.ndarray:
     values = jnp.asarray(_dynamic_map())[qt.data.reshape(-1)]
-    out = values * expand_blocks(qt.scale, (qt.size,), qt.block)
-    if qt.zero is not None:
+
+    def dequantize(scale, zero):
+        out = values * expand_blocks(scale, (qt.size,), qt.block)
         # bnb rounds the product before adding the offset; the barrier keeps XLA from fusing an FMA.
-        out = jax.lax.optimization_barrier(out) + qt.zero
+        return out if zero is None else jax.lax.optimization_barrier(out) + zero
+
+    out = dequantize(qt.scale, qt.zero)
+    # Subnormal statistics (an all-zero tensor's double quantization): PyTorch keeps the subnormal
+    # results, whose signs give the 4-bit level's zeros their signs; lifted by 2^64 they survive here,
+    # rounded twice (within one 2^-149 step of PyTorch's).
+    tiny = abs_bits(qt.scale) < abs_bits(np.float32(2.0 ** -60))
+    if qt.zero is not None:
+        tiny = tiny & (abs_bits(qt.zero) < abs_bits(np.float32(2.0 ** -60)))
+    lifted = dequantize(subnormal.lift64(qt.scale), None if qt.zero is None else subnormal.lift64(qt.zero))
+    out = jnp.where(expand_blocks(tiny, (qt.size,), qt.block), subnormal.unlift64(lifted), out)
     return out.reshape(qt.shape).astype(dtype)
 
 
@@ -312,8 +363,7 @@ def _four_bit(x, fmt, blocksize, compress_statistics):
     codes = _codes_4bit(jnp.pad(scaled, (0, flat.size % 2)), fmt)
     scale = absmax
     if compress_statistics:
-        offset = _torch_mean(absmax)
-        scale = quantize_dynamic8(absmax - offset, blocksize=NESTED_BLOCKSIZE).replace(zero=offset)
+        scale = _double_quantize(absmax)
     return QTensor(data=pack_bits(codes, 4, axis=0, order="high_first"), scale=scale, fmt=fmt,
                    shape=x.shape, dtype=x.dtype, block=(blocksize,), pack_axis=0)
 

@@ -121,3 +121,26 @@ def divide(x: jax.Array, a: jax.Array) -> tuple[jax.Array, jax.Array]:
     negative = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) < 0
     sign = jnp.where(big > limit, jnp.where(negative, -1, 1), 0)
     return quotient, sign
+
+
+_LIFT64 = np.float32(2.0 ** 64)
+
+
+def lift64(x: jax.Array) -> jax.Array:
+    """float32 ``x · 2^64``, exact for subnormal ``x`` too (XLA reads them as 0), for |x| < 2^60.
+    Scaled so, float32 sums, differences and quotients of tiny values round as PyTorch's do unscaled:
+    a result PyTorch keeps as a subnormal is exact there, and exact here."""
+    x = x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    m = _subnormal_magnitude(bits) * np.float32(2.0 ** (64 - 126))
+    return jnp.where(is_subnormal(x), jnp.where(bits < 0, -m, m), x * _LIFT64)
+
+
+def unlift64(v: jax.Array) -> jax.Array:
+    """float32 ``v · 2^-64``, a subnormal result built from its bits (XLA's multiply would flush it),
+    rounded half to even to a multiple of 2^-149 (exact for ``lift64``'s image)."""
+    v = v.astype(jnp.float32)
+    small = jnp.abs(v) < np.float32(2.0 ** -62)
+    units = jnp.round(jnp.abs(v) * np.float32(2.0 ** 85)).astype(jnp.int32)   # < 2^23 where small
+    sign = jnp.where(jax.lax.bitcast_convert_type(v, jnp.int32) < 0, jnp.int32(-0x80000000), 0)
+    return jnp.where(small, jax.lax.bitcast_convert_type(units | sign, jnp.float32), v * np.float32(2.0 ** -64))

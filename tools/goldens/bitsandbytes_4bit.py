@@ -40,7 +40,12 @@ def _inputs():
     special[192:] = 0.0                  # block 3 and the short last block are all zero
     special[193] = -0.0
     special = special.reshape(4, 70)
-    return {"small": small, "big": big, "special": special}
+    # All zero with a short last block: bnb floors that block's absmax at 1e-38 (a subnormal), so the
+    # double quantization's mean and differences are subnormals torch keeps. K is odd: bnb's CPU
+    # dequantize_4bit reads the block maxima per row where K is even and not a multiple of the block.
+    zeros = torch.zeros(4, 71)
+    zeros_f16 = torch.zeros(33, 97, dtype=torch.float16)
+    return {"small": small, "big": big, "special": special, "zeros": zeros, "zeros_f16": zeros_f16}
 
 
 CASES = {
@@ -53,6 +58,8 @@ CASES = {
     "nf4_big_dq": ("big", "nf4", 64, True),
     "nf4_special": ("special", "nf4", 64, False),
     "fp4_special_dq": ("special", "fp4", 64, True),
+    "nf4_zeros_dq": ("zeros", "nf4", 64, True),
+    "fp4_zeros_f16_bs128_dq": ("zeros_f16", "fp4", 128, True),
 }
 
 SUM_SIZES = (1, 3, 5, 6, 7, 8, 9, 31, 64, 100, 517, 700, 3000, 8200)
