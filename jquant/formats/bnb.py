@@ -18,8 +18,8 @@ Bit-exact with bitsandbytes 0.50.2 on CPU (``quantize_4bit``'s torch kernel, the
   dequantization.
 * Dequantization is ``table[code] * absmax`` in float32, then cast (round to nearest even), over the
   flattened blocks as bnb's generic path computes it. bnb 0.50.2's CPU ``dequantize_4bit`` kernel
-  instead indexes the block maxima per row when the last dimension is even, not a multiple of the
-  block size and the block size is under 2048, which disagrees with its own quantizer's flat blocks.
+  disagrees with its own quantizer's flat blocks on some shapes whose rows do not hold whole blocks
+  (33 × 96 in blocks of 128, 7 × 352 in blocks of 64; not 6 × 70 in blocks of 64).
 
 NaN/Inf follow bnb, at every tensor size (the absmax is an integer max of |x|'s bits, which keeps NaN
 where XLA's float max drops it from large reductions): a NaN makes its block's absmax NaN (the block
