@@ -53,15 +53,27 @@ def kv_cache_dtype_from_config(quantization_config: dict | None) -> str | None:
       >>> from jquant.checkpoint.kv_cache import kv_cache_dtype_from_config
       >>> kv_cache_dtype_from_config({"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}})
       'fp8'
+      >>> kv_cache_dtype_from_config({"quant_method": "modelopt", "quant_algo": "NVFP4",
+      ...                             "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}})
+      'fp8'
       >>> kv_cache_dtype_from_config({"quant_method": "fp8", "activation_scheme": "dynamic"}) is None
       True
     """
     if not quantization_config or quant_method(quantization_config) != "modelopt":
         return None
     inner = quantization_config.get("quantization", quantization_config)
-    algo = inner.get("kv_cache_quant_algo") if isinstance(inner, dict) else None
+    inner = inner if isinstance(inner, dict) else {}
+    # vLLM's order (get_kv_cache_quant_algo_string): kv_cache_scheme, which newer ModelOpt writes into
+    # config.json, before kv_cache_quant_algo, each in the nested block first.
+    algo = (inner.get("kv_cache_scheme") or quantization_config.get("kv_cache_scheme")
+            or inner.get("kv_cache_quant_algo") or quantization_config.get("kv_cache_quant_algo"))
     if algo is None:
         return None
+    if isinstance(algo, dict):
+        if algo.get("dynamic") is False and algo.get("num_bits") == 8 and algo.get("type") == "float":
+            return "fp8"
+        raise ValueError(f"kv_cache_scheme {algo!r}: jquant reads static 8-bit float (per-tensor e4m3 pages "
+                         "with the checkpoint's k_scale / v_scale) or none")
     if not isinstance(algo, str) or algo.upper() != "FP8":
         raise ValueError(f"kv_cache_quant_algo {algo!r}: jquant reads 'FP8' (per-tensor e4m3 pages with the "
                          "checkpoint's k_scale / v_scale) or none; an NVFP4 KV cache has no jquant format")

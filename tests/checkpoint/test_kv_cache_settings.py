@@ -113,6 +113,13 @@ def test_kv_cache_dtype_from_config():
     assert kv_cache_dtype_from_config({"quant_method": "fp8"}) is None and kv_cache_dtype_from_config(None) is None
     with pytest.raises(ValueError, match="kv_cache_quant_algo 'NVFP4'"):
         kv_cache_dtype_from_config({"quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "NVFP4"}})
+    # Newer ModelOpt writes kv_cache_scheme into config.json (the KV cache stayed bf16 where vLLM runs FP8).
+    fp8_scheme = {"dynamic": False, "num_bits": 8, "type": "float"}
+    flat = {"quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_scheme": fp8_scheme, "ignore": ["lm_head"]}
+    assert kv_cache_dtype_from_config(flat) == "fp8"
+    assert kv_cache_dtype_from_config({**flat, "kv_cache_quant_algo": "NVFP4"}) == "fp8"   # the scheme first
+    with pytest.raises(ValueError, match="kv_cache_scheme"):
+        kv_cache_dtype_from_config({**flat, "kv_cache_scheme": {**fp8_scheme, "num_bits": 4}})
 
 
 def test_load_tensors_reads_only_what_is_asked(tmp_path):
