@@ -95,6 +95,7 @@ def _awq(cfg: dict) -> Scheme:
 
 
 def _gptq(cfg: dict) -> Scheme:
+    _gptq_dynamic(cfg)   # one scheme for every module, or an error (not the default scheme for all)
     bits = _get(cfg, "bits", int)
     if bits not in (2, 3, 4, 8):
         raise ValueError(f"quantization_config['bits'] must be 2, 3, 4 or 8 for GPTQ, got {bits}")
@@ -367,14 +368,21 @@ def _modelopt_exclude(cfg: dict):
     return lambda module: any(n in module or fnmatch.fnmatchcase(module, n) for n in names)
 
 
-def _gptq_skip(cfg: dict):
-    # GPTQModel's per-module "dynamic" rules: "-:<regex>" (re.match) keeps a module unquantized.
+def _gptq_dynamic(cfg: dict) -> dict:
+    """GPTQModel's per-module ``dynamic`` rules, refused where they change a module's scheme (vLLM's
+    ``get_dynamic_override`` gives such a module other bits, group size or act-order)."""
     dynamic = _get(cfg, "dynamic", (dict, type(None)), None) or {}
-    negative = [_regex(k[2:], "dynamic") for k in dynamic if isinstance(k, str) and k.startswith("-:")]
     overrides = [k for k, v in dynamic.items() if not str(k).startswith("-:") and v]
     if overrides:
         raise ValueError(f"quantization_config['dynamic']: per-module overrides {overrides} (other bits or group "
                          "sizes per module) are not supported; only '-:' exclusions are")
+    return dynamic
+
+
+def _gptq_skip(cfg: dict):
+    # GPTQModel's per-module "dynamic" rules: "-:<regex>" (re.match) keeps a module unquantized.
+    dynamic = _gptq_dynamic(cfg)
+    negative = [_regex(k[2:], "dynamic") for k in dynamic if isinstance(k, str) and k.startswith("-:")]
     substring = _substring(_names(cfg, "modules_to_not_convert"))
     # vLLM: when 'modules_in_block_to_quantize' is given (AutoGPTQ / AutoRound write it, nested one list
     # per sequential step), only modules holding one of its entries as a substring are quantized.

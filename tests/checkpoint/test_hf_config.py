@@ -186,6 +186,16 @@ def test_bad_skip_lists(config, match):
         jquant.checkpoint.hf_config.skipped_modules(config)
 
 
+def test_gptq_per_module_overrides_are_refused_by_the_scheme_too():
+    # scheme_from_config built the default scheme for every module, layer 1's 8-bit override ignored.
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True,
+              "dynamic": {r"+:model\.layers\.1\..*": {"bits": 8, "group_size": 32}, r"-:model\.layers\.[2-9].*": {}}}
+    with pytest.raises(ValueError, match="per-module overrides"):
+        scheme_from_config(config)
+    exclusions_only = dict(config, dynamic={r"-:model\.layers\.[2-9].*": {}})
+    assert scheme_from_config(exclusions_only).name == scheme_from_config(dict(config, dynamic=None)).name
+
+
 def _ct_static(weight_strategy, act_strategy="tensor"):
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": weight_strategy},
