@@ -129,6 +129,10 @@ def _compressed_tensors(cfg: dict) -> Scheme:
     acts = _get(group, "input_activations", (dict, type(None)), None, where=where)
     num_bits = _get(weights, "num_bits", int, where=wwhere)
     kind = _get(weights, "type", str, "int", where=wwhere)
+    if fmt == "naive-quantized":
+        # compressed-tensors' float- and int-quantized compressors are its naive one with the codes'
+        # dtype fixed: the same tensors (weight, weight_scale, weight_zero_point), as vLLM reads them.
+        fmt = "float-quantized" if kind == "float" else "int-quantized"
     strategy = _get(weights, "strategy", str, where=wwhere)
     if fmt == "pack-quantized":
         if kind != "int" or num_bits not in (4, 8):
@@ -178,7 +182,7 @@ def _compressed_tensors(cfg: dict) -> Scheme:
                              "is symmetric)")
         return bs.nvfp4(convention="compressed-tensors")
     raise ValueError(f"quantization_config['format'] {fmt!r} is not supported; expected 'pack-quantized', "
-                     "'float-quantized', 'int-quantized' or 'nvfp4-pack-quantized'")
+                     "'float-quantized', 'int-quantized', 'naive-quantized' or 'nvfp4-pack-quantized'")
 
 
 def _check_fp8_args(weights: dict, acts: dict | None, where: str) -> None:

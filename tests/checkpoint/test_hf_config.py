@@ -264,3 +264,19 @@ def test_compressed_tensors_transforms_are_refused():
     config = dict(_ct_fp8(acts={}), transform_config={"config_groups": {"u": {"type": "hadamard"}}})
     with pytest.raises(ValueError, match="transform_config"):
         scheme_from_config(config)
+
+
+@pytest.mark.parametrize("weights, acts", [
+    ({"num_bits": 8, "type": "float", "strategy": "tensor"},
+     {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}),
+    ({"num_bits": 8, "type": "float", "strategy": "channel"},
+     {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}),
+    ({"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
+     {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}),
+])
+def test_compressed_tensors_naive_quantized_reads_as_its_typed_format(weights, acts):
+    # naive-quantized (e.g. nm-testing/Meta-Llama-3.1-8B-Instruct-FP8-hf) was refused; vLLM loads it.
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": acts}
+    naive = {"quant_method": "compressed-tensors", "format": "naive-quantized", "config_groups": {"group_0": group}}
+    typed = dict(naive, format="float-quantized" if weights["type"] == "float" else "int-quantized")
+    assert scheme_from_config(naive) == scheme_from_config(typed)
