@@ -361,7 +361,31 @@ def _compressed_tensors_ignore(cfg: dict):
     names = _names(cfg, "ignore")
     regexes = [_regex(n[3:], "ignore") for n in names if n.startswith("re:")]
     exact = {n for n in names if not n.startswith("re:")}
-    return lambda module: module in exact or any(r.match(module) for r in regexes)
+    targeted = _compressed_tensors_targets(cfg)
+    return lambda module: module in exact or any(r.match(module) for r in regexes) or not targeted(module)
+
+
+def _compressed_tensors_targets(cfg: dict):
+    """Whether a linear module is one a config group targets: vLLM leaves a layer no target matches
+    unquantized. A target is a "re:" regex (re.match), a module name, or a class name (no dot), of
+    which only the Linear classes name linear layers; groups aimed at attention (the KV cache) only
+    are left out, as vLLM drops them."""
+    groups = cfg.get("config_groups")
+    if not isinstance(groups, dict):
+        return lambda module: True
+    targets = []
+    for gname, group in groups.items():
+        where = f"quantization_config['config_groups'][{gname!r}]"
+        names = _names(group, "targets", where) if isinstance(group, dict) else []
+        if names and all(n.endswith("Attention") for n in names):
+            continue
+        targets += names
+    if not targets:   # no group names its targets: nothing to narrow
+        return lambda module: True
+    regexes = [_regex(t[3:], "targets") for t in targets if t.startswith("re:")]
+    exact = {t for t in targets if not t.startswith("re:") and "." in t}
+    any_linear = any(not t.startswith("re:") and "." not in t and t.endswith("Linear") for t in targets)
+    return lambda module: any_linear or module in exact or any(r.match(module) for r in regexes)
 
 
 def _modelopt_exclude(cfg: dict):

@@ -146,6 +146,13 @@ CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "co
     (dict(CT_FP8, ignore=["lm_head", "re:.*layers\\.1\\.mlp\\.down"]), {0, 3}),
     (dict(CT_FP8, ignore=["re:layers\\.1"]), set()),  # not anchored at the start of the name
     (dict(CT_FP8, ignore=["model.layers.1.mlp"]), set()),  # a parent name is not a match
+    # Targets: a layer no group targets stays float (regexes by re.match, names by equality, the Linear
+    # class for every linear layer); a group aimed at attention only (the KV cache) targets no linear.
+    (dict(CT_FP8, config_groups={"group_0": dict(CT_FP8["config_groups"]["group_0"], targets=["re:.*mlp.*"])}),
+     {0, 1, 2}),
+    (dict(CT_FP8, config_groups={"group_0": dict(CT_FP8["config_groups"]["group_0"],
+                                                 targets=["re:.*down_proj$", "model.layers.0.self_attn.k_proj"]),
+                                 "group_1": {"targets": ["LlamaAttention"]}}), {0, 1, 5}),
     # AWQ: substrings ("down_proj" hits both layers; "layers.1." does not hit "layers.11.").
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
       "modules_to_not_convert": ["down_proj", "layers.1."]}, {3, 4, 5}),
