@@ -218,7 +218,9 @@ def test_calibrate_refuses_bad_options_before_loading_anything(capsys):
                              "use a group size dividing every K (64, 128), e.g. --group-size 32 or -1"),
     (["--method", "awq", "--asym", "--group-size", "128"], "e.g. --group-size 64\n"),   # AWQ refuses -1
     (["--scheme", "int4_g128"], "--scheme int4_g128 (groups of 128) does not divide"),
-    (["--scheme", "fp8_e4m3_block128x128"], "cannot be quantized with scheme 'fp8_e4m3_block128x128'"),
+    # --method rtn: GPTQ (the default) does not take FP8 schemes, a usage error found first.
+    (["--scheme", "fp8_e4m3_block128x128", "--method", "rtn"],
+     "cannot be quantized with scheme 'fp8_e4m3_block128x128'"),
 ])
 def test_calibrate_refuses_a_group_that_does_not_divide_k_before_reading_text(argv, message, tiny_model,
                                                                                 monkeypatch, capsys):
