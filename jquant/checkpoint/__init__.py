@@ -10,6 +10,7 @@ from jquant.checkpoint import bnb_layout as _bnb  # noqa: F401,E402
 from jquant.checkpoint import int8_layouts as _int8  # noqa: F401,E402
 from jquant.checkpoint.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from jquant.checkpoint.kv_cache import KVCacheSettings, kv_cache_settings  # noqa: E402
+from jquant.checkpoint.module_scheme import module_scheme  # noqa: E402
 
 __all__ = ["KVCacheSettings", "from_checkpoint", "kv_cache_settings", "layouts", "load_hf_checkpoint",
-           "register_layout", "save_hf_checkpoint", "to_checkpoint"]
+           "module_scheme", "register_layout", "save_hf_checkpoint", "to_checkpoint"]

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jquant.checkpoint import from_checkpoint
-from jquant.checkpoint.hf_config import scheme_from_config, skipped_modules
+from jquant.checkpoint.hf_config import quant_method, skipped_modules
+from jquant.checkpoint.module_scheme import module_scheme
 from jquant.checkpoint.writer import tensor_separator
 from jquant.schemes.qparam import QParam
 from jquant.schemes.scheme import Scheme
@@ -174,19 +175,19 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
             tensors[key], origin[key] = value, f.name
     if quantization_config is None and (directory / "config.json").exists():
         quantization_config = json.loads((directory / "config.json").read_text()).get("quantization_config")
-    scheme = scheme_from_config(quantization_config) if quantization_config else None
-    skipped = skipped_modules(quantization_config) if quantization_config else (lambda name: False)
+    scheme_of = module_scheme(quantization_config) if quantization_config else (lambda name: None)
     used: set[str] = set()
     out: dict[str, Any] = {}
     for path, ref in _flat(like).items():
         module, leaf_name = path.rsplit("/", 1)
         name = hf_module_name(module)
+        scheme = scheme_of(name)
         value = _float_weight(tensors, name)
         stored = sorted(k for k in tensors if k.startswith(name + "."))
-        if value is None and stored and skipped(name):
+        if value is None and stored and quantization_config and scheme is None:
             raise ValueError(f"parameter {path!r}: the quantization_config keeps {name} in float (its ignore "
-                             f"list), but the checkpoint stores {stored} for it")
-        if value is not None and scheme is not None and jnp.dtype(value.dtype).itemsize == 1 and not skipped(name):
+                             f"list, or no group targets it), but the checkpoint stores {stored} for it")
+        if value is not None and scheme is not None and jnp.dtype(value.dtype).itemsize == 1:
             # FP8 codes without their scale under a quantized config (a lost shard, a renamed tensor): read as
             # floats they would be off by the missing scale, silently.
             raise ValueError(f"parameter {path!r}: the checkpoint stores {name}.weight as {value.dtype} codes "
@@ -231,9 +232,9 @@ def load_hf_checkpoint(directory, like: dict, *, quantization_config: dict | Non
     if extra:
         raise ValueError(f"checkpoint tensors {extra[:8]}{'...' if len(extra) > 8 else ''} match no model parameter")
     if quantize is not None:
-        if scheme is not None:
+        if quantization_config:
             raise ValueError(f"quantize={quantize!r} asks to quantize a checkpoint that is already quantized "
-                             f"({scheme.name})")
+                             f"({quant_method(quantization_config)})")
         from jquant.flax.rules import quantize_params
 
         return quantize_params(_unflat(out), [(PROJECTIONS, quantize)], prepare=prepare)[0]

@@ -2,7 +2,8 @@
 
 Accepted: ``fp8`` (with ``weight_block_size`` and ``scale_fmt``), ``awq`` (GEMM-packed ``version``s),
 ``gptq`` (with ``checkpoint_format``), ``compressed-tensors`` (``pack-quantized``, ``float-quantized``,
-``nvfp4-pack-quantized``), ``modelopt`` (``quant_algo`` FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, NVFP4,
+``int-quantized``, ``naive-quantized``, ``nvfp4-pack-quantized``; several config groups through
+``jquant.checkpoint.module_scheme``), ``modelopt`` (``quant_algo`` FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, NVFP4,
 W4A16_NVFP4; flat or under ``"quantization"``), ``mxfp4`` and ``bitsandbytes`` (4-bit). Anything else, or
 a malformed config, raises a ValueError that names the key.
 ``skipped_modules`` reads the same config's ignore list: the modules that stay in float.
@@ -110,11 +111,25 @@ def _gptq(cfg: dict) -> Scheme:
 
 
 def _compressed_tensors(cfg: dict) -> Scheme:
-    groups = _get(cfg, "config_groups", dict)
+    groups = compressed_tensors_groups(cfg)
     if len(groups) != 1:
-        raise ValueError(f"quantization_config['config_groups'] must hold exactly one group (mixed schemes per "
-                         f"layer are not supported yet), got {sorted(groups)}")
+        raise ValueError(f"quantization_config['config_groups'] holds {len(groups)} groups {sorted(groups)}, a "
+                         "scheme per layer: module_scheme(quantization_config) gives each module's")
     (gname, group), = groups.items()
+    return compressed_tensors_group_scheme(cfg, gname, group)
+
+
+def compressed_tensors_groups(cfg: dict) -> dict:
+    """The config groups that quantize linear layers: vLLM drops a group aimed at attention only (its
+    targets all end in "Attention": the KV cache, read by ``kv_cache_settings``)."""
+    groups = _get(cfg, "config_groups", dict)
+    return {name: group for name, group in groups.items()
+            if not (isinstance(group, dict) and group.get("targets")
+                    and all(str(t).endswith("Attention") for t in group["targets"]))}
+
+
+def compressed_tensors_group_scheme(cfg: dict, gname: str, group) -> Scheme:
+    """The scheme of config group ``gname`` of a compressed-tensors ``cfg``."""
     where = f"quantization_config['config_groups'][{gname!r}]"
     if not isinstance(group, dict):
         raise ValueError(f"{where} must be a dict, got {group!r}")
@@ -366,26 +381,30 @@ def _compressed_tensors_ignore(cfg: dict):
 
 
 def _compressed_tensors_targets(cfg: dict):
-    """Whether a linear module is one a config group targets: vLLM leaves a layer no target matches
-    unquantized. A target is a "re:" regex (re.match), a module name, or a class name (no dot), of
-    which only the Linear classes name linear layers; groups aimed at attention (the KV cache) only
-    are left out, as vLLM drops them."""
+    """Whether a linear module is one a config group targets (vLLM leaves a layer no target matches
+    unquantized); no group naming targets narrows nothing."""
     groups = cfg.get("config_groups")
     if not isinstance(groups, dict):
         return lambda module: True
-    targets = []
-    for gname, group in groups.items():
-        where = f"quantization_config['config_groups'][{gname!r}]"
-        names = _names(group, "targets", where) if isinstance(group, dict) else []
-        if names and all(n.endswith("Attention") for n in names):
-            continue
-        targets += names
-    if not targets:   # no group names its targets: nothing to narrow
+    targets = [group_targets(group, f"quantization_config['config_groups'][{name!r}]")
+               for name, group in compressed_tensors_groups(cfg).items() if isinstance(group, dict)]
+    targets = [t for t in targets if t is not None]
+    if not targets:
         return lambda module: True
+    return lambda module: any(by_name(module) or linear for by_name, linear in targets)
+
+
+def group_targets(group: dict, where: str):
+    """One config group's ``targets`` as (a predicate on module names, whether a class target names the
+    Linear layers), None when it lists none. Names match by equality, "re:" regexes by re.match; a
+    target without a dot is a class name (vLLM tries names and regexes before classes)."""
+    targets = _names(group, "targets", where)
+    if not targets:
+        return None
     regexes = [_regex(t[3:], "targets") for t in targets if t.startswith("re:")]
     exact = {t for t in targets if not t.startswith("re:") and "." in t}
-    any_linear = any(not t.startswith("re:") and "." not in t and t.endswith("Linear") for t in targets)
-    return lambda module: any_linear or module in exact or any(r.match(module) for r in regexes)
+    linear = any(not t.startswith("re:") and "." not in t and t.endswith("Linear") for t in targets)
+    return (lambda module: module in exact or any(r.match(module) for r in regexes)), linear
 
 
 def _modelopt_exclude(cfg: dict):
