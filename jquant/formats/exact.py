@@ -1,9 +1,11 @@
 """Arithmetic that stays bit-exact with PyTorch/numpy under XLA's optimisations.
 
-Two XLA rewrites break bit-exactness with the reference libraries, also under ``jit`` on CPU:
+Three XLA rewrites break bit-exactness with the reference libraries, also under ``jit`` on CPU:
 - ``a / broadcast(b)`` (a constant included) becomes ``a * broadcast(1 / b)``, an ulp off often enough
   to change codes and scales; ``exact_divide`` keeps a true division, fused, by making the
   denominator a select on the numerator instead of a broadcast.
+- ``(a / b) / c`` becomes ``a / (b * c)``, one rounding where PyTorch rounds twice; ``exact_divide``
+  makes its numerator a select, so no quotient of quotients is left to regroup.
 - a float32 → bf16/fp16 → float32 round trip may be dropped ("excess precision"), so PyTorch's
   "compute in the weight's dtype" arithmetic would differ; ``round_to_precision`` uses
   ``reduce_precision``, which XLA never elides.
