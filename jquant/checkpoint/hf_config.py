@@ -2,8 +2,8 @@
 
 Accepted: ``fp8`` (with ``weight_block_size`` and ``scale_fmt``), ``awq`` (GEMM-packed ``version``s),
 ``gptq`` (with ``checkpoint_format``), ``compressed-tensors`` (``pack-quantized``, ``float-quantized``,
-``int-quantized``, ``naive-quantized``, ``nvfp4-pack-quantized``; several config groups through
-``jquant.checkpoint.module_scheme``), ``modelopt`` (``quant_algo`` FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, NVFP4,
+``int-quantized``, ``naive-quantized``, ``nvfp4-pack-quantized``; several config groups, like GPTQModel's
+per-module overrides, through ``jquant.checkpoint.module_scheme``), ``modelopt`` (``quant_algo`` FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, NVFP4,
 W4A16_NVFP4; flat or under ``"quantization"``), ``mxfp4`` and ``bitsandbytes`` (4-bit). Anything else, or
 a malformed config, raises a ValueError that names the key.
 ``skipped_modules`` reads the same config's ignore list: the modules that stay in float.
@@ -415,21 +415,34 @@ def _modelopt_exclude(cfg: dict):
     return lambda module: any(n in module or fnmatch.fnmatchcase(module, n) for n in names)
 
 
-def _gptq_dynamic(cfg: dict) -> dict:
-    """GPTQModel's per-module ``dynamic`` rules, refused where they change a module's scheme (vLLM's
-    ``get_dynamic_override`` gives such a module other bits, group size or act-order)."""
+GPTQ_OVERRIDES = ("bits", "group_size", "desc_act", "sym")   # what vLLM's override_config reads
+
+
+def gptq_dynamic_rule(cfg: dict, module: str):
+    """GPTQModel's per-module ``dynamic`` rule for ``module``, as vLLM's ``get_dynamic_override``: the
+    first pattern (in the config's order) that re.matches it; False for a "-:" exclusion, the overrides
+    (``GPTQ_OVERRIDES`` keys) for a "+:" or bare pattern, None where none matches."""
+    for pattern, overrides in (_get(cfg, "dynamic", (dict, type(None)), None) or {}).items():
+        negative = str(pattern).startswith("-:")
+        if _regex(str(pattern).removeprefix("-:").removeprefix("+:"), "dynamic").match(module):
+            if negative:
+                return False
+            return {k: v for k, v in (overrides or {}).items() if k in GPTQ_OVERRIDES}
+    return None
+
+
+def _gptq_dynamic(cfg: dict) -> None:
+    """Refuses ``dynamic`` rules that give modules other schemes: no one scheme describes the model."""
     dynamic = _get(cfg, "dynamic", (dict, type(None)), None) or {}
-    overrides = [k for k, v in dynamic.items() if not str(k).startswith("-:") and v]
+    overrides = [k for k, v in dynamic.items()
+                 if not str(k).startswith("-:") and any(key in (v or {}) for key in GPTQ_OVERRIDES)]
     if overrides:
-        raise ValueError(f"quantization_config['dynamic']: per-module overrides {overrides} (other bits or group "
-                         "sizes per module) are not supported; only '-:' exclusions are")
-    return dynamic
+        raise ValueError(f"quantization_config['dynamic']: per-module overrides {overrides} give modules other "
+                         "bits or group sizes: module_scheme(quantization_config) gives each module's scheme")
 
 
 def _gptq_skip(cfg: dict):
-    # GPTQModel's per-module "dynamic" rules: "-:<regex>" (re.match) keeps a module unquantized.
-    dynamic = _gptq_dynamic(cfg)
-    negative = [_regex(k[2:], "dynamic") for k in dynamic if isinstance(k, str) and k.startswith("-:")]
+    # GPTQModel's per-module "dynamic" rules: a "-:<regex>" matched first keeps a module unquantized.
     substring = _substring(_names(cfg, "modules_to_not_convert"))
     # vLLM: when 'modules_in_block_to_quantize' is given (AutoGPTQ / AutoRound write it, nested one list
     # per sequential step), only modules holding one of its entries as a substring are quantized.
@@ -440,7 +453,8 @@ def _gptq_skip(cfg: dict):
         if not all(isinstance(n, str) for n in quantized):
             raise ValueError("quantization_config['modules_in_block_to_quantize'] must be a list of module names "
                              f"(or of lists of them), got {listed!r}")
-    return lambda module: (substring(module) or any(r.match(module) for r in negative)
+    gptq_dynamic_rule(cfg, "")   # a bad regex raises here, not at the first module
+    return lambda module: (substring(module) or gptq_dynamic_rule(cfg, module) is False
                            or quantized is not None and not any(n in module for n in quantized))
 
 

@@ -1,12 +1,14 @@
-"""Which scheme vLLM applies to each module of a checkpoint: one for the whole model, or one per
-compressed-tensors config group (llm-compressor's mixed-precision checkpoints)."""
+"""Which scheme vLLM applies to each module of a checkpoint: one for the whole model, one per
+compressed-tensors config group (llm-compressor's mixed-precision checkpoints), or GPTQModel's
+per-module ``dynamic`` overrides of bits, group size, act-order and symmetry."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 from jquant.checkpoint.hf_config import (compressed_tensors_group_scheme, compressed_tensors_groups,
-                                         group_targets, quant_method, scheme_from_config, skipped_modules)
+                                         gptq_dynamic_rule, group_targets, quant_method, scheme_from_config,
+                                         skipped_modules)
 from jquant.schemes.scheme import Scheme
 
 
@@ -16,7 +18,9 @@ def module_scheme(quantization_config: dict) -> Callable[[str], Scheme | None]:
 
     A compressed-tensors config with several ``config_groups`` gives each module the scheme of the
     first group whose targets match it, as vLLM's ``find_matched_target``: module names and "re:"
-    regexes first (in the config's order), then class names (``Linear``).
+    regexes first (in the config's order), then class names (``Linear``). A GPTQ config's ``dynamic``
+    rules override the bits, group size, ``desc_act`` and ``sym`` of the modules they match first, as
+    vLLM's ``override_config``.
 
     Examples:
       >>> from jquant.checkpoint.module_scheme import module_scheme
@@ -33,8 +37,10 @@ def module_scheme(quantization_config: dict) -> Callable[[str], Scheme | None]:
       True
     """
     skipped = skipped_modules(quantization_config)
-    groups = (compressed_tensors_groups(quantization_config)
-              if quant_method(quantization_config) == "compressed-tensors" else {})
+    method = quant_method(quantization_config)
+    if method == "gptq":
+        return _gptq_scheme_of(quantization_config, skipped)
+    groups = compressed_tensors_groups(quantization_config) if method == "compressed-tensors" else {}
     if len(groups) <= 1:
         scheme = scheme_from_config(quantization_config)
         return lambda module: None if skipped(module) else scheme
@@ -52,4 +58,19 @@ def module_scheme(quantization_config: dict) -> Callable[[str], Scheme | None]:
             return None
         by_name = next((scheme for _, scheme, match, _ in entries if match(module)), None)
         return by_name or next((scheme for _, scheme, _, linear in entries if linear), None)
+    return scheme_of
+
+
+def _gptq_scheme_of(quantization_config: dict, skipped) -> Callable[[str], Scheme | None]:
+    base = {k: v for k, v in quantization_config.items() if k != "dynamic"}
+    schemes: dict[tuple, Scheme] = {(): scheme_from_config(base)}   # a malformed config raises here
+
+    def scheme_of(module: str) -> Scheme | None:
+        if skipped(module):
+            return None
+        overrides = gptq_dynamic_rule(quantization_config, module) or {}
+        key = tuple(sorted(overrides.items()))
+        if key not in schemes:
+            schemes[key] = scheme_from_config({**base, **overrides})
+        return schemes[key]
     return scheme_of

@@ -164,6 +164,10 @@ CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "co
     # GPTQModel dynamic "-:" exclusions (re.match) and modules_to_not_convert substrings.
     ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*self_attn\\.q": {}}, "modules_to_not_convert": ["lm_"]},
      {0, 1}),
+    # The first dynamic rule that matches decides (vLLM's get_dynamic_override): an override before an
+    # exclusion keeps layer 1's down_proj quantized.
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*layers\\.1\\.mlp\\.down": {"bits": 8},
+                                                     "-:.*down_proj": {}}}, {4}),
     # GPTQ modules_in_block_to_quantize (AutoGPTQ nests one list per step): only modules holding an entry.
     ({"quant_method": "gptq", "bits": 4, "modules_in_block_to_quantize": [["self_attn.q_proj"], ["mlp.up_proj"]]},
      {0, 2, 3, 4}),
@@ -186,7 +190,7 @@ def test_skipped_modules_match_like_vllm(config, skipped):
     (dict(CT_FP8, ignore="lm_head"), "'ignore'"),
     (dict(CT_FP8, ignore=["re:("]), "valid regex"),
     ({"quant_method": "awq", "modules_to_not_convert": [3]}, "modules_to_not_convert"),
-    ({"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*down": {"bits": 8}}}, "per-module overrides"),
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:(": {}}}, "valid regex"),
 ])
 def test_bad_skip_lists(config, match):
     with pytest.raises(ValueError, match=match):

@@ -62,3 +62,31 @@ def test_a_mixed_checkpoint_loads_back_bit_identically(tmp_path):
         a, b = np.atleast_1d(np.asarray(a)), np.atleast_1d(np.asarray(b))
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_a_gptq_checkpoint_with_per_module_overrides_loads_back_bit_identically(tmp_path):
+    # GPTQModel's dynamic rules (vLLM's override_config): layer 1 in 8 bits, groups of 64, with act-order;
+    # layer 0's down_proj excluded (float). These checkpoints were refused.
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False,
+              "dynamic": {r"+:model\.layers\.1\..*": {"bits": 8, "group_size": 64, "desc_act": True},
+                          r"-:model\.layers\.0\.mlp\.down_proj": {}}}
+    scheme_of = module_scheme(config)
+    base, layer1 = scheme_of("model.layers.0.self_attn.q_proj"), scheme_of("model.layers.1.mlp.up_proj")
+    assert (base.weight.bits, base.weight.group_size) == (4, 32)
+    assert (layer1.weight.bits, layer1.weight.group_size, layer1.layout.desc_act) == (8, 64, True)
+    assert scheme_of("model.layers.0.mlp.down_proj") is None
+    with pytest.raises(ValueError, match="module_scheme"):
+        scheme_from_config(config)
+
+    model = LlamaForCausalLM(CONFIG)
+    params = model.init(jax.random.key(2), jax.numpy.zeros((1, 4), jax.numpy.int32))["params"]
+    qparams, _ = quantize_params(params, [(r"layers_0/down_proj/kernel", None), (r"layers_1/.*_proj/kernel", layer1),
+                                          (PROJECTIONS, base)], prepare=False)
+    save_hf_checkpoint(qparams, tmp_path, quantization_config=config, model_config=CONFIG.to_hf_config())
+    loaded = load_hf_checkpoint(tmp_path, params, prepare=False)
+    assert loaded["layers_1"]["o_proj"]["kernel"].scheme == layer1
+    assert not hasattr(loaded["layers_0"]["down_proj"]["kernel"], "scheme")   # float
+    for a, b in zip(jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(qparams)):
+        a, b = np.atleast_1d(np.asarray(a)), np.atleast_1d(np.asarray(b))
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
