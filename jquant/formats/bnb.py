@@ -69,6 +69,8 @@ _FP4 = np.array([0, 0.0625, 8, 12, 4, 6, 2, 3, 0, -0.0625, -8, -12, -4, -6, -2, 
                 np.float32) / np.float32(12)
 _TABLES = {"nf4": _NF4, "fp4_bnb": _FP4}
 _F32_TINY = np.float32(1e-38)  # bnb's absmax floor (a subnormal, so kept out of XLA arithmetic)
+# Double-quantization statistics below this are worked on lifted by 2^64 (subnormal.lift64).
+_LIFTED_BELOW = int(np.float32(2.0 ** -60).view(np.int32))   # its bits, compared with abs_bits
 
 
 def code_table(fmt: str) -> np.ndarray:
@@ -230,7 +232,7 @@ def _double_quantize(absmax):
     mean and differences PyTorch keeps are normal floats."""
     offset = _torch_mean(absmax)
     nested = _dynamic8(absmax - offset, NESTED_BLOCKSIZE)
-    tiny = jnp.max(abs_bits(absmax)) < abs_bits(np.float32(2.0 ** -60))
+    tiny = jnp.max(abs_bits(absmax)) < _LIFTED_BELOW
     lifted = subnormal.lift64(absmax)
     offset_lifted = _tiny_mean_lifted(lifted)
     nested_lifted = _dynamic8(lifted - offset_lifted, NESTED_BLOCKSIZE)
@@ -302,9 +304,9 @@ def _dequantize_dynamic8(qt: QTensor, dtype) -> jnp.ndarray:
     # Subnormal statistics (an all-zero tensor's double quantization): PyTorch keeps the subnormal
     # results, whose signs give the 4-bit level's zeros their signs; lifted by 2^64 they survive here,
     # rounded twice (within one 2^-149 step of PyTorch's).
-    tiny = abs_bits(qt.scale) < abs_bits(np.float32(2.0 ** -60))
+    tiny = abs_bits(qt.scale) < _LIFTED_BELOW
     if qt.zero is not None:
-        tiny = tiny & (abs_bits(qt.zero) < abs_bits(np.float32(2.0 ** -60)))
+        tiny = tiny & (abs_bits(qt.zero) < _LIFTED_BELOW)
     lifted = dequantize(subnormal.lift64(qt.scale), None if qt.zero is None else subnormal.lift64(qt.zero))
     out = jnp.where(expand_blocks(tiny, (qt.size,), qt.block), subnormal.unlift64(lifted), out)
     return out.reshape(qt.shape).astype(dtype)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jquant.formats.exact import abs_bits, exact_divide, exact_reciprocal
+from jquant.formats.exact import abs_bits, bits_float, exact_divide, exact_reciprocal, float_bits
 
 _MANTISSA_BITS = 23
 _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
@@ -131,9 +131,8 @@ def lift64(x: jax.Array) -> jax.Array:
     Scaled so, float32 sums, differences and quotients of tiny values round as PyTorch's do unscaled:
     a result PyTorch keeps as a subnormal is exact there, and exact here."""
     x = x.astype(jnp.float32)
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    m = _subnormal_magnitude(bits) * np.float32(2.0 ** (64 - 126))
-    return jnp.where(is_subnormal(x), jnp.where(bits < 0, -m, m), x * _LIFT64)
+    scaled, shift = _to_normal(x)
+    return jnp.where(shift == 64, scaled, x * _LIFT64)
 
 
 def unlift64(v: jax.Array) -> jax.Array:
@@ -142,5 +141,5 @@ def unlift64(v: jax.Array) -> jax.Array:
     v = v.astype(jnp.float32)
     small = jnp.abs(v) < np.float32(2.0 ** -62)
     units = jnp.round(jnp.abs(v) * np.float32(2.0 ** 85)).astype(jnp.int32)   # < 2^23 where small
-    sign = jnp.where(jax.lax.bitcast_convert_type(v, jnp.int32) < 0, jnp.int32(-0x80000000), 0)
-    return jnp.where(small, jax.lax.bitcast_convert_type(units | sign, jnp.float32), v * np.float32(2.0 ** -64))
+    sign = float_bits(v) & jnp.int32(-0x80000000)
+    return jnp.where(small, bits_float(units | sign), v * np.float32(2.0 ** -64))
