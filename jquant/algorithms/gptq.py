@@ -82,6 +82,11 @@ def accumulate_hessian(inputs: Iterable[jax.Array] | jax.Array, k: int) -> Hessi
     return hessian
 
 
+def takes_scheme(scheme: Scheme) -> bool:
+    """Whether ``gptq_quantize_weight`` quantizes to ``scheme``'s weights (integer, MXFP4 or NVFP4)."""
+    return scheme.weight.family == "int" or scheme.weight.format in FP4_FORMATS
+
+
 def int_weight_spec(scheme: str | Scheme | WeightSpec) -> WeightSpec:
     """The integer ``WeightSpec`` of a scheme name, a Scheme or a spec."""
     spec = scheme if isinstance(scheme, WeightSpec) else get_scheme(scheme).weight

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check(parser, args) -> tuple[dict | None, "object"]:
     """The checkpoint's ``quantization_config`` (None when no checkpoint layout applies) and the scheme."""
-    from jquant.algorithms.gptq import FP4_FORMATS
+    from jquant.algorithms.gptq import FP4_FORMATS, takes_scheme
     from jquant.checkpoint.hf_config import scheme_from_config
     from jquant.schemes.scheme import get_scheme
 
@@ -97,7 +97,7 @@ def _check(parser, args) -> tuple[dict | None, "object"]:
     else:
         config = gptq_config(args.bits, group, not args.asym, args.act_order)
         scheme = scheme_from_config(config)
-    if args.method == "gptq" and scheme.weight.family != "int" and scheme.weight.format not in FP4_FORMATS:
+    if args.method == "gptq" and not takes_scheme(scheme):
         parser.error(f"--method gptq quantizes integer formats, {' and '.join(FP4_FORMATS)}; {scheme.name} has "
                      f"{scheme.weight.format} weights: use --method rtn, awq or smoothquant")
     if args.method == "smoothquant" and not 0.0 <= args.alpha <= 1.0:

@@ -2,9 +2,10 @@
 
 Accepted: ``fp8`` (with ``weight_block_size`` and ``scale_fmt``), ``awq`` (GEMM-packed ``version``s),
 ``gptq`` (with ``checkpoint_format``), ``compressed-tensors`` (``pack-quantized``, ``float-quantized``,
-``int-quantized``, ``naive-quantized``, ``nvfp4-pack-quantized``; several config groups, like GPTQModel's
-per-module overrides, through ``jquant.checkpoint.module_scheme``), ``modelopt`` (``quant_algo`` FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, NVFP4,
-W4A16_NVFP4; flat or under ``"quantization"``), ``mxfp4`` and ``bitsandbytes`` (4-bit). Anything else, or
+``int-quantized``, ``naive-quantized``, ``nvfp4-pack-quantized``; several config groups, like
+GPTQModel's per-module overrides, through ``jquant.checkpoint.module_scheme``), ``modelopt``
+(``quant_algo`` FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, NVFP4, W4A16_NVFP4; flat or under
+``"quantization"``), ``mxfp4`` and ``bitsandbytes`` (4-bit). Anything else, or
 a malformed config, raises a ValueError that names the key.
 ``skipped_modules`` reads the same config's ignore list: the modules that stay in float.
 """
@@ -418,17 +419,22 @@ def _modelopt_exclude(cfg: dict):
 GPTQ_OVERRIDES = ("bits", "group_size", "desc_act", "sym")   # what vLLM's override_config reads
 
 
-def gptq_dynamic_rule(cfg: dict, module: str):
-    """GPTQModel's per-module ``dynamic`` rule for ``module``, as vLLM's ``get_dynamic_override``: the
-    first pattern (in the config's order) that re.matches it; False for a "-:" exclusion, the overrides
-    (``GPTQ_OVERRIDES`` keys) for a "+:" or bare pattern, None where none matches."""
-    for pattern, overrides in (_get(cfg, "dynamic", (dict, type(None)), None) or {}).items():
-        negative = str(pattern).startswith("-:")
-        if _regex(str(pattern).removeprefix("-:").removeprefix("+:"), "dynamic").match(module):
-            if negative:
-                return False
-            return {k: v for k, v in (overrides or {}).items() if k in GPTQ_OVERRIDES}
-    return None
+def gptq_dynamic_rules(cfg: dict) -> Callable[[str], "dict | bool | None"]:
+    """GPTQModel's per-module ``dynamic`` rules as a function of module names, as vLLM's
+    ``get_dynamic_override``: the first pattern (in the config's order) that re.matches the name
+    decides; False for a "-:" exclusion, the overrides (``GPTQ_OVERRIDES`` keys) for a "+:" or bare
+    pattern, None where none matches. A pattern that is no regex raises here."""
+    rules = [(str(pattern).startswith("-:"),
+              _regex(str(pattern).removeprefix("-:").removeprefix("+:"), "dynamic"),
+              {k: v for k, v in (overrides or {}).items() if k in GPTQ_OVERRIDES})
+             for pattern, overrides in (_get(cfg, "dynamic", (dict, type(None)), None) or {}).items()]
+
+    def rule(module: str):
+        for negative, regex, overrides in rules:
+            if regex.match(module):
+                return False if negative else overrides
+        return None
+    return rule
 
 
 def _gptq_dynamic(cfg: dict) -> None:
@@ -453,8 +459,8 @@ def _gptq_skip(cfg: dict):
         if not all(isinstance(n, str) for n in quantized):
             raise ValueError("quantization_config['modules_in_block_to_quantize'] must be a list of module names "
                              f"(or of lists of them), got {listed!r}")
-    gptq_dynamic_rule(cfg, "")   # a bad regex raises here, not at the first module
-    return lambda module: (substring(module) or gptq_dynamic_rule(cfg, module) is False
+    rule = gptq_dynamic_rules(cfg)
+    return lambda module: (substring(module) or rule(module) is False
                            or quantized is not None and not any(n in module for n in quantized))
 
 

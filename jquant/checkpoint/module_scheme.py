@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from jquant.checkpoint.hf_config import (compressed_tensors_group_scheme, compressed_tensors_groups,
-                                         gptq_dynamic_rule, group_targets, quant_method, scheme_from_config,
+                                         gptq_dynamic_rules, group_targets, quant_method, scheme_from_config,
                                          skipped_modules)
 from jquant.schemes.scheme import Scheme
 
@@ -64,11 +64,12 @@ def module_scheme(quantization_config: dict) -> Callable[[str], Scheme | None]:
 def _gptq_scheme_of(quantization_config: dict, skipped) -> Callable[[str], Scheme | None]:
     base = {k: v for k, v in quantization_config.items() if k != "dynamic"}
     schemes: dict[tuple, Scheme] = {(): scheme_from_config(base)}   # a malformed config raises here
+    rule = gptq_dynamic_rules(quantization_config)
 
     def scheme_of(module: str) -> Scheme | None:
         if skipped(module):
             return None
-        overrides = gptq_dynamic_rule(quantization_config, module) or {}
+        overrides = rule(module) or {}
         key = tuple(sorted(overrides.items()))
         if key not in schemes:
             schemes[key] = scheme_from_config({**base, **overrides})

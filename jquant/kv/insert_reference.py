@@ -27,9 +27,9 @@ def check_slots(cache: PagedKVCache, k_new, v_new, slots) -> None:
     dtype = slots.dtype if hasattr(slots, "dtype") else np.asarray(slots).dtype
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"slots must be integers (flat slot indices), got {dtype}")
-    if jnp.shape(slots) != k_new.shape[:1]:
+    if np.shape(slots) != k_new.shape[:1]:
         raise ValueError(f"slots must be [{k_new.shape[0]}] (one flat slot per new token), got shape "
-                         f"{jnp.shape(slots)}")
+                         f"{np.shape(slots)}")
     if isinstance(slots, jax.core.Tracer):
         return
     pool = cache.num_pages * cache.page_size
