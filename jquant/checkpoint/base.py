@@ -101,7 +101,10 @@ def to_checkpoint(qt: QTensor, layout: str, *, lossy: bool = False, **options) -
 
     ``qt`` is a weight in PyTorch orientation ``[N, K]`` (out_features, in_features) quantized along K.
     A ValueError says when ``layout`` cannot store ``qt`` exactly; ``lossy=True`` rounds it instead
-    (with a warning).
+    (with a warning). A bare layout name with several variants writes the first variant that stores
+    ``qt.fmt``: an int8 QTensor goes to compressed-tensors ``pack-quantized`` (weight-only, as
+    llm-compressor writes W8A16); a W8A8 checkpoint names ``"compressed-tensors/int-quantized"`` (the
+    ``int8_w8a8`` scheme's ``checkpoint_layout``, which ``save_hf_checkpoint`` uses).
 
     Examples:
       GPTQ packs eight 4-bit codes per int32 and stores float16 scales, as the ``gptq`` schemes

@@ -1,4 +1,5 @@
-"""The ``"bnb"`` layout: what bitsandbytes/transformers save for a ``Linear4bit`` weight (Params4bit).
+"""The ``"bnb"`` layout: what bitsandbytes/transformers save for a ``Linear4bit`` weight (Params4bit), and
+for a ``Linear8bitLt`` one (Int8Params, LLM.int8()).
 
 Tensors, named relative to the module (``Linear4bit._save_to_state_dict`` +
 ``QuantState.as_dict(packed=True)``, bitsandbytes 0.50.2):
@@ -16,6 +17,10 @@ The JSON is ``json.dumps`` (UTF-8) of ``{"quant_type", "blocksize", "dtype", "sh
 double quantization, by ``"nested_blocksize", "nested_dtype", "nested_offset"`` (a float; NaN as
 ``NaN``). ``n`` is the element count of the logical ``shape`` (PyTorch [N, K]), blocked row-major.
 A weight stored with another ``quant_storage`` dtype (bnb's FSDP option) is read as its bytes.
+
+``Linear8bitLt`` (an ``"int8_bnb"`` QTensor) saves ``weight`` int8 ``[N, K]`` (the codes), ``SCB``
+float32 ``[N]`` (each row's absmax) and ``weight_format`` (a 0-d uint8, 0 for bitsandbytes' row-major
+layout; older releases could save 1 or 2, tiled for Turing / Ampere, which are refused).
 """
 
 from __future__ import annotations
@@ -35,14 +40,42 @@ QUANT_TYPES = {"nf4": "nf4", "fp4_bnb": "fp4"}  # QTensor.fmt -> bnb quant_type
 _FORMATS = {v: k for k, v in QUANT_TYPES.items()}
 _STATE_PREFIX = "weight.quant_state.bitsandbytes__"
 _DTYPES = ("float32", "bfloat16", "float16")
+INT8_FORMAT = "int8_bnb"
+_ROW_FORMAT = 0   # bitsandbytes' weight_format code of the row-major int8 layout
 
 
 def _json_tensor(fields: dict) -> np.ndarray:
     return np.frombuffer(json.dumps(fields).encode("utf-8"), dtype=np.uint8).copy()
 
 
+def _to_int8(qt: QTensor) -> dict[str, np.ndarray]:
+    if qt.k_axis != 1:
+        raise ValueError(f"{LAYOUT}: an int8_bnb weight is saved as [N, K] with K last; this one has K on axis "
+                         f"{qt.k_axis}")
+    return {"weight": np.asarray(qt.data, dtype=np.int8), "SCB": np.asarray(qt.scale, dtype=np.float32).reshape(-1),
+            "weight_format": np.array(_ROW_FORMAT, dtype=np.uint8)}
+
+
+def _from_int8(tensors: dict) -> QTensor:
+    require(tensors, ["weight", "SCB"], LAYOUT)
+    weight = np.asarray(tensors["weight"])
+    if weight.dtype != np.int8 or weight.ndim != 2 or 0 in weight.shape:
+        raise ValueError(f"{LAYOUT}: an 8-bit weight must be int8 [N, K], got {weight.dtype} with shape "
+                         f"{weight.shape}")
+    scb = _array(tensors, "SCB", np.float32, (weight.shape[0],))
+    if "weight_format" in tensors:
+        fmt = np.asarray(tensors["weight_format"])
+        if fmt.size != 1 or not np.issubdtype(fmt.dtype, np.integer) or int(fmt.reshape(-1)[0]) != _ROW_FORMAT:
+            raise ValueError(f"{LAYOUT}: weight_format {fmt.reshape(-1).tolist()} is not bitsandbytes' row-major "
+                             f"layout (0); tiled Turing / Ampere layouts (1, 2) are not supported")
+    return QTensor(data=jnp.asarray(weight), scale=jnp.asarray(scb).reshape(-1, 1), fmt=INT8_FORMAT,
+                   shape=weight.shape, dtype=jnp.float32, block=(1, weight.shape[1]), k_axis=1)
+
+
 def to_bnb(qt: QTensor) -> dict[str, np.ndarray]:
-    """The tensors bnb saves for ``qt`` (an ``"nf4"`` / ``"fp4_bnb"`` QTensor)."""
+    """The tensors bnb saves for ``qt`` (an ``"nf4"`` / ``"fp4_bnb"`` / ``"int8_bnb"`` QTensor)."""
+    if qt.fmt == INT8_FORMAT:
+        return _to_int8(qt)
     quant_type = QUANT_TYPES[qt.fmt]
     fields = {"quant_type": quant_type, "blocksize": qt.block[0], "dtype": qt.dtype.name,
               "shape": list(qt.shape)}
@@ -118,7 +151,9 @@ def _packed_weight(tensors: dict, n: int) -> np.ndarray:
 
 
 def from_bnb(tensors: dict) -> QTensor:
-    """Rebuilds the QTensor from a Linear4bit weight's saved tensors."""
+    """Rebuilds the QTensor from a Linear4bit (or, with ``SCB``, a Linear8bitLt) weight's saved tensors."""
+    if "SCB" in tensors:
+        return _from_int8(tensors)
     key = _state_key(tensors)
     require(tensors, ["weight", "weight.absmax", "weight.quant_map", key], LAYOUT)
     fields = _fields(tensors, key)
@@ -148,7 +183,7 @@ def from_bnb(tensors: dict) -> QTensor:
 
 
 def _is_bnb(tensors: dict) -> bool:
-    return any(k.startswith(_STATE_PREFIX) for k in tensors)
+    return "SCB" in tensors or any(k.startswith(_STATE_PREFIX) for k in tensors)
 
 
-register_layout(LAYOUT, to_bnb, from_bnb, fmts=tuple(QUANT_TYPES), detect=_is_bnb)
+register_layout(LAYOUT, to_bnb, from_bnb, fmts=(*QUANT_TYPES, INT8_FORMAT), detect=_is_bnb)

@@ -13,6 +13,7 @@ a malformed config, raises a ValueError that names the key.
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from typing import Any, Callable
 
@@ -286,7 +287,17 @@ def _nvfp4_group(group: int, where: str) -> None:
 
 def _bitsandbytes(cfg: dict) -> Scheme:
     if _get(cfg, "load_in_8bit", bool, False):
-        raise ValueError("quantization_config: bitsandbytes 8-bit (LLM.int8) is not supported; use load_in_4bit")
+        if _get(cfg, "load_in_4bit", bool, False):
+            raise ValueError("quantization_config: bitsandbytes config sets both load_in_8bit and load_in_4bit")
+        if _get(cfg, "llm_int8_has_fp16_weight", bool, False):
+            raise ValueError("quantization_config: llm_int8_has_fp16_weight keeps float16 weights for "
+                             "training; such a checkpoint is not int8 (load it unquantized)")
+        # vLLM and transformers read a null threshold as the default.
+        threshold = 6.0 if cfg.get("llm_int8_threshold") is None else _get(cfg, "llm_int8_threshold", (int, float))
+        if isinstance(threshold, bool) or not math.isfinite(threshold) or threshold < 0:
+            raise ValueError(f"quantization_config['llm_int8_threshold'] must be a finite number >= 0, "
+                             f"got {threshold!r}")
+        return bs.llm_int8(float(threshold))
     if not _get(cfg, "load_in_4bit", bool, True):
         raise ValueError("quantization_config: bitsandbytes config sets neither load_in_4bit nor load_in_8bit")
     qtype = _get(cfg, "bnb_4bit_quant_type", str, "fp4")

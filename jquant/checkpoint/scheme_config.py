@@ -61,6 +61,8 @@ _CONFIGS = {
     "nf4": _bnb("nf4", False),
     "nf4_dq": _bnb("nf4", True),
     "fp4_bnb": _bnb("fp4", False),
+    "llm_int8": {"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False,
+                 "llm_int8_threshold": 6.0},
 }
 _NO_CONFIG = {
     "fp8_e4m3_tensor": "vLLM runs a dynamic per-tensor FP8 checkpoint with per-token activations (another "

@@ -18,6 +18,7 @@ from jquant.formats import fp8 as _fp8  # noqa: F401,E402
 from jquant.formats import mx as _mx  # noqa: F401,E402
 from jquant.formats import nvfp4 as _nvfp4  # noqa: F401,E402
 from jquant.formats import bnb as _bnb  # noqa: F401,E402
+from jquant.formats import bnb_int8 as _bnb_int8  # noqa: F401,E402
 
 from jquant._callable_module import make_callable  # noqa: E402
 

@@ -110,6 +110,18 @@ def bnb_4bit(quant_type: str = "nf4", *, double_quant: bool = False, blocksize: 
                               + (", double-quantized" if double_quant else "") + "); bf16 activations")
 
 
+def llm_int8(threshold: float = 6.0) -> Scheme:
+    """bitsandbytes' LLM.int8() (``load_in_8bit``) as vLLM runs it: int8 weights with a float32 absmax per
+    output channel; activations int8 per token, except columns holding a value of magnitude ≥
+    ``threshold``, which run in bfloat16 (0: none)."""
+    return Scheme(name="llm_int8" + ("" if threshold == 6.0 else f"_t{threshold:g}"),
+                  weight=WeightSpec("int8_bnb", 8),
+                  activation=ActivationSpec("llm_int8", "int8", outlier_threshold=threshold),
+                  checkpoint_layout="bnb",
+                  description="bitsandbytes LLM.int8(): int8 weights per output channel (absmax), int8 "
+                              f"activations per token with outlier columns (|x| ≥ {threshold:g}) in bfloat16")
+
+
 BUILTIN = (
     int_weight_only(8, None, layout="compressed-tensors"),
     int_weight_only(4, 128, layout="gptq"),
@@ -126,6 +138,7 @@ BUILTIN = (
     bnb_4bit("nf4"),
     bnb_4bit("nf4", double_quant=True),
     bnb_4bit("fp4"),
+    llm_int8(),
 )
 
 for _scheme in BUILTIN:

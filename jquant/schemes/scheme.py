@@ -83,6 +83,9 @@ class Scheme:
             if not isinstance(getattr(self, field), cls):
                 raise TypeError(f"scheme {self.name!r}: {field} must be {cls.__name__}(...), got "
                                 f"{getattr(self, field)!r}")
+        if self.activation.mode == "llm_int8" and self.weight.format != "int8_bnb":
+            raise ValueError(f"scheme {self.name!r}: activation mode 'llm_int8' runs bitsandbytes' 'int8_bnb' "
+                             f"weights, got {self.weight.format!r}")
 
     @property
     def weight_format(self) -> str:

@@ -17,21 +17,21 @@ from typing import Any
 from jquant.formats.fp8 import FP8_DTYPES, WEIGHT_GRANULARITIES
 from jquant.formats.integer import BITS, int_format
 
-ACTIVATION_MODES = ("none", "dynamic_per_tensor", "dynamic_per_token", "dynamic_per_token_group", "static")
+ACTIVATION_MODES = ("none", "dynamic_per_tensor", "dynamic_per_token", "dynamic_per_token_group", "static", "llm_int8")
 ACTIVATION_FORMATS = (*FP8_DTYPES, "int8")
-INT8_ACTIVATION_MODES = ("dynamic_per_token", "static")
+INT8_ACTIVATION_MODES = ("dynamic_per_token", "static", "llm_int8")
 
 # Known formats → (family, bits). Integer names are built from their (bits, symmetric) fields.
 _INT_FORMATS = {int_format(b, s): (b, s) for b in BITS for s in (True, False)}
 _FAMILIES = {**{f: ("int", b) for f, (b, _) in _INT_FORMATS.items()},
              **{f: ("fp8", 8) for f in FP8_DTYPES},
              "mxfp4": ("mx", 4), "mxfp8_e4m3": ("mx", 8), "mxfp8_e5m2": ("mx", 8),
-             "nvfp4": ("nvfp4", 4), "nf4": ("bnb", 4), "fp4_bnb": ("bnb", 4)}
+             "nvfp4": ("nvfp4", 4), "nf4": ("bnb", 4), "fp4_bnb": ("bnb", 4), "int8_bnb": ("bnb8", 8)}
 # The WeightSpec option fields each family's quantizer takes (symmetric is checked on its own).
 _OPTION_FIELDS = ("group_size", "scale_dtype", "granularity", "block_size", "ue8m0", "scale_mode",
                   "convention", "blocksize", "double_quant")
 _FAMILY_OPTIONS = {"int": ("group_size", "scale_dtype"), "fp8": ("granularity", "block_size", "ue8m0"),
-                   "mx": ("scale_mode",), "nvfp4": ("convention",), "bnb": ("blocksize", "double_quant")}
+                   "mx": ("scale_mode",), "nvfp4": ("convention",), "bnb": ("blocksize", "double_quant"), "bnb8": ()}
 # WeightSpec field → the quantizer's keyword, where the names differ.
 _KWARG_NAMES = {"double_quant": "compress_statistics"}
 
@@ -136,7 +136,7 @@ class WeightSpec:
 
     @property
     def family(self) -> str | None:
-        """``"int"``, ``"fp8"``, ``"mx"``, ``"nvfp4"`` or ``"bnb"``; None for a format not known here."""
+        """``"int"``, ``"fp8"``, ``"mx"``, ``"nvfp4"``, ``"bnb"`` or ``"bnb8"``; None for a format not known here."""
         return _FAMILIES.get(self.format, (None,))[0]
 
     @classmethod
@@ -162,10 +162,13 @@ class ActivationSpec:
     Attributes:
       mode: one of ``ACTIVATION_MODES`` (``"none"``: weight-only, activations stay in float).
       format: format of the quantized activations: FP8 (``"fp8_e4m3"`` unless given) or ``"int8"``
-        (symmetric, per token or static); None when ``"none"``.
+        (symmetric, per token or static; ``"llm_int8"`` is int8 only); None when ``"none"``.
       group_size: ``"dynamic_per_token_group"``: values per scale along K.
       ue8m0: ``"dynamic_per_token_group"``: power-of-two scales.
       input_scale: ``"static"``: a calibrated per-tensor scale used where no per-weight one is passed.
+      outlier_threshold: ``"llm_int8"`` (bitsandbytes' LLM.int8(), with ``"int8_bnb"`` weights): columns of
+        x holding a value of magnitude at least this run in float, the rest in int8 per token; 0 runs
+        every column in int8. Default 6.0, bitsandbytes' ``llm_int8_threshold``.
 
     Examples:
       >>> from jquant import ActivationSpec
@@ -186,6 +189,7 @@ class ActivationSpec:
     group_size: int | None = None
     ue8m0: bool = False
     input_scale: float | None = None
+    outlier_threshold: float | None = None
 
     def __post_init__(self):
         if self.mode not in ACTIVATION_MODES:
@@ -194,14 +198,23 @@ class ActivationSpec:
         if not isinstance(self.ue8m0, bool):
             raise TypeError(f"ActivationSpec.ue8m0 must be a bool, got {self.ue8m0!r}")
         if self.mode == "none":
-            if (self.format, self.group_size, self.ue8m0, self.input_scale) != (None, None, False, None):
-                raise ValueError("ActivationSpec: mode 'none' (weight-only) takes no format, group_size, ue8m0 "
-                                 "or input_scale")
+            if (self.format, self.group_size, self.ue8m0, self.input_scale, self.outlier_threshold) \
+                    != (None, None, False, None, None):
+                raise ValueError("ActivationSpec: mode 'none' (weight-only) takes no format, group_size, ue8m0, "
+                                 "input_scale or outlier_threshold")
             return
+        if self.mode == "llm_int8":
+            if self.format is None:
+                object.__setattr__(self, "format", "int8")
+            self._check_outlier_threshold()
+        elif self.outlier_threshold is not None:
+            raise ValueError(f"ActivationSpec: outlier_threshold applies to mode 'llm_int8', not {self.mode!r}")
         if self.format is None:
             object.__setattr__(self, "format", "fp8_e4m3")
         if self.format not in ACTIVATION_FORMATS:
             raise ValueError(f"ActivationSpec.format must be one of {ACTIVATION_FORMATS}, got {self.format!r}")
+        if self.mode == "llm_int8" and self.format != "int8":
+            raise ValueError(f"ActivationSpec: mode 'llm_int8' quantizes to int8, got format={self.format!r}")
         if self.format == "int8" and self.mode not in INT8_ACTIVATION_MODES:
             raise ValueError(f"ActivationSpec: int8 activations are quantized {INT8_ACTIVATION_MODES} (symmetric, "
                              f"as vLLM's W8A8 INT8 path), got mode={self.mode!r}")
@@ -219,6 +232,14 @@ class ActivationSpec:
             if not math.isfinite(scale) or scale <= 0:
                 raise ValueError(f"ActivationSpec.input_scale must be positive and finite, got {scale}")
             object.__setattr__(self, "input_scale", scale)
+
+    def _check_outlier_threshold(self) -> None:
+        threshold = 6.0 if self.outlier_threshold is None else self.outlier_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real):
+            raise TypeError(f"ActivationSpec.outlier_threshold must be a float, got {threshold!r}")
+        if not math.isfinite(threshold) or threshold < 0:
+            raise ValueError(f"ActivationSpec.outlier_threshold must be finite and >= 0, got {threshold}")
+        object.__setattr__(self, "outlier_threshold", float(threshold))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,10 @@
 """The XLA implementation of ``Scheme.apply``: runs everywhere, and is the twin kernels are checked against.
 
 Weight-only schemes dequantize and dot (XLA materialises the float weight: correct, not fast). W8A8 INT8
-schemes multiply the int8 codes with int32 accumulation everywhere. W8A8 FP8 schemes use XLA's native FP8 dot with per-row/per-column scales on a GPU (``dispatch.native_fp8_dot``;
-it lowers to cuBLASLt's f8 GEMM), and dequantize both operands elsewhere.
+schemes multiply the int8 codes with int32 accumulation everywhere; bitsandbytes' LLM.int8() schemes run
+its mixed int8 / bfloat16 matmul (``formats.bnb_int8``). W8A8 FP8 schemes use XLA's native FP8 dot with
+per-row/per-column scales on a GPU (``dispatch.native_fp8_dot``; it lowers to cuBLASLt's f8 GEMM), and
+dequantize both operands elsewhere.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jquant.formats import bnb_int8
 from jquant.formats import fp8 as fp8_format
 from jquant.formats import int8_activations
 from jquant.qtensor import QTensor
@@ -110,8 +113,18 @@ def blockwise_fp8_dot(x_codes: jax.Array, w_codes: jax.Array, sx: jax.Array, sw:
     return jnp.sum(parts * sx[:, :, None] * sw[:, None, :], axis=0)
 
 
+def _llm_int8_apply(scheme: Scheme, x: jax.Array, qweight: QTensor, bias: jax.Array | None) -> jax.Array:
+    """vLLM's ``_apply_8bit_weight``: x in bfloat16 through bitsandbytes' matmul, the product kept in a
+    float16 buffer, then x's dtype, then the bias added in that dtype."""
+    y = bnb_int8.llm_int8_matmul(x.astype(jnp.bfloat16), qweight, scheme.activation.outlier_threshold)
+    y = y.astype(jnp.float16).astype(x.dtype)
+    return y if bias is None else y + bias.astype(x.dtype)
+
+
 def xla_apply(scheme: Scheme, x: jax.Array, qweight: QTensor, bias: jax.Array | None,
               input_scale: jax.Array | None = None) -> jax.Array:
+    if scheme.activation.mode == "llm_int8":
+        return _llm_int8_apply(scheme, x, qweight, bias)
     if scheme.weight_only:
         y = _contract_last(x, qweight.dequantize(x.dtype))
     else:

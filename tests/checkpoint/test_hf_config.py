@@ -40,7 +40,20 @@ CASES = [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
       "bnb_4bit_use_double_quant": True}, "nf4", "none", "bnb"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}, "fp4_bnb", "none", "bnb"),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False, "llm_int8_threshold": 6.0},
+     "int8_bnb", "llm_int8", "bnb"),
 ]
+
+
+@pytest.mark.parametrize("threshold, expected", [(6.0, 6.0), (None, 6.0), (0, 0.0), (3.5, 3.5)])
+def test_bitsandbytes_8bit_threshold(threshold, expected):
+    """transformers writes every BitsAndBytesConfig field; a null threshold is the default, as vLLM reads it."""
+    config = {"quant_method": "bitsandbytes", "_load_in_8bit": True, "load_in_8bit": True, "load_in_4bit": False,
+              "llm_int8_threshold": threshold, "llm_int8_skip_modules": None, "bnb_4bit_quant_type": "fp4"}
+    scheme = scheme_from_config(config)
+    assert scheme.activation.outlier_threshold == expected
+    assert scheme == jquant.schemes.builtin.llm_int8(expected)
+    assert (scheme == jquant.get_scheme("llm_int8")) == (expected == 6.0)
 
 
 @pytest.mark.parametrize("config, fmt, activation, layout", CASES)
@@ -78,7 +91,14 @@ def test_block_fp8_ue8m0_carries_over():
     ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {"g": {"weights": {
         "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}, ValueError, "format"),
     ({"quant_method": "modelopt", "quant_algo": "INT4_AWQ"}, ValueError, "quant_algo"),
-    ({"quant_method": "bitsandbytes", "load_in_8bit": True}, ValueError, "8-bit"),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": True}, ValueError, "both"),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_has_fp16_weight": True}, ValueError,
+     "has_fp16_weight"),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_threshold": -1.0}, ValueError, ">= 0"),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_threshold": float("inf")}, ValueError,
+     "finite"),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_threshold": "6"}, ValueError,
+     "llm_int8_threshold"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "int4"}, ValueError,
      "bnb_4bit_quant_type"),
 ])

@@ -11,6 +11,8 @@ and reference.npz with the tool's outputs on ``input_ids``:
 - FP8 dynamic (W8A8, per-token activation scales): each projection's output on fixed inputs
   (``<module>.input`` → ``<module>.output``), from the tool's own quantized forward; end-to-end logits
   are not compared since one activation rounding to a neighbouring FP8 value moves them by whole units.
+- bitsandbytes LLM.int8(): the same per-projection outputs (bfloat16 inputs with outlier columns), from
+  the loaded model's ``Linear8bitLt``; jquant's must be the same bits.
 """
 
 import json
@@ -32,6 +34,7 @@ CHECKPOINTS = {
     "bnb_nf4": "logits",
     "bnb_nf4_dq": "logits",
     "bnb_fp4": "logits",
+    "bnb_int8": "int8_layers",
     "ct_gptq_w4a16": "logits",
     "ct_gptq_w8a16": "logits",
     "ct_awq_w4a16_asym": "logits",
@@ -126,3 +129,17 @@ def test_fp8_dynamic_layer_outputs_match_the_tool(name):
             module = f"model.layers.{i}.{group}.{proj}"
             x, expected = ref[f"{module}.input"], ref[f"{module}.output"]
             _assert_close(qparam.apply(jnp.asarray(x)), expected, module)
+
+
+@pytest.mark.parametrize("name", _cases("int8_layers"))
+def test_llm_int8_layer_outputs_are_the_tools_bits(name):
+    model, _, ref, params = _load(name, prepare=True)
+    for i in range(model.config.num_layers):
+        for proj, group in PROJECTIONS.items():
+            qparam = params[f"layers_{i}"][proj]["kernel"]
+            assert isinstance(qparam, QParam) and qparam.scheme.name == "llm_int8", qparam
+            module = f"model.layers.{i}.{group}.{proj}"
+            x, expected = ref[f"{module}.input"], ref[f"{module}.output"]
+            assert (np.abs(x) >= 6).any() and (np.abs(x) < 6).any()   # both halves of the decomposition run
+            actual = np.asarray(qparam.apply(jnp.asarray(x, jnp.bfloat16)).astype(jnp.float32))
+            np.testing.assert_array_equal(actual, expected, err_msg=module)
