@@ -32,7 +32,9 @@ Subnormals are reproduced although XLA flushes them (``jquant.formats.subnormal`
 elements and absmaxes, bnb's 1e-38 absmax floor, ``1 / absmax`` past 2^126 (a subnormal reciprocal)
 and products that torch keeps as tiny subnormals (FP4 codes +tiny as 0b1000, 0 as 0b0000); double
 quantization's statistics when every block maximum is below 2^-60 (an all-zero tensor with a short
-last block: the mean of its 1e-38 floor and zeros is a subnormal), worked on lifted by 2^64.
+last block: the mean of its 1e-38 floor and zeros is a subnormal), worked on lifted by 2^64; and
+dequantized values below 2^-126 (a tiny block's ``table[code] · absmax``, ``subnormal.product``),
+which bnb's torch path keeps in float32 and bfloat16.
 
 Bit-exactness under XLA needs two guards (see ``_divide`` and ``_dequantize_dynamic8``): XLA turns
 division by a broadcast or constant into multiplication by a reciprocal, and fuses a multiply
@@ -387,7 +389,7 @@ def quantize_fp4_bnb(x, blocksize: int = 64, compress_statistics: bool = False, 
 def _dequantize_4bit(qt: QTensor, dtype) -> jnp.ndarray:
     codes = unpack_bits(qt.data, 4, axis=0, order="high_first")[:qt.size]
     absmax = qt.scale.dequantize(jnp.float32) if isinstance(qt.scale, QTensor) else qt.scale
-    out = jnp.asarray(_TABLES[qt.fmt])[codes] * expand_blocks(absmax, (qt.size,), qt.block)
+    out = subnormal.product(jnp.asarray(_TABLES[qt.fmt])[codes], expand_blocks(absmax, (qt.size,), qt.block))
     return out.astype(dtype).reshape(qt.shape)
 
 

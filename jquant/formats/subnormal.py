@@ -143,3 +143,55 @@ def unlift64(v: jax.Array) -> jax.Array:
     units = jnp.round(jnp.abs(v) * np.float32(2.0 ** 85)).astype(jnp.int32)   # < 2^23 where small
     sign = float_bits(v) & jnp.int32(-0x80000000)
     return jnp.where(small, bits_float(units | sign), v * np.float32(2.0 ** -64))
+
+
+def _significand_and_exponent(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(24-bit integer significand M, unbiased exponent e) with |x| = M · 2^(e - 23), for finite
+    nonzero float32 x, subnormals included (normalized from their bits)."""
+    bits = abs_bits(x)
+    field = bits >> _MANTISSA_BITS
+    mantissa = bits & _MANTISSA_MASK
+    # A subnormal's leading one sits at bit floor(log2 m); shift it up to bit 23.
+    lead = jnp.where(mantissa > 0, 31 - jax.lax.clz(jnp.maximum(mantissa, 1)), 0)
+    shift = _MANTISSA_BITS - lead
+    normal = field > 0
+    significand = jnp.where(normal, mantissa | (1 << _MANTISSA_BITS), mantissa << shift)
+    exponent = jnp.where(normal, field - 127, -126 - shift)
+    return significand.astype(jnp.uint32), exponent
+
+
+def product(a: jax.Array, b: jax.Array) -> jax.Array:
+    """PyTorch's float32 ``a · b`` (rounded once, half to even), subnormal operands and results kept.
+
+    A result below 2^-126 is rounded from the exact 48-bit product of the significands (two 24-bit
+    halves in uint32 arithmetic); a normal result of a subnormal operand is the lifted product
+    (``lift64``, exact, then one rounding); anything else is XLA's product.
+    """
+    a, b = jnp.broadcast_arrays(a.astype(jnp.float32), b.astype(jnp.float32))
+    ma, ea = _significand_and_exponent(a)
+    mb, eb = _significand_and_exponent(b)
+    # ma · mb = hi · 2^24 + lo from 12-bit limbs (each partial product below 2^24).
+    a1, a0, b1, b0 = ma >> 12, ma & 0xFFF, mb >> 12, mb & 0xFFF
+    mid = a1 * b0 + a0 * b1
+    low = a0 * b0 + ((mid & 0xFFF) << 12)
+    lo, hi = low & 0xFFFFFF, a1 * b1 + (mid >> 12) + (low >> 24)
+    # |a·b| = (hi · 2^24 + lo) · 2^(ea + eb - 46): in units of 2^-149 a right shift by 24 + k, with
+    # k = -127 - ea - eb ≥ 0 where the result is below 2^-125 (2^24 units: the bits are the units
+    # there, normal or not); from k = 25 it rounds to 0.
+    k = -127 - ea - eb
+    tiny_range = k >= 0
+    ku = jnp.clip(k, 0, 25).astype(jnp.uint32)
+    kept = jnp.where(ku >= 24, jnp.uint32(0), hi >> jnp.minimum(ku, 23))
+    rest = jnp.where(ku >= 25, jnp.uint32(0), hi & ((jnp.uint32(1) << jnp.minimum(ku, 24)) - 1))
+    half = jnp.uint32(1) << (jnp.maximum(ku, 1) - 1)
+    above = jnp.where(ku == 0, lo > (1 << 23), (rest > half) | ((rest == half) & (lo > 0)))
+    tie = jnp.where(ku == 0, lo == (1 << 23), (rest == half) & (lo == 0))
+    above, tie = above & (ku < 25), tie & (ku < 25)
+    units = kept + (above | (tie & ((kept & 1) == 1))).astype(jnp.uint32)
+    sign = (float_bits(a) ^ float_bits(b)) & jnp.int32(-0x80000000)
+    tiny = bits_float(units.astype(jnp.int32) | sign)
+    lifted_a = (lift64(a) * b) * np.float32(2.0 ** -64)
+    lifted_b = (a * lift64(b)) * np.float32(2.0 ** -64)
+    plain = jnp.where(is_subnormal(a), lifted_a, jnp.where(is_subnormal(b), lifted_b, a * b))
+    nonzero = (abs_bits(a) > 0) & (abs_bits(b) > 0) & jnp.isfinite(a) & jnp.isfinite(b)
+    return jnp.where(tiny_range & nonzero, tiny, plain)

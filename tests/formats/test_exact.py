@@ -170,3 +170,34 @@ def test_subnormal_reciprocals_are_numpys():
     np.testing.assert_array_equal(r[plain].view(np.uint32), expected[plain].view(np.uint32))
     np.testing.assert_array_equal(np.ldexp(r[~plain].astype(np.float64), -64), expected[~plain].astype(np.float64))
     assert np.isinf(expected).any() and (expected[~plain] < np.float32(2.0 ** -126)).all()
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_subnormal_products_are_numpys(jit):
+    """``subnormal.product`` is numpy's float32 ``a · b`` bit for bit: subnormal operands and results
+    (where XLA reads and writes ±0), results at 2^-126 and 2^-150 after rounding, ties included, and
+    every special value."""
+    rng = np.random.default_rng()
+    n = 1 << 16
+    exponent = np.where(rng.random(n) < 0.4, 0, rng.integers(1, 255, n))
+    exponent = np.where(rng.random(n) < 0.3, rng.integers(1, 40, n), exponent)
+    bits = (rng.integers(0, 2, n) << 31) | (exponent << 23) | rng.integers(0, 1 << 23, n)
+    a = bits.astype(np.uint32).view(np.float32)
+    # Partners that put half the products within a factor of 4 of 2^-126.
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        near = (np.float32(2.0 ** -126) / a) * rng.uniform(1 / 256, 4, n).astype(np.float32)
+    b = np.where(rng.random(n) < 0.5, near, a[rng.permutation(n)]).astype(np.float32)
+    # Exact ties at the 2^-149 grid (odd and even), 2^-150 exactly, and the specials.
+    ties = np.float32([3 * 2.0 ** -150, 5 * 2.0 ** -150, 2.0 ** -150, 2.0 ** -126 - 2.0 ** -150])
+    special = np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, 2.0 ** -149, -(2.0 ** -149), 1.0])
+    a = np.concatenate([a, ties, np.repeat(special, special.size)])
+    b = np.concatenate([b, np.ones(ties.size, np.float32), np.tile(special, special.size)])
+    product = jax.jit(subnormal.product) if jit else subnormal.product
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = a * b
+    got = np.asarray(product(jnp.asarray(a), jnp.asarray(b)))
+    nan = np.isnan(expected)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), expected[~nan].view(np.uint32))
+    tiny = (np.abs(expected) < np.float32(2.0 ** -126)) & (expected != 0)
+    assert tiny.sum() > n // 8   # the range XLA flushes is well covered

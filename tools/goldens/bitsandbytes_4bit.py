@@ -45,7 +45,16 @@ def _inputs():
     # dequantize_4bit reads the block maxima per row where K is even and not a multiple of the block.
     zeros = torch.zeros(4, 71)
     zeros_f16 = torch.zeros(33, 97, dtype=torch.float16)
-    return {"small": small, "big": big, "special": special, "zeros": zeros, "zeros_f16": zeros_f16}
+    # Tiny weights: blocks whose absmax is subnormal (every dequantized value subnormal) and blocks of
+    # normal absmax near 2^-126 whose small table entries dequantize to subnormals. K is odd, so
+    # bnb dequantizes them with torch (its C++ kernel reads block maxima per row, see above).
+    tiny = torch.randn(6, 97, generator=gen)
+    tiny[:2] *= 1e-39
+    tiny[2:4] *= 3e-38
+    tiny[4:] *= 2e-37
+    tiny_bf16 = (torch.randn(4, 65, generator=gen) * torch.tensor([1e-39, 5e-39, 4e-38, 1e-36])[:, None])
+    return {"small": small, "big": big, "special": special, "zeros": zeros, "zeros_f16": zeros_f16,
+            "tiny": tiny, "tiny_bf16": tiny_bf16.to(torch.bfloat16)}
 
 
 CASES = {
@@ -60,6 +69,10 @@ CASES = {
     "fp4_special_dq": ("special", "fp4", 64, True),
     "nf4_zeros_dq": ("zeros", "nf4", 64, True),
     "fp4_zeros_f16_bs128_dq": ("zeros_f16", "fp4", 128, True),
+    "nf4_tiny": ("tiny", "nf4", 64, False),
+    "fp4_tiny_bs32_dq": ("tiny", "fp4", 32, True),
+    "fp4_tiny_bf16": ("tiny_bf16", "fp4", 64, False),
+    "nf4_tiny_bf16_dq": ("tiny_bf16", "nf4", 32, True),
 }
 
 SUM_SIZES = (1, 3, 5, 6, 7, 8, 9, 31, 64, 100, 517, 700, 3000, 8200)
