@@ -154,6 +154,9 @@ def from_bnb(tensors: dict) -> QTensor:
     """Rebuilds the QTensor from a Linear4bit (or, with ``SCB``, a Linear8bitLt) weight's saved tensors."""
     if "SCB" in tensors:
         return _from_int8(tensors)
+    if "weight" in tensors and np.asarray(tensors["weight"]).dtype == np.int8:
+        raise ValueError(f"{LAYOUT}: an int8 weight (Linear8bitLt) needs its SCB tensor beside it; got "
+                         f"{sorted(tensors)}")
     key = _state_key(tensors)
     require(tensors, ["weight", "weight.absmax", "weight.quant_map", key], LAYOUT)
     fields = _fields(tensors, key)

@@ -1,5 +1,5 @@
-"""FP4 checkpoint layouts: ``"gpt-oss"`` (MXFP4), ``"compressed-tensors/nvfp4-pack-quantized"`` and
-``"modelopt/nvfp4"``.
+"""FP4 checkpoint layouts: ``"gpt-oss"`` and ``"compressed-tensors/mxfp4-pack-quantized"`` (MXFP4),
+``"compressed-tensors/nvfp4-pack-quantized"`` and ``"modelopt/nvfp4"``.
 
 All take and give QTensors in PyTorch orientation ``[..., N, K]`` blocked along K (the last axis),
 codes packed two per byte with the even element in the low nibble, as every one of these files is.
@@ -8,6 +8,8 @@ codes packed two per byte with the even element in the low nibble, as every one 
   ``scales`` uint8 ``[..., N, K/32]`` (biased exponents, 2^(s-127)). The checkpoint names them
   ``<proj>_blocks`` / ``<proj>_scales`` (e.g. ``mlp.experts.gate_up_proj_blocks``), joined with "_".
   Leading expert axes are kept.
+- compressed-tensors 0.20.1 ``mxfp4-pack-quantized``: ``weight_packed`` uint8 ``[N, K/2]`` and
+  ``weight_scale`` uint8 ``[N, K/32]`` (biased exponents, as gpt-oss's ``scales``).
 - compressed-tensors 0.20.1 ``nvfp4-pack-quantized``: ``weight_packed`` uint8 ``[N, K/2]``,
   ``weight_scale`` float8_e4m3fn ``[N, K/16]``, ``weight_global_scale`` float32 ``[1]`` (the divisor)
   and, with static activation scales, ``input_global_scale`` float32 ``[1]``.
@@ -39,6 +41,7 @@ from jquant.formats import mx, nvfp4
 from jquant.qtensor import QTensor
 
 _CT = "compressed-tensors/nvfp4-pack-quantized"
+_CT_MXFP4 = "compressed-tensors/mxfp4-pack-quantized"
 _MODELOPT = "modelopt/nvfp4"
 
 
@@ -115,12 +118,9 @@ def _optional_scalar(value, name: str) -> np.ndarray | None:
 
 def gpt_oss_to_checkpoint(qt: QTensor) -> dict[str, np.ndarray]:
     _check_last_axis(qt, "mxfp4", mx.BLOCK_SIZE, "gpt-oss")
-    if np.asarray(qt.scale).dtype != ml_dtypes.float8_e8m0fnu:
-        raise ValueError(f"gpt-oss stores scales as E8M0 bytes, got a QTensor with {np.asarray(qt.scale).dtype} "
-                         f"scales; quantize with jquant.quantize(x, 'mxfp4')")
+    scales = _mxfp4_scale_bytes(qt, "gpt-oss")
     groups = qt.shape[-1] // mx.BLOCK_SIZE
     blocks = np.asarray(qt.data).reshape(*qt.shape[:-1], groups, mx.BLOCK_SIZE // 2)
-    scales = np.asarray(qt.scale).view(np.uint8)
     return {"blocks": blocks, "scales": scales}
 
 
@@ -132,14 +132,49 @@ def gpt_oss_from_checkpoint(tensors: dict, dtype=jnp.float32) -> QTensor:
         raise ValueError(f"gpt-oss: tensors 'blocks' {blocks.shape} and 'scales' {scales.shape} do not "
                          f"fit: expected [..., N, K/32, 16] and [..., N, K/32]")
     shape = scales.shape[:-1] + (scales.shape[-1] * mx.BLOCK_SIZE,)
+    return _mxfp4_qtensor(blocks.reshape(*shape[:-1], shape[-1] // 2), scales, shape, dtype)
+
+
+def _mxfp4_qtensor(packed: np.ndarray, scales: np.ndarray, shape: tuple[int, ...], dtype) -> QTensor:
+    """An MXFP4 QTensor from codes [..., N, K/2] and biased exponents [..., N, K/32] (uint8)."""
     ndim = len(shape)
-    return QTensor(data=jnp.asarray(blocks.reshape(*shape[:-1], shape[-1] // 2)),
-                   scale=jnp.asarray(scales.view(ml_dtypes.float8_e8m0fnu)), fmt="mxfp4", shape=shape,
-                   dtype=dtype, block=(1,) * (ndim - 1) + (mx.BLOCK_SIZE,), pack_axis=ndim - 1)
+    return QTensor(data=jnp.asarray(packed), scale=jnp.asarray(scales.view(ml_dtypes.float8_e8m0fnu)), fmt="mxfp4",
+                   shape=shape, dtype=dtype, block=(1,) * (ndim - 1) + (mx.BLOCK_SIZE,), pack_axis=ndim - 1)
+
+
+def _mxfp4_scale_bytes(qt: QTensor, layout: str) -> np.ndarray:
+    if np.asarray(qt.scale).dtype != ml_dtypes.float8_e8m0fnu:
+        raise ValueError(f"{layout} stores scales as E8M0 bytes, got a QTensor with {np.asarray(qt.scale).dtype} "
+                         f"scales; quantize with jquant.quantize(x, 'mxfp4')")
+    return np.asarray(qt.scale).view(np.uint8)
 
 
 def _is_gpt_oss(tensors: dict) -> bool:
     return "blocks" in tensors and "scales" in tensors
+
+
+# ---- compressed-tensors mxfp4-pack-quantized -------------------------------------------------------
+
+def ct_mxfp4_to_checkpoint(qt: QTensor) -> dict[str, np.ndarray]:
+    _check_last_axis(qt, "mxfp4", mx.BLOCK_SIZE, _CT_MXFP4)
+    return {"weight_packed": np.asarray(qt.data), "weight_scale": _mxfp4_scale_bytes(qt, _CT_MXFP4)}
+
+
+def ct_mxfp4_from_checkpoint(tensors: dict, dtype=jnp.float32, group_size: int | None = None) -> QTensor:
+    if group_size is not None and group_size != mx.BLOCK_SIZE:
+        raise ValueError(f"{_CT_MXFP4}: group_size={group_size!r} given, but MXFP4 blocks are {mx.BLOCK_SIZE} "
+                         f"elements along K")
+    require(tensors, ("weight_packed", "weight_scale"), _CT_MXFP4)
+    packed = _array(tensors, "weight_packed", np.uint8, _CT_MXFP4)
+    scale = _array(tensors, "weight_scale", np.uint8, _CT_MXFP4)
+    shape = _check_packed(packed, scale, ("weight_packed", "weight_scale"), mx.BLOCK_SIZE, _CT_MXFP4)
+    return _mxfp4_qtensor(packed, scale, shape, dtype)
+
+
+def _is_ct_mxfp4(tensors: dict) -> bool:
+    packed, scale = tensors.get("weight_packed"), tensors.get("weight_scale")
+    return (packed is not None and scale is not None and np.asarray(packed).dtype == np.uint8
+            and np.asarray(scale).dtype == np.uint8 and "weight_global_scale" not in tensors)
 
 
 # ---- NVFP4: compressed-tensors nvfp4-pack-quantized and ModelOpt ----------------------------------
@@ -238,6 +273,8 @@ def nvfp4_input_global_scale(tensors: dict, convention: str = "compressed-tensor
 
 register_layout("gpt-oss", gpt_oss_to_checkpoint, gpt_oss_from_checkpoint, fmts=("mxfp4",),
                 detect=_is_gpt_oss)
+register_layout(_CT_MXFP4, ct_mxfp4_to_checkpoint, ct_mxfp4_from_checkpoint, fmts=("mxfp4",),
+                detect=_is_ct_mxfp4)
 for _names in (_CT_NAMES, _MODELOPT_NAMES):
     register_layout(_names.layout, _nvfp4_to(_names), _nvfp4_from(_names), fmts=("nvfp4",),
                     detect=_nvfp4_detect(_names), rounds=True)

@@ -198,8 +198,24 @@ def compressed_tensors_group_scheme(cfg: dict, gname: str, group) -> Scheme:
             raise ValueError(f"{wwhere}['symmetric'] is false: NVFP4 has no zero point (nvfp4-pack-quantized "
                              "is symmetric)")
         return bs.nvfp4(convention="compressed-tensors")
+    if fmt == "mxfp4-pack-quantized":
+        return _ct_mxfp4(weights, wwhere)
     raise ValueError(f"quantization_config['format'] {fmt!r} is not supported; expected 'pack-quantized', "
-                     "'float-quantized', 'int-quantized', 'naive-quantized' or 'nvfp4-pack-quantized'")
+                     "'float-quantized', 'int-quantized', 'naive-quantized', 'nvfp4-pack-quantized' or "
+                     "'mxfp4-pack-quantized'")
+
+
+def _ct_mxfp4(weights: dict, wwhere: str) -> Scheme:
+    """vLLM's ``_is_mxfp4``: float, 4 bits, symmetric groups of 32. Input activations (the MXFP4 W4A4
+    preset) are not quantized: vLLM runs every such layer weight-only (``CompressedTensorsW4A16Mxfp4``)."""
+    kind, num_bits = _get(weights, "type", str, "int", where=wwhere), _get(weights, "num_bits", int, where=wwhere)
+    strategy, group = _get(weights, "strategy", str, where=wwhere), _get(weights, "group_size", int, None, wwhere)
+    if (kind, num_bits, strategy, group) != ("float", 4, "group", 32):
+        raise ValueError(f"{wwhere}: mxfp4-pack-quantized needs type 'float', num_bits 4, strategy 'group' and "
+                         f"group_size 32, got {kind!r}, {num_bits}, {strategy!r}, {group!r}")
+    if not _get(weights, "symmetric", bool, True, wwhere):
+        raise ValueError(f"{wwhere}['symmetric'] is false: MXFP4 has no zero point")
+    return bs.mxfp4_compressed_tensors()
 
 
 def _check_fp8_args(weights: dict, acts: dict | None, where: str) -> None:
@@ -286,14 +302,15 @@ def _nvfp4_group(group: int, where: str) -> None:
 
 
 def _bitsandbytes(cfg: dict) -> Scheme:
+    # vLLM's get_safe_value reads a null field as its default (transformers writes every field).
+    cfg = {k: v for k, v in cfg.items() if v is not None}
     if _get(cfg, "load_in_8bit", bool, False):
         if _get(cfg, "load_in_4bit", bool, False):
             raise ValueError("quantization_config: bitsandbytes config sets both load_in_8bit and load_in_4bit")
         if _get(cfg, "llm_int8_has_fp16_weight", bool, False):
             raise ValueError("quantization_config: llm_int8_has_fp16_weight keeps float16 weights for "
                              "training; such a checkpoint is not int8 (load it unquantized)")
-        # vLLM and transformers read a null threshold as the default.
-        threshold = 6.0 if cfg.get("llm_int8_threshold") is None else _get(cfg, "llm_int8_threshold", (int, float))
+        threshold = _get(cfg, "llm_int8_threshold", (int, float), 6.0)
         if isinstance(threshold, bool) or not math.isfinite(threshold) or threshold < 0:
             raise ValueError(f"quantization_config['llm_int8_threshold'] must be a finite number >= 0, "
                              f"got {threshold!r}")

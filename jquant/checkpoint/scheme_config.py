@@ -58,6 +58,9 @@ _CONFIGS = {
     # No input_activations: vLLM runs it weight-only (W4A16 NVFP4), as jquant's nvfp4 does on Hopper.
     "nvfp4": _compressed_tensors("nvfp4-pack-quantized", {"num_bits": 4, "type": "float", "strategy": "tensor_group",
                                                           "group_size": 16}),
+    # llm-compressor's MXFP4A16 (E8M0 scales stored as uint8 exponents).
+    "mxfp4_ct": _compressed_tensors("mxfp4-pack-quantized", {"num_bits": 4, "type": "float", "strategy": "group",
+                                                             "group_size": 32, "scale_dtype": "torch.uint8"}),
     "nf4": _bnb("nf4", False),
     "nf4_dq": _bnb("nf4", True),
     "fp4_bnb": _bnb("fp4", False),
@@ -67,7 +70,8 @@ _CONFIGS = {
 _NO_CONFIG = {
     "fp8_e4m3_tensor": "vLLM runs a dynamic per-tensor FP8 checkpoint with per-token activations (another "
                        "numerics) and a static one needs calibrated input_scales; write fp8_e4m3_channel",
-    "mxfp4": "vLLM reads MXFP4 weights only as MoE experts (gpt-oss), not as dense projections",
+    "mxfp4": "its gpt-oss layout holds MoE experts; vLLM reads dense MXFP4 layers from compressed-tensors "
+             "mxfp4-pack-quantized, whose quantizer rounds scales as mxfp4_ct does: write mxfp4_ct",
 }
 
 
@@ -87,7 +91,7 @@ def checkpoint_config(name: "str | Scheme", *, act_order: bool = False) -> dict:
       >>> checkpoint_config("mxfp4")
       Traceback (most recent call last):
           ...
-      ValueError: no dense checkpoint layout for scheme 'mxfp4': vLLM reads MXFP4 weights only as MoE experts ...
+      ValueError: no dense checkpoint layout for scheme 'mxfp4': its gpt-oss layout holds MoE experts; ...
 
     Raises ValueError for a scheme with no such checkpoint, saying why and which schemes have one.
     """

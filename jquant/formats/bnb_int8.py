@@ -1,7 +1,9 @@
 """bitsandbytes LLM.int8() (arXiv 2208.07339): ``"int8_bnb"`` weights and the mixed int8 / float matmul.
 
-Bit-exact with bitsandbytes 0.50.2's torch operators (its default backend, what a CPU runs), as
-``Linear8bitLt`` / ``Int8Params`` quantize and vLLM's ``_apply_8bit_weight`` multiplies:
+Checked against bitsandbytes 0.50.2 on a CPU (its torch operators, with ``torch._int_mm`` for the int8
+product on AVX-512 machines: exact int32 sums, as on GPUs; the float32 fallback elsewhere is exact only
+while |sums| < 2^24, K ≲ 1040), as ``Linear8bitLt`` / ``Int8Params`` quantize and vLLM's
+``_apply_8bit_weight`` multiplies (a ``MatmulLtState`` with ``is_training=False``):
 
 * Weight ``[N, K]``: cast to float16 first (values past 65504 become ±Inf), ``SCB`` = the row's float32
   absmax (a NaN makes it NaN), int8 codes ``round_half_even(w · (127 / SCB))`` in float32, with
@@ -15,9 +17,12 @@ Bit-exact with bitsandbytes 0.50.2's torch operators (its default backend, what 
   and multiplied with int32 sums: ``((acc · (row · SCB)) · 6.200124e-05)`` rounded to x's dtype.
   Outlier columns, in x's dtype, meet the dequantized weight columns (rounded to x's dtype) in a
   float32 sum added to that product: one rounding for 16-bit x (torch's ``addmm``), two for float32
-  x (its BLAS rounds the sum first; its summation order is not reproduced, so float32 products agree
-  to a few ulp). The outlier columns are the whole call's: a token's product depends on the other
-  tokens multiplied with it, as in bitsandbytes. vLLM passes bfloat16 x (``Scheme.apply`` does too).
+  x (its BLAS rounds the sum first). The float32 sum's order is XLA's, not torch's: float32 products
+  agree to a few ulp, and a 16-bit one differs in its last bit where the sum lands within float32
+  rounding of a 16-bit midpoint (1 of 8192 outputs of a float16 layer with 6 outlier columns; none in
+  two bfloat16 layers through vLLM's path). The outlier columns are the whole call's: a token's
+  product depends on the other tokens multiplied with it, as in bitsandbytes. vLLM passes bfloat16 x
+  (``Scheme.apply`` does too).
 
 The QTensor holds int8 codes ``[N, K]`` and ``SCB`` as its float32 scale ``[N, 1]``. On CUDA
 bitsandbytes runs its own kernels for the same formulas; those were not compared here.
@@ -67,6 +72,8 @@ def quantize_int8_bnb(x, axis: int = -1) -> QTensor:
     x = check_float_input(x, FORMAT)
     if x.ndim != 2:
         raise ValueError(f"{FORMAT} quantizes a 2-D weight [N, K] row by row, got shape {tuple(x.shape)}")
+    if axis not in (-2, -1, 0, 1):
+        raise ValueError(f"{FORMAT}: axis must be an axis of a 2-D weight (0, 1, -1 or -2), got {axis!r}")
     axis = axis % 2
     w = jnp.moveaxis(x, axis, 1).astype(jnp.float16).astype(jnp.float32)
     absmax = jnp.max(jnp.abs(w), axis=1, keepdims=True)
@@ -83,8 +90,9 @@ def _dequantize(qt: QTensor, dtype) -> jax.Array:
 
 
 def llm_int8_matmul(x: jax.Array, qweight: QTensor, threshold: float = DEFAULT_THRESHOLD) -> jax.Array:
-    """``x [..., K] · Wᵀ`` as bitsandbytes' ``matmul`` (``MatMul8bitLt``) computes it for an ``"int8_bnb"``
-    weight ``[N, K]`` (K its last axis): ``[..., N]`` in x's dtype, no bias.
+    """``x [..., K] · Wᵀ`` as bitsandbytes' ``matmul`` (``MatMul8bitLt``, inference: ``is_training=False``,
+    as vLLM sets it) computes it for an ``"int8_bnb"`` weight ``[N, K]`` (K its last axis): ``[..., N]``
+    in x's dtype, no bias.
 
     x is quantized from its float16 copy; the product is rounded to x's dtype, and the outlier columns
     are multiplied in x's dtype (vLLM passes bfloat16). ``threshold`` 0 turns the decomposition off.
@@ -100,6 +108,9 @@ def llm_int8_matmul(x: jax.Array, qweight: QTensor, threshold: float = DEFAULT_T
     if qweight.fmt != FORMAT or qweight.ndim != 2 or qweight.k_axis != 1:
         raise ValueError(f"llm_int8_matmul takes an {FORMAT!r} weight [N, K] with K last, got fmt={qweight.fmt!r} "
                          f"shape {qweight.shape} k_axis={qweight.k_axis}")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.floating, np.integer)):
+        raise TypeError(f"threshold must be a Python number (it decides the program's shape), got "
+                        f"{type(threshold).__name__}")
     if not np.isfinite(threshold) or threshold < 0:
         raise ValueError(f"threshold must be finite and >= 0, got {threshold!r}")
     x = jnp.asarray(x)
@@ -108,12 +119,23 @@ def llm_int8_matmul(x: jax.Array, qweight: QTensor, threshold: float = DEFAULT_T
     return y.reshape(*lead, qweight.shape[0])
 
 
+def _rounded_to(values, dtype):
+    """float32 ``values`` rounded to ``dtype``'s precision, kept float32. A convert to bfloat16 and back
+    would not do: under jit XLA's excess-precision rewrite drops such pairs (a dequantized outlier
+    weight then entered the dot unrounded: 0.0634765625 against bitsandbytes' 0.0625 at K = 4096)."""
+    info = jnp.finfo(dtype)
+    if info.bits == 32:
+        return values
+    return jax.lax.reduce_precision(values, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 @functools.partial(jax.jit, static_argnums=3)
 def _matmul(x, codes, scb, threshold):
     dtype = x.dtype
     a = x.astype(jnp.float16).astype(jnp.float32)
     if threshold > 0:
-        outlier = jnp.abs(a) >= float(np.float16(threshold))     # torch compares in float16
+        with np.errstate(over="ignore"):   # a threshold past 65504 is +Inf in float16, as in torch
+            outlier = jnp.abs(a) >= float(np.float16(threshold))     # torch compares in float16
         columns = jnp.any(outlier, axis=0)
         a = jnp.where(outlier, 0.0, a)
     else:
@@ -125,8 +147,11 @@ def _matmul(x, codes, scb, threshold):
     out = ((acc.astype(jnp.float32) * (row * scb[None, :])) * _INV_127_SQUARED).astype(dtype)
     if threshold == 0:
         return out
-    w = ((codes.astype(jnp.float32) * scb[:, None]) * _INV_127).astype(dtype)
-    sub = jnp.where(columns, x, jnp.zeros_like(x))
+    # The barrier keeps the product rounded to x's dtype before the sum is added, and out of an FMA with
+    # it (float32 x: one fused rounding moved a nearly cancelling output by ~2900 ulp).
+    out = jax.lax.optimization_barrier(out)
+    w = _rounded_to((codes.astype(jnp.float32) * scb[:, None]) * _INV_127, dtype)
+    sub = jnp.where(columns, x, jnp.zeros_like(x)).astype(jnp.float32)
     extra = jax.lax.dot_general(sub, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                 precision=jax.lax.Precision.HIGHEST)
     # Without outlier columns bitsandbytes adds nothing (a 0 · Inf weight would otherwise add NaN).

@@ -32,6 +32,12 @@ means 2^-127 for the elements too, and under byte 253 (2^126) GGML's candidates 
 the largest element is 3. One byte cannot be matched: gguf's wrapped 255 (amax in [2^-126, 2^-125))
 is NaN in E8M0, so jquant stores 254, which gives the same zero codes and dequantized zeros.
 
+``element_rounding="compressed-tensors"`` (MXFP4, with ``scale_mode="even"``: the
+``like="compressed-tensors"`` preset) is compressed-tensors' MXFP4A16 quantizer (``generate_mx_scales``:
+the group amax rounded up to the next power of two from 1.75 · 2^e in the weight's dtype, then
+``floor(log2) - 2``, which is "even" on that amax; ``cast_to_fp4``: half to even): as "even", except
+that -0.0 is stored as +0 (its ``sign(x) · |q|``).
+
 Non-finite and zero blocks (torchao's behaviour): a NaN in a block makes its scale NaN (0xFF), so the
 whole block dequantizes to NaN (its element codes are unspecified), at every tensor size (the amax is
 an integer max of |x|'s bits, which keeps NaN where XLA's float max drops it); ±Inf saturates to
@@ -63,7 +69,9 @@ from jquant.qtensor import QTensor, register_format
 
 BLOCK_SIZE = 32
 SCALE_MODES = ("floor", "ceil", "even", "rceil", "rceil_log2f")
-ELEMENT_ROUNDINGS = ("even", "ggml")
+ELEMENT_ROUNDINGS = ("even", "ggml", "compressed-tensors")
+# element_rounding → (E2M1 ties, when the sign bit is set): see ``e2m1_codes``.
+_E2M1_RULES = {"even": ("even", "signbit"), "ggml": ("zero", "nonzero"), "compressed-tensors": ("even", "negative")}
 E2M1_MAX = 6.0
 # E2M1 code → value: bit 3 is the sign, bits 0-2 index the magnitudes.
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
@@ -280,7 +288,8 @@ def quantize_mx(x, fmt: str = "mxfp4", *, axis: int = -1, scale_mode: str = "flo
       fmt: ``"mxfp4"``, ``"mxfp8_e4m3"`` or ``"mxfp8_e5m2"``.
       axis: the blocked axis (for a PyTorch ``[N, K]`` weight, -1).
       scale_mode: ``"floor"``, ``"ceil"``, ``"even"``, ``"rceil"`` or ``"rceil_log2f"`` (module docstring).
-      element_rounding: ``"even"`` (torchao, OCP) or ``"ggml"`` (MXFP4 with "floor" only).
+      element_rounding: ``"even"`` (torchao, OCP), ``"ggml"`` (MXFP4 with "floor" only) or
+        ``"compressed-tensors"`` (MXFP4: half to even, -0.0 stored as +0).
     """
     if fmt not in ELEMENTS:
         raise ValueError(f"fmt must be one of {sorted(ELEMENTS)}, got {fmt!r}")
@@ -291,6 +300,9 @@ def quantize_mx(x, fmt: str = "mxfp4", *, axis: int = -1, scale_mode: str = "flo
     if element_rounding == "ggml" and (fmt != "mxfp4" or scale_mode != "floor"):
         raise ValueError(f"element_rounding='ggml' is GGML's MXFP4 quantizer: it needs fmt='mxfp4' and "
                          f"scale_mode='floor', got fmt={fmt!r}, scale_mode={scale_mode!r}")
+    if element_rounding == "compressed-tensors" and fmt != "mxfp4":
+        raise ValueError(f"element_rounding='compressed-tensors' rounds E2M1 elements: it needs fmt='mxfp4', "
+                         f"got {fmt!r}")
     x = check_float_input(x, "x")
     block = group_block(x.shape, axis, BLOCK_SIZE, "x")
     axis %= x.ndim
@@ -311,7 +323,7 @@ def _encode(x, fmt, block, axis, scale_mode, element_rounding):
     biased = _shared_exponent(amax_bits, mode, element)
     scaled = _scale_elements(blocks, biased, mode).reshape(x.shape)
     if element.fp8_fmt is None:
-        ties, sign = ("zero", "nonzero") if element_rounding == "ggml" else ("even", "signbit")
+        ties, sign = _E2M1_RULES[element_rounding]
         data = pack_bits(e2m1_codes(scaled, ties, sign), 4, axis)
     else:
         data = saturating_cast(scaled, element.fp8_fmt)
@@ -352,3 +364,5 @@ for _fmt in ELEMENTS:
     # torchao's to_mx default (ScaleCalculationMode.FLOOR); its eager RCEIL is scale_mode="rceil_log2f".
     register_preset("torchao", _fmt, {"scale_mode": "floor", "element_rounding": "even"})
 register_preset("gguf", "mxfp4", {"scale_mode": "floor", "element_rounding": "ggml"})
+# compressed-tensors' MXFP4A16 (generate_mx_scales, cast_to_fp4): "even" scales, sign(x) · |q| elements.
+register_preset("compressed-tensors", "mxfp4", {"scale_mode": "even", "element_rounding": "compressed-tensors"})

@@ -94,6 +94,16 @@ def mxfp4(scale_mode: str = "floor") -> Scheme:
                   description="MXFP4 weights (E2M1, block 32, E8M0 scale); bf16 activations (Hopper has no FP4 MMA)")
 
 
+def mxfp4_compressed_tensors() -> Scheme:
+    """MXFP4 as compressed-tensors quantizes it (llm-compressor's MXFP4A16; vLLM runs dense layers of
+    ``mxfp4-pack-quantized`` checkpoints weight-only, ``CompressedTensorsW4A16Mxfp4``)."""
+    return Scheme(name="mxfp4_ct",
+                  weight=WeightSpec("mxfp4", 4, scale_mode="even", element_rounding="compressed-tensors"),
+                  checkpoint_layout="compressed-tensors/mxfp4-pack-quantized",
+                  description="MXFP4 weights as compressed-tensors rounds them (scale from the group amax "
+                              "rounded to a power of two, E2M1 half to even); bf16 activations")
+
+
 def nvfp4(convention: str = "compressed-tensors") -> Scheme:
     layout = "modelopt" if convention == "modelopt" else "compressed-tensors"
     return Scheme(name="nvfp4" + ("_modelopt" if convention == "modelopt" else ""),
@@ -114,7 +124,8 @@ def llm_int8(threshold: float = 6.0) -> Scheme:
     """bitsandbytes' LLM.int8() (``load_in_8bit``) as vLLM runs it: int8 weights with a float32 absmax per
     output channel; activations int8 per token, except columns holding a value of magnitude ≥
     ``threshold``, which run in bfloat16 (0: none)."""
-    return Scheme(name="llm_int8" + ("" if threshold == 6.0 else f"_t{threshold:g}"),
+    # repr: distinct thresholds get distinct names (6.0000001 is not "6").
+    return Scheme(name="llm_int8" + ("" if threshold == 6.0 else f"_t{float(threshold)!r}".removesuffix(".0")),
                   weight=WeightSpec("int8_bnb", 8),
                   activation=ActivationSpec("llm_int8", "int8", outlier_threshold=threshold),
                   checkpoint_layout="bnb",
@@ -134,6 +145,7 @@ BUILTIN = (
     fp8_block(),
     fp8_block(ue8m0=True),
     mxfp4(),
+    mxfp4_compressed_tensors(),
     nvfp4(),
     bnb_4bit("nf4"),
     bnb_4bit("nf4", double_quant=True),

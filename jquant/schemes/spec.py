@@ -29,9 +29,10 @@ _FAMILIES = {**{f: ("int", b) for f, (b, _) in _INT_FORMATS.items()},
              "nvfp4": ("nvfp4", 4), "nf4": ("bnb", 4), "fp4_bnb": ("bnb", 4), "int8_bnb": ("bnb8", 8)}
 # The WeightSpec option fields each family's quantizer takes (symmetric is checked on its own).
 _OPTION_FIELDS = ("group_size", "scale_dtype", "granularity", "block_size", "ue8m0", "scale_mode",
-                  "convention", "blocksize", "double_quant")
+                  "element_rounding", "convention", "blocksize", "double_quant")
 _FAMILY_OPTIONS = {"int": ("group_size", "scale_dtype"), "fp8": ("granularity", "block_size", "ue8m0"),
-                   "mx": ("scale_mode",), "nvfp4": ("convention",), "bnb": ("blocksize", "double_quant"), "bnb8": ()}
+                   "mx": ("scale_mode", "element_rounding"), "nvfp4": ("convention",),
+                   "bnb": ("blocksize", "double_quant"), "bnb8": ()}
 # WeightSpec field → the quantizer's keyword, where the names differ.
 _KWARG_NAMES = {"double_quant": "compress_statistics"}
 
@@ -63,6 +64,7 @@ class WeightSpec:
       block_size: FP8 block: ``(rows, cols)`` of one scale block.
       ue8m0: FP8 block: power-of-two scales.
       scale_mode: MX formats: how the shared exponent is chosen (``"floor"``, ...).
+      element_rounding: MX formats: how elements round (``"even"``, ``"ggml"``, ``"compressed-tensors"``).
       convention: NVFP4: ``"compressed-tensors"`` or ``"modelopt"`` global-scale convention.
       blocksize: bitsandbytes: values per absmax.
       double_quant: bitsandbytes: absmax values themselves quantized to 8 bits.
@@ -91,6 +93,7 @@ class WeightSpec:
     block_size: tuple[int, int] | None = None
     ue8m0: bool | None = None
     scale_mode: str | None = None
+    element_rounding: str | None = None
     convention: str | None = None
     blocksize: int | None = None
     double_quant: bool | None = None
@@ -103,7 +106,8 @@ class WeightSpec:
         _positive_int(self.group_size, "WeightSpec.group_size", none_hint=" (None: one group per output channel)")
         _positive_int(self.blocksize, "WeightSpec.blocksize")
         for name, types in (("symmetric", bool), ("ue8m0", bool), ("double_quant", bool), ("scale_dtype", str),
-                            ("granularity", str), ("scale_mode", str), ("convention", str)):
+                            ("granularity", str), ("scale_mode", str), ("element_rounding", str),
+                            ("convention", str)):
             _optional(getattr(self, name), types, f"WeightSpec.{name}")
         if self.block_size is not None:
             block = tuple(self.block_size)  # a list from JSON or a config: kept hashable

@@ -218,3 +218,61 @@ def test_wrong_qtensors():
         jquant.to_checkpoint(mx.replace(scale=mx.scale.astype(jnp.float32)), "gpt-oss")
     with pytest.raises(ValueError, match="input_global_scale must be a scalar"):
         jquant.to_checkpoint(jquant.quantize(random((4, 32)), "nvfp4"), CT, input_global_scale=np.ones(2))
+
+
+# ---- compressed-tensors mxfp4-pack-quantized -------------------------------------------------------------
+
+CT_MXFP4 = "compressed-tensors/mxfp4-pack-quantized"
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("case", ["w_f32", "w_bf16"])
+def test_compressed_tensors_mxfp4_golden(case, jit):
+    """MXFP4A16 as compressed-tensors 0.20.1 quantizes, packs and dequantizes it (the golden holds group
+    amaxes around the 1.75 · 2^k round-up, E2M1 midpoints, a zero and a tiny group, and -0.0)."""
+    g = np.load(GOLDENS / "compressed_tensors_mxfp4.npz")
+    x = g[case].view(ml_dtypes.bfloat16) if g[case].dtype == np.uint16 else g[case]
+    assert np.signbit(x[3, [5, 40]]).all() and (x[3, [5, 40]] == 0).all()
+    scheme = jquant.get_scheme("mxfp4_ct")
+    qt = (jax.jit(scheme.quantize_weight) if jit else scheme.quantize_weight)(x)
+    tensors = jquant.to_checkpoint(qt, CT)
+    assert sorted(tensors) == ["weight_packed", "weight_scale"]
+    np.testing.assert_array_equal(tensors["weight_packed"], g[f"{case}_weight_packed"])
+    assert tensors["weight_scale"].dtype == np.uint8
+    np.testing.assert_array_equal(tensors["weight_scale"], g[f"{case}_weight_scale"])
+    restored = jquant.from_checkpoint({"weight_packed": g[f"{case}_weight_packed"],
+                                       "weight_scale": g[f"{case}_weight_scale"]}, CT)   # variant detected
+    assert restored.fmt == "mxfp4" and restored.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(restored.dequantize(jnp.bfloat16)).view(np.uint16),
+                                  g[f"{case}_dequantized"])
+    # The OCP "floor" scale (the mxfp4 scheme) differs from compressed-tensors' where amax ≥ 1.75 · 2^e.
+    floor = jquant.to_checkpoint(jquant.quantize(x, "mxfp4"), CT_MXFP4)
+    assert (floor["weight_scale"] != g[f"{case}_weight_scale"]).any()
+
+
+def test_compressed_tensors_mxfp4_keeps_minus_zero_as_plus_zero():
+    x = np.zeros((1, 32), np.float32)
+    x[0, :3] = [-0.0, -0.05, 1.0]     # scale 1/4: -0.05 is -0.2, which rounds to -0
+    ct = np.asarray(jquant.quantize(x, "mxfp4", like="compressed-tensors").data)
+    torchao = np.asarray(jquant.quantize(x, "mxfp4", scale_mode="even").data)
+    # compressed-tensors' sign(x) · |q| then a sign-bit pack: -0.0 stores +0, -0.2 stores -0 (checked
+    # against cast_to_fp4 and pack_fp4_to_uint8: bytes 0x80 for [-0.0, -0.2]).
+    assert ct[0, 0] & 0x0F == 0x00 and torchao[0, 0] & 0x0F == 0x08
+    assert ct[0, 0] >> 4 == 0x08 and torchao[0, 0] >> 4 == 0x08
+
+
+def test_compressed_tensors_mxfp4_round_trip_and_refusals():
+    qt = jquant.quantize(random((8, 64), seed=3), "mxfp4", like="compressed-tensors")
+    tensors = jquant.to_checkpoint(qt, CT_MXFP4)
+    assert_round_trip(qt, tensors, CT)
+    with pytest.raises(ValueError, match="group_size=16"):
+        jquant.from_checkpoint(tensors, CT_MXFP4, group_size=16)
+    with pytest.raises(ValueError, match=r"one scale per 16 elements of K=64"):
+        jquant.from_checkpoint(dict(tensors, weight_scale=np.zeros((8, 4), np.uint8)), CT_MXFP4)
+    with pytest.raises(ValueError, match="'weight_scale' must be uint8"):
+        jquant.from_checkpoint(dict(tensors, weight_scale=tensors["weight_scale"].astype(np.float32)), CT_MXFP4)
+    with pytest.raises(ValueError, match="element_rounding='compressed-tensors'"):
+        jquant.quantize(random((2, 32)), "mxfp8_e4m3", element_rounding="compressed-tensors")
+    # NVFP4 tensors (with their global scale) are still told apart from MXFP4 ones.
+    nv = jquant.to_checkpoint(jquant.quantize(random((8, 64)), "nvfp4"), CT)
+    assert jquant.from_checkpoint(nv, CT).fmt == "nvfp4"

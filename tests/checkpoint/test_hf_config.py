@@ -45,6 +45,27 @@ CASES = [
 ]
 
 
+def _ct_mxfp4(**weights):
+    args = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
+            "dynamic": False, "scale_dtype": "torch.uint8", "zp_dtype": "torch.uint8", **weights}
+    return {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": args, "input_activations": None}}}
+
+
+def test_compressed_tensors_mxfp4_is_mxfp4_ct():
+    """llm-compressor's MXFP4A16 (as it writes config.json) and its W4A4 MXFP4 preset: vLLM runs both
+    weight-only (CompressedTensorsW4A16Mxfp4), with compressed-tensors' scale rounding."""
+    assert scheme_from_config(_ct_mxfp4()) == jquant.get_scheme("mxfp4_ct")
+    w4a4 = _ct_mxfp4()
+    w4a4["config_groups"]["group_0"]["input_activations"] = {"num_bits": 4, "type": "float", "strategy": "group",
+                                                             "group_size": 32, "dynamic": True}
+    assert scheme_from_config(w4a4) == jquant.get_scheme("mxfp4_ct")
+    for bad, match in (({"group_size": 16}, "group_size 32"), ({"symmetric": False}, "zero point"),
+                       ({"type": "int"}, "type 'float'")):
+        with pytest.raises(ValueError, match=match):
+            scheme_from_config(_ct_mxfp4(**bad))
+
+
 @pytest.mark.parametrize("threshold, expected", [(6.0, 6.0), (None, 6.0), (0, 0.0), (3.5, 3.5)])
 def test_bitsandbytes_8bit_threshold(threshold, expected):
     """transformers writes every BitsAndBytesConfig field; a null threshold is the default, as vLLM reads it."""

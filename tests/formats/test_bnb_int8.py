@@ -3,6 +3,7 @@ tensors and the llm_int8 scheme, against bitsandbytes 0.50.2 goldens and restate
 
 import json
 import pathlib
+import warnings
 
 import hypothesis.extra.numpy as hnp
 import jax
@@ -254,3 +255,58 @@ def test_scheme_threshold_and_validation():
     with pytest.raises(ValueError, match="int8"):
         jquant.ActivationSpec("llm_int8", "fp8_e4m3")
     assert jquant.Scheme.from_dict(llm_int8(2.5).to_dict()) == llm_int8(2.5)
+
+
+# ---- what XLA must not rewrite --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_outlier_weights_are_rounded_to_x_dtype_under_jit(jit):
+    """bitsandbytes rounds the dequantized outlier columns to x's dtype before the dot. Under jit XLA's
+    excess-precision rewrite dropped a bfloat16 round trip there (M = N = 1, K ≥ 4096: 0.0634765625
+    against bitsandbytes' 0.0625)."""
+    w = np.zeros((1, 4096), np.float32)
+    w[0, :2] = [1.0068359375, 1.0]
+    x = np.zeros((1, 4096), np.float32)
+    x[0, :2] = [8.0, -8.0]                      # both outliers; the int8 part is all zero
+    qw = jquant.quantize(w, "int8_bnb")
+    deq = np.asarray(qw.dequantize(jnp.float32))[0, :2]
+    rounded = deq.astype(ml_dtypes.bfloat16).astype(np.float64)
+    expected = np.float64(8 * rounded[0] - 8 * rounded[1]).astype(ml_dtypes.bfloat16)
+    assert expected != np.float64(8 * deq[0] - 8 * deq[1]).astype(ml_dtypes.bfloat16)  # the rounding shows
+    matmul = jax.jit(llm_int8_matmul) if jit else llm_int8_matmul
+    assert np.asarray(matmul(jnp.asarray(x, jnp.bfloat16), qw))[0, 0] == expected == np.float32(0.0625)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_float32_product_and_outlier_sum_are_two_roundings(jit):
+    """float32 x: torch rounds the int8 part, then adds the outlier sum; one fused multiply-add under jit
+    moved this nearly cancelling output by ~2900 ulp."""
+    w = np.array([[-1, 1, -1, 1, -1, 1, -1, 1]], np.float32)
+    x = np.array([[1] * 8, [1, 1, 1, 1, 1, 7, 1, 1]], np.float32)
+    qw = jquant.quantize(w, "int8_bnb")
+    codes, scb = np.asarray(qw.data, np.int64), np.asarray(qw.scale, np.float32).reshape(1, -1)
+    a = np.where((np.abs(x) >= 6).any(axis=0), 0, x)                  # column 5 is an outlier column
+    row = np.abs(np.where(np.abs(x) >= 6, 0, x)).max(axis=1, keepdims=True)
+    xq = np.rint(a * ((np.float32(1) / row) * np.float32(127))).astype(np.int64)
+    out = ((xq @ codes.T).astype(np.float32) * (row * scb)) * np.float32(6.200124e-05)
+    w32 = np.asarray(qw.dequantize(jnp.float32))
+    expected = out + (np.where((np.abs(x) >= 6).any(axis=0), x, 0) @ w32.T).astype(np.float32)
+    matmul = jax.jit(llm_int8_matmul) if jit else llm_int8_matmul
+    same_bits(np.asarray(matmul(jnp.asarray(x), qw)), expected.astype(np.float32))
+    assert abs(float(expected[0, 0])) < 1e-4 < abs(float(out[0, 0]))   # the cancellation
+
+
+def test_threshold_is_a_static_number_and_huge_ones_are_infinite():
+    w = jquant.quantize(np.ones((2, 8), np.float32), "int8_bnb")
+    with pytest.raises(TypeError, match="Python number"):
+        jax.jit(lambda t: llm_int8_matmul(jnp.ones((1, 8)), w, t))(6.0)
+    with warnings.catch_warnings():            # float16(7e4) is +Inf: no overflow warning on the way
+        warnings.simplefilter("error", RuntimeWarning)
+        y = llm_int8_matmul(jnp.full((1, 8), 1e5, jnp.float32), w, threshold=7e4)
+    # 1e5 is Inf in float16, so an outlier even of an infinite threshold, and runs in float32: finite.
+    assert np.isfinite(np.asarray(y)).all()
+    assert llm_int8(6.0000001).name != llm_int8(6.0000002).name != llm_int8(6.0).name
+    with pytest.raises(ValueError, match="axis"):
+        jquant.quantize(np.ones((2, 8), np.float32), "int8_bnb", axis=5)
+    with pytest.raises(ValueError, match="needs its SCB"):
+        jquant.from_checkpoint({"weight": np.zeros((2, 8), np.int8)}, "bnb")

@@ -29,15 +29,16 @@ VENV = "ref"
 GROUP = 16
 
 
-def nvfp4_inputs(generator, rows=16, cols=128):
-    """Rows spanning 1e-3..1e2, an all-zero block, a tiny block, exact E2M1 ties and -0.0 entries."""
+def nvfp4_inputs(generator, rows=16, cols=128, group=GROUP):
+    """Rows spanning 1e-3..1e2, an all-zero block, a tiny block, exact E2M1 ties and -0.0 entries
+    (also the MXFP4 goldens' inputs, with ``group`` 32)."""
     magnitude = torch.logspace(-3, 2, rows, dtype=torch.float64)[:, None]
     x = (torch.randn(rows, cols, generator=generator, dtype=torch.float64) * magnitude).float()
-    x[0, :GROUP] = 0.0
-    x[1, :GROUP] *= 1e-12
+    x[0, :group] = 0.0
+    x[1, :group] *= 1e-12
     # Block amax 6 (scale 1 in the single-level case) with every E2M1 midpoint, signed.
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
-    x[2, GROUP:3 * GROUP] = torch.cat([ties, -ties, ties * 0.5, -ties * 0.5])
+    x[2, group:group + 32] = torch.cat([ties, -ties, ties * 0.5, -ties * 0.5])
     x[3, 5] = -0.0
     x[3, 40] = -0.0
     return x

@@ -1,0 +1,59 @@
+"""compressed-tensors 0.20.1 MXFP4 goldens: the ``mxfp4-pack-quantized`` weight path of the MXFP4A16
+preset (what llm-compressor writes and vLLM's ``CompressedTensorsW4A16Mxfp4`` reads).
+
+Per-32 group min/max through ``calculate_qparams`` give the power-of-two scales (the group amax
+rounded up to the next power of two from 1.75 · 2^e, as ``generate_mx_scales`` does, in the weight's
+dtype); ``MXFP4PackedCompressor.compress`` quantizes, packs (even element in the low nibble) and
+stores the scales as biased exponents; ``decompress`` dequantizes. Inputs (float32 and bfloat16):
+the NVFP4 goldens' rows (1e-3..1e2, an all-zero group, a tiny group, every E2M1 midpoint, -0.0)
+in groups of 32, a group of 1e-30 and group amaxes just below, at and above 1.75 · 2^k.
+"""
+
+from __future__ import annotations
+
+import torch
+from compressed_tensors.compressors.mxfp4 import MXFP4PackedCompressor
+from compressed_tensors.quantization import QuantizationScheme
+from compressed_tensors.quantization.quant_scheme import MXFP4A16
+from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+from goldens import _common
+from goldens.compressed_tensors_nvfp4 import nvfp4_inputs
+
+VENV = "ref"
+GROUP = 32
+
+
+def _inputs(generator, rows=12, cols=256):
+    x = nvfp4_inputs(generator, rows, cols, group=GROUP)
+    x[1, GROUP:2 * GROUP] *= 1e-30
+    x[2, GROUP:2 * GROUP] *= 4.0                 # the ties under scale 2^0 (group amax 24 → 4 · 6)
+    # Group amaxes around 1.75 · 2^k: the scale's round-up point.
+    for i, amax in enumerate([1.75, 1.7421875, 1.7578125, 3.5, 3.4999998, 0.875]):
+        x[4, (i + 1) * GROUP] = amax
+    return x
+
+
+def _bits(x):
+    return x.view(torch.uint16).numpy() if x.dtype == torch.bfloat16 else x.numpy()
+
+
+def _case(x, scheme):
+    groups = x.unflatten(-1, (x.shape[-1] // GROUP, GROUP))
+    scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+    compressed = MXFP4PackedCompressor.compress({"weight": x, "weight_scale": scale.to(x.dtype)}, scheme)
+    restored = MXFP4PackedCompressor.decompress(dict(compressed), scheme)
+    return {"weight_packed": compressed["weight_packed"].numpy(),
+            "weight_scale": compressed["weight_scale"].numpy(),
+            "dequantized": _bits(restored["weight"])}
+
+
+def make(out_dir):
+    generator = torch.Generator().manual_seed(3232)
+    scheme = QuantizationScheme(targets=["Linear"], **MXFP4A16)
+    x = _inputs(generator)
+    inputs = {"w_f32": x, "w_bf16": x.to(torch.bfloat16)}
+    arrays = {name: _bits(value) for name, value in inputs.items()}
+    for name, value in inputs.items():
+        arrays.update({f"{name}_{key}": v for key, v in _case(value, scheme).items()})
+    return [_common.save(out_dir, "compressed_tensors_mxfp4", ("torch", "compressed-tensors"), **arrays)]
