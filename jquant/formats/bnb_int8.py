@@ -38,7 +38,7 @@ import numpy as np
 
 from jquant.formats.base import register_preset, register_quantizer
 from jquant.formats.blocking import check_float_input
-from jquant.formats.exact import exact_reciprocal
+from jquant.formats.exact import exact_abs_max, exact_reciprocal
 from jquant.qtensor import QTensor, register_format
 
 FORMAT = "int8_bnb"
@@ -76,7 +76,8 @@ def quantize_int8_bnb(x, axis: int = -1) -> QTensor:
         raise ValueError(f"{FORMAT}: axis must be an axis of a 2-D weight (0, 1, -1 or -2), got {axis!r}")
     axis = axis % 2
     w = jnp.moveaxis(x, axis, 1).astype(jnp.float16).astype(jnp.float32)
-    absmax = jnp.max(jnp.abs(w), axis=1, keepdims=True)
+    # From the bits: XLA's CPU max drops NaN from rows of ~4096 and more, torch's keeps it.
+    absmax = exact_abs_max(w, axis=1)[:, None]
     codes = _row_codes(w, absmax)
     if axis == 0:
         codes, absmax = codes.T, absmax.T
@@ -140,7 +141,7 @@ def _matmul(x, codes, scb, threshold):
         a = jnp.where(outlier, 0.0, a)
     else:
         columns = jnp.zeros(a.shape[1], bool)
-    row = jnp.max(jnp.abs(a), axis=1, keepdims=True)
+    row = exact_abs_max(a, axis=1)[:, None]
     a_codes = jnp.where(columns, 0, _row_codes(a, row))
     acc = jax.lax.dot_general(a_codes, codes, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
     scb = scb.astype(jnp.float32)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jquant.formats.exact import exact_divide
+from jquant.formats.exact import exact_abs_max, exact_divide
 from jquant.kv.dtypes import storage_dtype
 
 K_SCALE_CONSTANT = 200.0
@@ -24,7 +24,7 @@ def fmt_max(fmt: str) -> float:
 
 
 def calibrate_scale(x, divisor: float):
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    amax = exact_abs_max(x.astype(jnp.float32), axis=None)   # a NaN anywhere (XLA's max may drop it)
     ok = jnp.isfinite(amax) & (amax > 0)
     return jnp.where(ok, amax / divisor, 1.0).astype(jnp.float32)
 

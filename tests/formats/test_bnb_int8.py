@@ -310,3 +310,17 @@ def test_threshold_is_a_static_number_and_huge_ones_are_infinite():
         jquant.quantize(np.ones((2, 8), np.float32), "int8_bnb", axis=5)
     with pytest.raises(ValueError, match="needs its SCB"):
         jquant.from_checkpoint({"weight": np.zeros((2, 8), np.int8)}, "bnb")
+
+
+def test_nan_in_a_long_row_is_kept():
+    """torch's row max keeps a NaN; XLA's CPU max dropped it from rows of 8192 (a finite SCB, and a token
+    holding NaN answered with finite numbers)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 8192)).astype(np.float32)
+    w[1, 5000] = np.nan
+    scb = np.asarray(jquant.quantize(w, "int8_bnb").scale).ravel()
+    assert np.isnan(scb[1]) and np.isfinite(scb[[0, 2, 3]]).all()
+    x = rng.standard_normal((3, 8192)).astype(np.float32)
+    x[2, 7000] = np.nan
+    y = np.asarray(llm_int8_matmul(jnp.asarray(x, jnp.bfloat16), jquant.quantize(np.nan_to_num(w), "int8_bnb")))
+    np.testing.assert_array_equal(np.isnan(y.astype(np.float32)).all(axis=1), [False, False, True])

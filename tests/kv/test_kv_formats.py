@@ -88,6 +88,9 @@ def test_calibration_vllm_constants():
     ks, vs = calibrate_kv_scales(k, v)
     assert float(ks) == 2.0 and float(vs) == 0.5
     assert float(calibrate_kv_scales(jnp.zeros(3), jnp.zeros(3))[0]) == 1.0
+    # A NaN anywhere gives 1.0 too, in a tensor large enough that XLA's CPU max drops NaN.
+    poisoned = jnp.ones((4, 8192)).at[2, 5000].set(jnp.nan)
+    assert float(calibrate_kv_scales(poisoned, poisoned)[0]) == 1.0
 
 
 def _fill(name, page_size, lengths, kv_heads=2, d=64, seed=0):
