@@ -47,8 +47,9 @@ other values round to (signed) zero; other blocks are untouched. An all-zero blo
 torchao's scale byte 253 too, but GGML's element grid stops at 3 under that byte, so ±Inf dequantizes
 to ±3·2^126 ≈ ±2.55e38, the largest value the block holds, not to ±Inf (deliberately not gguf-py's
 result: it writes exponent 0 for NaN and Inf blocks, so both silently become tiny finite values).
-Dequantized values below 2^-126 (scale bytes 0 and 1) are flushed to zero by XLA where PyTorch would
-keep a subnormal.
+Dequantized values below 2^-126 (an element under 2 with scale byte 0, under 1 with byte 1, or an FP8
+subnormal element with a small scale) are float32 subnormals, exact as PyTorch keeps them: they are
+built from their bits (``subnormal.unlift64``), as XLA flushes such products.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jquant.formats import subnormal
 from jquant.formats.base import register_preset, register_quantizer
 from jquant.formats.blocking import block_axes, check_float_input, group_block, per_block, to_blocks
 from jquant.formats.exact import abs_bits, exact_divide, to_float32_exact
@@ -347,7 +349,10 @@ def dequantize_mx(qt: QTensor, dtype) -> jax.Array:
     else:
         values = e2m1_values(unpack_bits(qt.data, 4, axis=qt.pack_axis))
     biased = qt.expand(jax.lax.bitcast_convert_type(qt.scale, jnp.uint8).astype(jnp.int32))
-    out = _times_pow2(values, jnp.clip(biased - _E8M0_BIAS, -127, 127))
+    exponent = jnp.clip(biased - _E8M0_BIAS, -127, 127)
+    # element · 2^exponent is exact in float32; below 2^-126 it is a subnormal, made 2^64 larger first.
+    tiny = subnormal.unlift64(_times_pow2(values, jnp.minimum(exponent + 64, 127)))
+    out = jnp.where(exponent < -64, tiny, _times_pow2(values, exponent))
     return jnp.where(biased == 255, jnp.nan, out).astype(dtype)
 
 

@@ -274,3 +274,17 @@ def test_bad_options():
         jquant.quantize(x, "mxfp4", block_size=16)
     with pytest.raises(ValueError, match="axis=2"):
         jquant.quantize(x, "mxfp4", axis=2)
+
+
+@pytest.mark.parametrize("fmt", sorted(mx.ELEMENTS))
+def test_dequantized_subnormals_are_kept(fmt):
+    """Scale byte 0 (2^-127) times an element under 2 is a float32 subnormal, which PyTorch keeps and
+    XLA's product flushed (a block of 2^-126 under "floor" dequantized to zeros)."""
+    x = np.full((2, 32), np.float32(2.0 ** -126))
+    x[1] *= np.float32(0.3)
+    qt = mx.quantize_mx(x, fmt, scale_mode="floor")
+    assert (scale_bytes(qt) == 0).all()
+    for dequantize in (qt.dequantize, jax.jit(qt.dequantize, static_argnums=0)):
+        out = np.asarray(dequantize(jnp.float32))
+        np.testing.assert_array_equal(out, element_values(qt) * 2.0 ** -127)
+        assert (out > 0).all() and (out < np.float32(2.0 ** -126)).all()
