@@ -17,6 +17,7 @@ import math
 import re
 from typing import Any, Callable
 
+from jquant.formats.bnb_int8 import DEFAULT_THRESHOLD
 from jquant.schemes import builtin as bs
 from jquant.schemes.scheme import Scheme
 from jquant.schemes.spec import LayoutSpec
@@ -310,7 +311,7 @@ def _bitsandbytes(cfg: dict) -> Scheme:
         if _get(cfg, "llm_int8_has_fp16_weight", bool, False):
             raise ValueError("quantization_config: llm_int8_has_fp16_weight keeps float16 weights for "
                              "training; such a checkpoint is not int8 (load it unquantized)")
-        threshold = _get(cfg, "llm_int8_threshold", (int, float), 6.0)
+        threshold = _get(cfg, "llm_int8_threshold", (int, float), DEFAULT_THRESHOLD)
         if isinstance(threshold, bool) or not math.isfinite(threshold) or threshold < 0:
             raise ValueError(f"quantization_config['llm_int8_threshold'] must be a finite number >= 0, "
                              f"got {threshold!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+from jquant.formats.bnb_int8 import DEFAULT_THRESHOLD
 from jquant.schemes.scheme import Scheme, get_scheme, schemes
 
 
@@ -65,7 +66,7 @@ _CONFIGS = {
     "nf4_dq": _bnb("nf4", True),
     "fp4_bnb": _bnb("fp4", False),
     "llm_int8": {"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False,
-                 "llm_int8_threshold": 6.0},
+                 "llm_int8_threshold": DEFAULT_THRESHOLD},
 }
 _NO_CONFIG = {
     "fp8_e4m3_tensor": "vLLM runs a dynamic per-tensor FP8 checkpoint with per-token activations (another "

@@ -38,7 +38,7 @@ import numpy as np
 
 from jquant.formats.base import register_preset, register_quantizer
 from jquant.formats.blocking import check_float_input
-from jquant.formats.exact import exact_abs_max, exact_reciprocal
+from jquant.formats.exact import exact_abs_max, exact_reciprocal, to_float32_exact
 from jquant.qtensor import QTensor, register_format
 
 FORMAT = "int8_bnb"
@@ -115,19 +115,12 @@ def llm_int8_matmul(x: jax.Array, qweight: QTensor, threshold: float = DEFAULT_T
     if not np.isfinite(threshold) or threshold < 0:
         raise ValueError(f"threshold must be finite and >= 0, got {threshold!r}")
     x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim < 1 or x.shape[-1] != qweight.shape[1]:
+        raise ValueError(f"llm_int8_matmul: x must be a float array [..., K] with K = {qweight.shape[1]} (the "
+                         f"weight's {qweight.shape}), got {x.dtype} of shape {tuple(x.shape)}")
     lead, k = x.shape[:-1], x.shape[-1]
     y = _matmul(x.reshape(-1, k), qweight.data, qweight.scale.reshape(-1), float(threshold))
     return y.reshape(*lead, qweight.shape[0])
-
-
-def _rounded_to(values, dtype):
-    """float32 ``values`` rounded to ``dtype``'s precision, kept float32. A convert to bfloat16 and back
-    would not do: under jit XLA's excess-precision rewrite drops such pairs (a dequantized outlier
-    weight then entered the dot unrounded: 0.0634765625 against bitsandbytes' 0.0625 at K = 4096)."""
-    info = jnp.finfo(dtype)
-    if info.bits == 32:
-        return values
-    return jax.lax.reduce_precision(values, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 @functools.partial(jax.jit, static_argnums=3)
@@ -151,7 +144,10 @@ def _matmul(x, codes, scb, threshold):
     # The barrier keeps the product rounded to x's dtype before the sum is added, and out of an FMA with
     # it (float32 x: one fused rounding moved a nearly cancelling output by ~2900 ulp).
     out = jax.lax.optimization_barrier(out)
-    w = _rounded_to((codes.astype(jnp.float32) * scb[:, None]) * _INV_127, dtype)
+    # Rounded to x's dtype and read back by to_float32_exact: under jit XLA's excess-precision rewrite
+    # drops a plain round trip (the unrounded weight gave 0.0634765625 against bitsandbytes' 0.0625 at
+    # K = 4096).
+    w = to_float32_exact(((codes.astype(jnp.float32) * scb[:, None]) * _INV_127).astype(dtype))
     sub = jnp.where(columns, x, jnp.zeros_like(x)).astype(jnp.float32)
     extra = jax.lax.dot_general(sub, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                 precision=jax.lax.Precision.HIGHEST)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jquant.formats.bnb_int8 import DEFAULT_THRESHOLD
 from jquant.schemes.scheme import Scheme, register_scheme
 from jquant.schemes.spec import ActivationSpec, LayoutSpec, WeightSpec
 
@@ -120,12 +121,12 @@ def bnb_4bit(quant_type: str = "nf4", *, double_quant: bool = False, blocksize: 
                               + (", double-quantized" if double_quant else "") + "); bf16 activations")
 
 
-def llm_int8(threshold: float = 6.0) -> Scheme:
+def llm_int8(threshold: float = DEFAULT_THRESHOLD) -> Scheme:
     """bitsandbytes' LLM.int8() (``load_in_8bit``) as vLLM runs it: int8 weights with a float32 absmax per
     output channel; activations int8 per token, except columns holding a value of magnitude ≥
     ``threshold``, which run in bfloat16 (0: none)."""
     # repr: distinct thresholds get distinct names (6.0000001 is not "6").
-    return Scheme(name="llm_int8" + ("" if threshold == 6.0 else f"_t{float(threshold)!r}".removesuffix(".0")),
+    return Scheme(name="llm_int8" + ("" if threshold == DEFAULT_THRESHOLD else f"_t{float(threshold)!r}".removesuffix(".0")),
                   weight=WeightSpec("int8_bnb", 8),
                   activation=ActivationSpec("llm_int8", "int8", outlier_threshold=threshold),
                   checkpoint_layout="bnb",

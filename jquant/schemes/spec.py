@@ -14,6 +14,7 @@ import math
 import numbers
 from typing import Any
 
+from jquant.formats.bnb_int8 import DEFAULT_THRESHOLD
 from jquant.formats.fp8 import FP8_DTYPES, WEIGHT_GRANULARITIES
 from jquant.formats.integer import BITS, int_format
 
@@ -238,7 +239,7 @@ class ActivationSpec:
             object.__setattr__(self, "input_scale", scale)
 
     def _check_outlier_threshold(self) -> None:
-        threshold = 6.0 if self.outlier_threshold is None else self.outlier_threshold
+        threshold = DEFAULT_THRESHOLD if self.outlier_threshold is None else self.outlier_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real):
             raise TypeError(f"ActivationSpec.outlier_threshold must be a float, got {threshold!r}")
         if not math.isfinite(threshold) or threshold < 0:

@@ -183,6 +183,8 @@ def test_threshold_compares_in_float16():
     (lambda w: llm_int8_matmul(jnp.ones((2, 8)), w, threshold=-1.0), "threshold"),
     (lambda w: llm_int8_matmul(jnp.ones((2, 8)), w, threshold=float("nan")), "threshold"),
     (lambda w: llm_int8_matmul(jnp.ones((2, 8)), jquant.quantize(np.ones((4, 8), np.float32), "int8")), "int8_bnb"),
+    (lambda w: llm_int8_matmul(jnp.ones((2, 6)), w), r"K = 8 .*\(2, 6\)"),
+    (lambda w: llm_int8_matmul(jnp.ones((2, 8), jnp.int32), w), "float array"),
 ])
 def test_bad_matmul_arguments(call, match):
     with pytest.raises(ValueError, match=match):
