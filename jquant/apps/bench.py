@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="NxK list (default 28672x8192,8192x28672,8192x8192,4096x4096)")
     g8.add_argument("--deepseek", action="store_true", help="DeepSeek-V3's block-FP8 projection shapes")
     g8.add_argument("--ms", type=_ints, default=None, help="M values, e.g. 1,16,128")
-    g8.add_argument("--schemes", default=None, help="comma list of the 8-bit schemes (default all six)")
+    g8.add_argument("--schemes", default=None, help="comma list of the 8-bit schemes (default all eight)")
     g8.add_argument("--reps", type=int, default=9, help=_REPS)
     g8.add_argument("--sweep", action="store_true",
                     help="also time the launches of jquant.kernels.w8a16.bench.FP8_SWEEP (FP8 GEMM, M >= 128) "

@@ -80,7 +80,8 @@ def layouts() -> tuple[str, ...]:
       True
       >>> [name for name in jquant.layouts() if name.startswith("compressed-tensors/")]
       ['compressed-tensors/float-quantized', 'compressed-tensors/int-quantized',
-       'compressed-tensors/mxfp4-pack-quantized', 'compressed-tensors/nvfp4-pack-quantized',
+       'compressed-tensors/mxfp4-pack-quantized', 'compressed-tensors/mxfp8-quantized',
+       'compressed-tensors/nvfp4-pack-quantized',
        'compressed-tensors/pack-quantized']
     """
     return tuple(sorted(_LAYOUTS))

@@ -18,6 +18,8 @@ layout                                  tensors
 ``fp8-block`` (DeepSeek V3)             ``weight``; ``weight_scale_inv`` fp32 ``[ceil(N/bh), ceil(K/bw)]``
                                         (a multiplier, despite its name), block from the config's
                                         ``weight_block_size`` (default 128 × 128)
+``compressed-tensors/mxfp8-quantized``  ``"mxfp8_e4m3"`` QTensors: ``weight`` e4m3 [N, K]; ``weight_scale``
+                                        uint8 [N, K/32], biased E8M0 exponents (2^(s-127))
 ======================================  ==========================================================
 
 ``to_checkpoint(qt, layout, input_scale=...)`` adds the activation scale; ``from_checkpoint`` checks
@@ -37,6 +39,7 @@ import ml_dtypes
 import numpy as np
 
 from jquant.checkpoint.base import register_layout, require
+from jquant.formats import mx
 from jquant.qtensor import QTensor
 
 _FMT = "fp8_e4m3"
@@ -46,6 +49,7 @@ _CT_SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype
 _FP32 = (np.dtype(np.float32),)
 _DEFAULT_BLOCK = (128, 128)
 _CT = "compressed-tensors/float-quantized"
+_CT_MXFP8 = "compressed-tensors/mxfp8-quantized"
 _BLOCK = "fp8-block"
 
 
@@ -176,7 +180,38 @@ def from_compressed_tensors(tensors: dict, dtype=jnp.float32, block_size=_DEFAUL
 
 
 def _detect_compressed_tensors(tensors: dict) -> bool:
-    return _is_fp8_weight(tensors) and "weight_scale" in tensors and "weight_packed" not in tensors
+    return (_is_fp8_weight(tensors) and "weight_scale" in tensors and "weight_packed" not in tensors
+            and not _detect_ct_mxfp8(tensors))
+
+
+# ---- compressed-tensors mxfp8-quantized --------------------------------------------------------------
+
+def to_ct_mxfp8(qt: QTensor) -> dict[str, np.ndarray]:
+    scale = np.asarray(qt.scale)
+    if (qt.fmt != "mxfp8_e4m3" or qt.ndim != 2 or qt.block != (1, mx.BLOCK_SIZE)
+            or scale.dtype != ml_dtypes.float8_e8m0fnu):
+        raise ValueError(f"{_CT_MXFP8} stores [N, K] 'mxfp8_e4m3' QTensors blocked by {mx.BLOCK_SIZE} along K "
+                         f"with E8M0 scales; got fmt={qt.fmt!r}, shape {qt.shape}, block {qt.block}, "
+                         f"scales {scale.dtype}")
+    return {"weight": np.asarray(qt.data), "weight_scale": scale.view(np.uint8)}
+
+
+def from_ct_mxfp8(tensors: dict, dtype=jnp.float32, group_size: int | None = None) -> QTensor:
+    if group_size is not None and group_size != mx.BLOCK_SIZE:
+        raise ValueError(f"{_CT_MXFP8}: group_size={group_size!r} given, but MXFP8 blocks are {mx.BLOCK_SIZE} "
+                         "elements along K")
+    weight = _read_weight(tensors, _CT_MXFP8)
+    scale = _read_scale(tensors, "weight_scale", _CT_MXFP8, (np.dtype(np.uint8),))
+    n, k = weight.shape
+    if k % mx.BLOCK_SIZE or scale.shape != (n, k // mx.BLOCK_SIZE):
+        raise ValueError(f"{_CT_MXFP8}: tensors 'weight' {weight.shape} and 'weight_scale' {scale.shape} do not "
+                         f"fit: expected [N, K] and [N, K/{mx.BLOCK_SIZE}] with K a multiple of {mx.BLOCK_SIZE}")
+    return QTensor(data=jnp.asarray(weight), scale=jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)),
+                   fmt="mxfp8_e4m3", shape=weight.shape, dtype=dtype, block=(1, mx.BLOCK_SIZE))
+
+
+def _detect_ct_mxfp8(tensors: dict) -> bool:
+    return _is_fp8_weight(tensors) and getattr(tensors.get("weight_scale"), "dtype", None) == np.uint8
 
 
 # ---- ModelOpt FP8 (quant_algo FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO) -------------------------------
@@ -289,5 +324,6 @@ def from_fp8_block(tensors: dict, dtype=jnp.float32, block_size=_DEFAULT_BLOCK) 
 register_layout(_CT, to_compressed_tensors, from_compressed_tensors, fmts=(_FMT,),
                 detect=_detect_compressed_tensors)
 register_layout(_MODELOPT, to_modelopt, from_modelopt, fmts=(_FMT,), detect=_detect_modelopt)
+register_layout(_CT_MXFP8, to_ct_mxfp8, from_ct_mxfp8, fmts=("mxfp8_e4m3",), detect=_detect_ct_mxfp8)
 register_layout("fp8", to_fp8, from_fp8, fmts=(_FMT,))
 register_layout(_BLOCK, to_fp8_block, from_fp8_block, fmts=(_FMT,))

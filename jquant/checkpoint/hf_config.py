@@ -2,10 +2,11 @@
 
 Accepted: ``fp8`` (with ``weight_block_size`` and ``scale_fmt``), ``awq`` (GEMM-packed ``version``s),
 ``gptq`` (with ``checkpoint_format``), ``compressed-tensors`` (``pack-quantized``, ``float-quantized``,
-``int-quantized``, ``naive-quantized``, ``nvfp4-pack-quantized``; several config groups, like
+``int-quantized``, ``naive-quantized``, ``nvfp4-pack-quantized``, ``mxfp4-pack-quantized``,
+``mxfp8-quantized``; several config groups, like
 GPTQModel's per-module overrides, through ``jquant.checkpoint.module_scheme``), ``modelopt``
 (``quant_algo`` FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, NVFP4, W4A16_NVFP4; flat or under
-``"quantization"``), ``mxfp4`` and ``bitsandbytes`` (4-bit). Anything else, or
+``"quantization"``), ``mxfp4`` and ``bitsandbytes`` (4- and 8-bit). Anything else, or
 a malformed config, raises a ValueError that names the key.
 ``skipped_modules`` reads the same config's ignore list: the modules that stay in float.
 """
@@ -199,24 +200,27 @@ def compressed_tensors_group_scheme(cfg: dict, gname: str, group) -> Scheme:
             raise ValueError(f"{wwhere}['symmetric'] is false: NVFP4 has no zero point (nvfp4-pack-quantized "
                              "is symmetric)")
         return bs.nvfp4(convention="compressed-tensors")
-    if fmt == "mxfp4-pack-quantized":
-        return _ct_mxfp4(weights, wwhere)
+    if fmt in ("mxfp4-pack-quantized", "mxfp8-quantized"):
+        return _ct_mx(weights, wwhere, fmt)
     raise ValueError(f"quantization_config['format'] {fmt!r} is not supported; expected 'pack-quantized', "
-                     "'float-quantized', 'int-quantized', 'naive-quantized', 'nvfp4-pack-quantized' or "
-                     "'mxfp4-pack-quantized'")
+                     "'float-quantized', 'int-quantized', 'naive-quantized', 'nvfp4-pack-quantized', "
+                     "'mxfp4-pack-quantized' or 'mxfp8-quantized'")
 
 
-def _ct_mxfp4(weights: dict, wwhere: str) -> Scheme:
-    """vLLM's ``_is_mxfp4``: float, 4 bits, symmetric groups of 32. Input activations (the MXFP4 W4A4
-    preset) are not quantized: vLLM runs every such layer weight-only (``CompressedTensorsW4A16Mxfp4``)."""
+def _ct_mx(weights: dict, wwhere: str, fmt: str) -> Scheme:
+    """vLLM's ``_is_mxfp4`` / ``_is_mxfp8``: float, 4 or 8 bits, symmetric groups of 32. Input activations
+    (the MXFP4 and MXFP8 W8A8 presets) are not quantized: on Hopper vLLM runs every such layer weight-only
+    (``CompressedTensorsW4A16Mxfp4``; ``CompressedTensorsW8A8Mxfp8`` through Marlin or a bfloat16
+    dequantization)."""
+    bits = 4 if fmt == "mxfp4-pack-quantized" else 8
     kind, num_bits = _get(weights, "type", str, "int", where=wwhere), _get(weights, "num_bits", int, where=wwhere)
     strategy, group = _get(weights, "strategy", str, where=wwhere), _get(weights, "group_size", int, None, wwhere)
-    if (kind, num_bits, strategy, group) != ("float", 4, "group", 32):
-        raise ValueError(f"{wwhere}: mxfp4-pack-quantized needs type 'float', num_bits 4, strategy 'group' and "
+    if (kind, num_bits, strategy, group) != ("float", bits, "group", 32):
+        raise ValueError(f"{wwhere}: {fmt} needs type 'float', num_bits {bits}, strategy 'group' and "
                          f"group_size 32, got {kind!r}, {num_bits}, {strategy!r}, {group!r}")
     if not _get(weights, "symmetric", bool, True, wwhere):
-        raise ValueError(f"{wwhere}['symmetric'] is false: MXFP4 has no zero point")
-    return bs.mxfp4_compressed_tensors()
+        raise ValueError(f"{wwhere}['symmetric'] is false: MXFP{bits} has no zero point")
+    return bs.mxfp4_compressed_tensors() if bits == 4 else bs.mxfp8_compressed_tensors()
 
 
 def _check_fp8_args(weights: dict, acts: dict | None, where: str) -> None:

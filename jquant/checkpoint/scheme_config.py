@@ -62,6 +62,9 @@ _CONFIGS = {
     # llm-compressor's MXFP4A16 (E8M0 scales stored as uint8 exponents).
     "mxfp4_ct": _compressed_tensors("mxfp4-pack-quantized", {"num_bits": 4, "type": "float", "strategy": "group",
                                                              "group_size": 32, "scale_dtype": "torch.uint8"}),
+    # llm-compressor's MXFP8A16: float8_e4m3fn codes, E8M0 scales stored as uint8 exponents.
+    "mxfp8_ct": _compressed_tensors("mxfp8-quantized", {"num_bits": 8, "type": "float", "strategy": "group",
+                                                        "group_size": 32, "scale_dtype": "torch.uint8"}),
     "nf4": _bnb("nf4", False),
     "nf4_dq": _bnb("nf4", True),
     "fp4_bnb": _bnb("fp4", False),
@@ -73,6 +76,8 @@ _NO_CONFIG = {
                        "numerics) and a static one needs calibrated input_scales; write fp8_e4m3_channel",
     "mxfp4": "its gpt-oss layout holds MoE experts; vLLM reads dense MXFP4 layers from compressed-tensors "
              "mxfp4-pack-quantized, whose quantizer rounds scales as mxfp4_ct does: write mxfp4_ct",
+    "mxfp8": "vLLM reads dense MXFP8 layers from compressed-tensors mxfp8-quantized, whose quantizer rounds "
+             "scales as mxfp8_ct does: write mxfp8_ct",
 }
 
 

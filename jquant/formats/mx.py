@@ -10,14 +10,17 @@ per byte (low nibble = even element) for MXFP4, or float8 codes for MXFP8; ``x �
 - ``"floor"`` (OCP): ``floor(log2 amax) - emax`` from amax's float32 exponent bits.
 - ``"ceil"``: the same plus one when amax's mantissa bits are non-zero.
 - ``"even"``: amax rounded to the element's mantissa width (half up, on the bits) first, then floor.
+- ``"even_e2m1"``: as "even" with E2M1's one mantissa bit whatever the element: compressed-tensors'
+  ``generate_mx_scales`` for MXFP4 and MXFP8 (an amax from 1.75 · 2^e up rounds to 2^(e+1), where
+  "even" on E4M3's three bits rounds from 1.9375 · 2^e).
 - ``"rceil"`` (cuBLAS / NVIDIA): ``ceil(log2(amax / max))`` of the float32 quotient, exactly (from its
   bits, as the hardware ``cvt.rp.satfinite.ue8m0`` does; a quotient in the float32 subnormal range,
   which XLA flushes, is decided on amax itself).
 - ``"rceil_log2f"``: torchao's eager RCEIL fallback bit for bit, ``ceil`` of a float32 ``log2``,
   which rounds quotients a few float32 steps above 2^k down onto k (also just above 2^-127).
 
-Exponents are clamped to [-127, 127] ("floor"/"ceil"/"even" allow 128, which only NaN reaches).
-Elements: "floor"/"ceil"/"even" divide by the scale (floored at 2^-126, as torchao does so an
+Exponents are clamped to [-127, 127] ("floor", "ceil" and the "even" modes allow 128, which only NaN
+reaches). Elements: these modes divide by the scale (floored at 2^-126, as torchao does so an
 all-zero block divides by a normal number); "rceil" multiplies by ``2^(127-b)`` (by 1 when
 ``b == 0``, again as torchao). Then round-half-to-even, saturating at ±max. Every scale is a power
 of two, so elements are scaled exactly, subnormal inputs included (XLA reads those as zero; they are
@@ -36,7 +39,9 @@ is NaN in E8M0, so jquant stores 254, which gives the same zero codes and dequan
 ``like="compressed-tensors"`` preset) is compressed-tensors' MXFP4A16 quantizer (``generate_mx_scales``:
 the group amax rounded up to the next power of two from 1.75 · 2^e in the weight's dtype, then
 ``floor(log2) - 2``, which is "even" on that amax; ``cast_to_fp4``: half to even): as "even", except
-that -0.0 is stored as +0 (its ``sign(x) · |q|``).
+that -0.0 is stored as +0 (its ``sign(x) · |q|``). Its MXFP8 quantizer (``mxfp8-quantized``, the
+``like="compressed-tensors"`` preset of ``"mxfp8_e4m3"``) takes ``scale_mode="even_e2m1"`` and casts
+elements half to even, -0.0 kept: ``element_rounding="even"``.
 
 Non-finite and zero blocks (torchao's behaviour): a NaN in a block makes its scale NaN (0xFF), so the
 whole block dequantizes to NaN (its element codes are unspecified), at every tensor size (the amax is
@@ -70,7 +75,7 @@ from jquant.formats.packing import pack_bits, unpack_bits
 from jquant.qtensor import QTensor, register_format
 
 BLOCK_SIZE = 32
-SCALE_MODES = ("floor", "ceil", "even", "rceil", "rceil_log2f")
+SCALE_MODES = ("floor", "ceil", "even", "even_e2m1", "rceil", "rceil_log2f")
 ELEMENT_ROUNDINGS = ("even", "ggml", "compressed-tensors")
 # element_rounding → (E2M1 ties, when the sign bit is set): see ``e2m1_codes``.
 _E2M1_RULES = {"even": ("even", "signbit"), "ggml": ("zero", "nonzero"), "compressed-tensors": ("even", "negative")}
@@ -249,9 +254,10 @@ def _shared_exponent(amax_bits: jax.Array, mode: str, element: _Element) -> jax.
         biased = jnp.clip(exponent, -_E8M0_BIAS, _E8M0_BIAS) + _E8M0_BIAS
     else:
         bits = amax_bits
-        if mode == "even":
-            # Round amax to the element's mantissa width (add half a unit, drop the mantissa).
-            half_unit = 1 << (_F32_MANTISSA_BITS - element.mantissa_bits - 1)
+        if mode in ("even", "even_e2m1"):
+            # Round amax to the element's (or E2M1's) mantissa width: add half a unit, drop the mantissa.
+            width = ELEMENTS["mxfp4"].mantissa_bits if mode == "even_e2m1" else element.mantissa_bits
+            half_unit = 1 << (_F32_MANTISSA_BITS - width - 1)
             bits = (bits + half_unit) & ~((1 << _F32_MANTISSA_BITS) - 1)
         exponent = _exponent_field(bits) - _E8M0_BIAS
         if mode == "ceil":
@@ -289,7 +295,8 @@ def quantize_mx(x, fmt: str = "mxfp4", *, axis: int = -1, scale_mode: str = "flo
       x: float array (computed in float32).
       fmt: ``"mxfp4"``, ``"mxfp8_e4m3"`` or ``"mxfp8_e5m2"``.
       axis: the blocked axis (for a PyTorch ``[N, K]`` weight, -1).
-      scale_mode: ``"floor"``, ``"ceil"``, ``"even"``, ``"rceil"`` or ``"rceil_log2f"`` (module docstring).
+      scale_mode: ``"floor"``, ``"ceil"``, ``"even"``, ``"even_e2m1"``, ``"rceil"`` or ``"rceil_log2f"``
+        (module docstring).
       element_rounding: ``"even"`` (torchao, OCP), ``"ggml"`` (MXFP4 with "floor" only) or
         ``"compressed-tensors"`` (MXFP4: half to even, -0.0 stored as +0).
     """
@@ -371,3 +378,5 @@ for _fmt in ELEMENTS:
 register_preset("gguf", "mxfp4", {"scale_mode": "floor", "element_rounding": "ggml"})
 # compressed-tensors' MXFP4A16 (generate_mx_scales, cast_to_fp4): "even" scales, sign(x) · |q| elements.
 register_preset("compressed-tensors", "mxfp4", {"scale_mode": "even", "element_rounding": "compressed-tensors"})
+# Its MXFP8A16 / MXFP8 (generate_mx_scales with E2M1's mantissa width, a float8_e4m3fn cast).
+register_preset("compressed-tensors", "mxfp8_e4m3", {"scale_mode": "even_e2m1", "element_rounding": "even"})

@@ -105,6 +105,23 @@ def mxfp4_compressed_tensors() -> Scheme:
                               "rounded to a power of two, E2M1 half to even); bf16 activations")
 
 
+def mxfp8(scale_mode: str = "floor") -> Scheme:
+    return Scheme(name="mxfp8", weight=WeightSpec("mxfp8_e4m3", 8, scale_mode=scale_mode),
+                  checkpoint_layout="compressed-tensors/mxfp8-quantized",
+                  description="MXFP8 weights (E4M3, block 32, E8M0 scale); bf16 activations (Hopper has no MX MMA)")
+
+
+def mxfp8_compressed_tensors() -> Scheme:
+    """MXFP8 as compressed-tensors quantizes it (llm-compressor's MXFP8A16 and MXFP8). vLLM reads
+    ``mxfp8-quantized`` checkpoints with ``CompressedTensorsW8A8Mxfp8``, which on Hopper runs them
+    weight-only (Marlin, or its emulation's bfloat16 dequantization): so does this scheme."""
+    return Scheme(name="mxfp8_ct",
+                  weight=WeightSpec("mxfp8_e4m3", 8, scale_mode="even_e2m1", element_rounding="even"),
+                  checkpoint_layout="compressed-tensors/mxfp8-quantized",
+                  description="MXFP8 weights as compressed-tensors rounds them (scale from the group amax "
+                              "rounded to one mantissa bit); bf16 activations")
+
+
 def nvfp4(convention: str = "compressed-tensors") -> Scheme:
     layout = "modelopt" if convention == "modelopt" else "compressed-tensors"
     return Scheme(name="nvfp4" + ("_modelopt" if convention == "modelopt" else ""),
@@ -147,6 +164,8 @@ BUILTIN = (
     fp8_block(ue8m0=True),
     mxfp4(),
     mxfp4_compressed_tensors(),
+    mxfp8(),
+    mxfp8_compressed_tensors(),
     nvfp4(),
     bnb_4bit("nf4"),
     bnb_4bit("nf4", double_quant=True),

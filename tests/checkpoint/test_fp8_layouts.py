@@ -201,3 +201,63 @@ def test_a_weight_of_exactly_one_block_stays_block_scaled():
         np.testing.assert_array_equal(np.asarray(back.dequantize()), np.asarray(qt.dequantize()))
     with pytest.raises(ValueError, match="stores block scales"):
         jquant.to_checkpoint(jquant.quantize(w, "fp8_e4m3"), "fp8-block")   # per tensor: refused
+
+
+# ---- compressed-tensors mxfp8-quantized ----------------------------------------------------------------
+
+CT_MXFP8 = "compressed-tensors/mxfp8-quantized"
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("case", ["w_f32", "w_bf16"])
+def test_compressed_tensors_mxfp8_golden(case, use_jit):
+    """MXFP8A16 as compressed-tensors 0.20.1 quantizes, stores and dequantizes it: the golden holds group
+    amaxes at 1.5 · 2^k and around 1.75 · 2^k (its scale rounds the amax to one mantissa bit), e4m3
+    midpoints, a zero and a tiny group, and -0.0 (kept as -0)."""
+    g = np.load(GOLDENS / "compressed_tensors_mxfp8.npz")
+    x = from_bits(g[case])
+    scheme = jquant.get_scheme("mxfp8_ct")
+    qt = (jax.jit(scheme.quantize_weight) if use_jit else scheme.quantize_weight)(x)
+    tensors = to_checkpoint(qt, "compressed-tensors")
+    assert sorted(tensors) == ["weight", "weight_scale"] and tensors["weight"].dtype == E4M3
+    np.testing.assert_array_equal(tensors["weight"].view(np.uint8), g[f"{case}_weight"])
+    assert tensors["weight_scale"].dtype == np.uint8
+    np.testing.assert_array_equal(tensors["weight_scale"], g[f"{case}_weight_scale"])
+    assert (g[f"{case}_weight"] == 0x80).any()          # a -0.0 weight stays -0 in e4m3
+    restored = from_checkpoint({"weight": g[f"{case}_weight"].view(E4M3),
+                                "weight_scale": g[f"{case}_weight_scale"]}, "compressed-tensors")
+    assert restored.fmt == "mxfp8_e4m3" and restored.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(restored.dequantize(jnp.bfloat16)).view(np.uint16),
+                                  g[f"{case}_dequantized"])
+    # torchao's "even" rounds the amax to e4m3's three mantissa bits, OCP's "floor" not at all: both
+    # choose other scales than compressed-tensors for some of these groups.
+    for mode in ("even", "floor"):
+        other = to_checkpoint(jquant.quantize(x, "mxfp8_e4m3", scale_mode=mode), CT_MXFP8)
+        assert (other["weight_scale"] != g[f"{case}_weight_scale"]).any(), mode
+
+
+def test_compressed_tensors_mxfp8_scale_rounds_the_amax_to_one_mantissa_bit():
+    x = np.zeros((4, 32), np.float32)
+    x[:, 0] = [1.7499999, 1.75, 3.5, 448.0]    # 1.75 · 2^k and up round to 2^(k+1); E4M3's emax is 8
+    scale = np.asarray(jquant.quantize(x, "mxfp8_e4m3", like="compressed-tensors").scale).view(np.uint8)
+    np.testing.assert_array_equal(scale[:, 0].astype(int) - 127, [0 - 8, 1 - 8, 2 - 8, 9 - 8])
+
+
+def test_compressed_tensors_mxfp8_round_trip_and_refusals():
+    qt = jquant.quantize(weight((8, 64), seed=3), "mxfp8_e4m3", like="compressed-tensors")
+    tensors = to_checkpoint(qt, CT_MXFP8)
+    assert_same_qtensor(from_checkpoint(tensors, "compressed-tensors"), qt)
+    with pytest.raises(ValueError, match="group_size=16"):
+        from_checkpoint(tensors, CT_MXFP8, group_size=16)
+    with pytest.raises(ValueError, match=r"\[N, K/32\]"):
+        from_checkpoint(dict(tensors, weight_scale=np.zeros((8, 4), np.uint8)), CT_MXFP8)
+    with pytest.raises(ValueError, match="'weight_scale' must be"):
+        from_checkpoint(dict(tensors, weight_scale=tensors["weight_scale"].astype(np.float32)), CT_MXFP8)
+    with pytest.raises(ValueError, match="'weight' must be float8_e4m3fn"):
+        from_checkpoint(dict(tensors, weight=tensors["weight"].view(np.uint8)), CT_MXFP8)
+    with pytest.raises(ValueError, match="stores \\[N, K\\] 'mxfp8_e4m3' QTensors"):
+        to_checkpoint(jquant.quantize(weight((64, 64)), "mxfp8_e4m3", axis=0), CT_MXFP8)
+    # Float scales still mean float-quantized FP8, uint8 exponents MXFP8.
+    fp8_channel = to_checkpoint(jquant.quantize(weight((8, 64)), "fp8_e4m3", granularity="channel"),
+                                "compressed-tensors")
+    assert from_checkpoint(fp8_channel, "compressed-tensors").fmt == "fp8_e4m3"

@@ -1,5 +1,7 @@
 """scheme_from_config over vLLM's quant_method vocabulary, and its errors."""
 
+import copy
+
 import pytest
 
 import jquant
@@ -64,6 +66,24 @@ def test_compressed_tensors_mxfp4_is_mxfp4_ct():
                        ({"type": "int"}, "type 'float'")):
         with pytest.raises(ValueError, match=match):
             scheme_from_config(_ct_mxfp4(**bad))
+
+
+def test_compressed_tensors_mxfp8_is_mxfp8_ct():
+    """llm-compressor's MXFP8A16 and its W8A8 MXFP8 preset: vLLM's CompressedTensorsW8A8Mxfp8 runs both
+    weight-only on Hopper (Marlin or a bfloat16 dequantization), with compressed-tensors' scale rounding."""
+    a16 = _ct_mxfp4(num_bits=8)
+    a16["format"] = "mxfp8-quantized"
+    assert scheme_from_config(a16) == jquant.get_scheme("mxfp8_ct")
+    a8 = copy.deepcopy(a16)
+    a8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "group",
+                                                           "group_size": 32, "dynamic": True}
+    assert scheme_from_config(a8) == jquant.get_scheme("mxfp8_ct")
+    for bad, match in (({"group_size": 16}, "group_size 32"), ({"symmetric": False}, "zero point"),
+                       ({"num_bits": 4}, "num_bits 8")):
+        config = _ct_mxfp4(**{"num_bits": 8, **bad})
+        config["format"] = "mxfp8-quantized"
+        with pytest.raises(ValueError, match=match):
+            scheme_from_config(config)
 
 
 @pytest.mark.parametrize("threshold, expected", [(6.0, 6.0), (None, 6.0), (0, 0.0), (3.5, 3.5)])

@@ -10,7 +10,7 @@ import jquant
 from jquant import get_scheme
 
 # Relative error bound of y = x·Wᵀ per scheme family (random normal data; 4-bit formats lose the most).
-TOLERANCE = {"int8": 0.02, "fp8": 0.08, "int4": 0.15, "uint4": 0.15, "mxfp4": 0.25, "nvfp4": 0.15,
+TOLERANCE = {"int8": 0.02, "fp8": 0.08, "int4": 0.15, "uint4": 0.15, "mxfp4": 0.25, "mxfp8": 0.08, "nvfp4": 0.15,
              "nf4": 0.15, "fp4_bnb": 0.25}
 
 

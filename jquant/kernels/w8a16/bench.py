@@ -76,9 +76,9 @@ GEMV_SWEEP = tuple(GemvConfig(block_n=bn, block_k=bk, num_warps=w)
 
 
 def schemes() -> dict[str, jquant.Scheme]:
-    """The 8-bit schemes timed, by name: two weight-only, five W8A8 (INT8 and bitsandbytes' LLM.int8(),
-    FP8 three ways)."""
-    weight_only = [jquant.get_scheme("int8_ch"), builtin.fp8_channel(weight_only=True)]
+    """The 8-bit schemes timed, by name: three weight-only (MXFP8 among them), five W8A8 (INT8 and
+    bitsandbytes' LLM.int8(), FP8 three ways)."""
+    weight_only = [jquant.get_scheme("int8_ch"), builtin.fp8_channel(weight_only=True), jquant.get_scheme("mxfp8_ct")]
     w8a8 = [jquant.get_scheme(n) for n in ("int8_w8a8", "llm_int8", "fp8_e4m3_tensor", "fp8_e4m3_channel",
                                             "fp8_e4m3_block128x128")]
     return {s.name: s for s in weight_only + w8a8}

@@ -23,15 +23,16 @@ from jquant.schemes.scheme import candidate_impls
 WEIGHTS = [("int8", {}), ("int8", dict(group_size=64)), ("int8", dict(group_size=32)),
            ("uint8", dict(group_size=128)), ("uint8", {}),
            ("fp8_e4m3", {}), ("fp8_e4m3", dict(granularity="channel")),
-           ("fp8_e4m3", dict(granularity="block", block_size=(128, 128)))]
+           ("fp8_e4m3", dict(granularity="block", block_size=(128, 128))), ("mxfp8_e4m3", {})]
 IDS = [f"{f}-{'-'.join(f'{v}' for v in o.values()) or 'default'}" for f, o in WEIGHTS]
 
 
 def _float64_weight(qt) -> np.ndarray:
     """The QTensor's ``[N, K]`` weight in float64 from its stored bytes, independently of jquant's
-    dequantize: int8 ``(u − 128)·s``, uint8 ``(u − z)·s``, e4m3 ``v·s`` with blocks expanded."""
+    dequantize: int8 ``(u − 128)·s``, uint8 ``(u − z)·s``, e4m3 ``v·s`` (an E8M0 ``s`` for MXFP8) with
+    blocks expanded."""
     n, k = qt.shape
-    if qt.fmt == "fp8_e4m3":
+    if qt.fmt in ("fp8_e4m3", "mxfp8_e4m3"):
         v = np.asarray(qt.data).astype(np.float64)
     elif qt.fmt == "int8":
         v = np.asarray(qt.data, np.float64) - 128
@@ -129,8 +130,8 @@ def test_kernel_nan_weight_propagates(interpret):
 
 # ---- lowering for sm_90 (Mosaic GPU's Python lowering: layouts, casts, shared memory) -------------
 @pytest.mark.skipif(ON_GPU, reason="the GPU run compiles for real")
-@pytest.mark.parametrize("fmt,options", [WEIGHTS[0], WEIGHTS[3], WEIGHTS[5], WEIGHTS[6], WEIGHTS[7]],
-                         ids=[IDS[0], IDS[3], IDS[5], IDS[6], IDS[7]])
+@pytest.mark.parametrize("fmt,options", [WEIGHTS[i] for i in (0, 3, 5, 6, 7, 8)],
+                         ids=[IDS[i] for i in (0, 3, 5, 6, 7, 8)])
 def test_lowers_for_sm90_every_default_launch(fmt, options):
     """Every default launch (M ≤ 16, 64, the two-warpgroup kernel, 128-row tiles) lowers: a shared
     memory overflow or an unsupported 8-bit cast fails here, without a GPU."""
