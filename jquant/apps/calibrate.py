@@ -8,8 +8,9 @@ default), disjoint from the evaluation slice, which is the first ``--eval-tokens
 any registered scheme with ``--scheme`` (``mxfp4``, ``nvfp4``, ``fp8_e4m3_channel``, ...). ``--out``
 writes an HF-style directory whose ``config.json`` carries the ``quantization_config`` vLLM reads:
 ``gptq``, or ``awq`` for AWQ's uint4 format, for the integer formats; with ``--scheme``, the layout of
-``jquant.checkpoint.scheme_config.checkpoint_config`` (compressed-tensors for int8, FP8 per channel and
-NVFP4, ``fp8`` for block FP8, ``bitsandbytes`` for NF4 / FP4; MXFP4 has no dense one).
+``jquant.checkpoint.scheme_config.checkpoint_config`` (compressed-tensors for int8, FP8 per channel,
+NVFP4, ``mxfp4_ct`` and ``mxfp8_ct``, ``fp8`` for block FP8, ``bitsandbytes`` for NF4 / FP4; ``mxfp4`` and
+``mxfp8``, with OCP's scales, have none).
 ``load_hf_checkpoint`` reads it back.
 ``--record FILE.json`` adds the run's rows (float, round-to-nearest, the method) to a quality table
 and rewrites its markdown twin (``FILE.md``).
