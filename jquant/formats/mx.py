@@ -21,7 +21,7 @@ per byte (low nibble = even element) for MXFP4, or float8 codes for MXFP8; ``x �
 
 Exponents are clamped to [-127, 127] ("floor", "ceil" and the "even" modes allow 128, which only NaN
 reaches). Elements: these modes divide by the scale (floored at 2^-126, as torchao does so an
-all-zero block divides by a normal number); "rceil" multiplies by ``2^(127-b)`` (by 1 when
+all-zero block divides by a normal number; compressed-tensors' elements below do not floor it); "rceil" multiplies by ``2^(127-b)`` (by 1 when
 ``b == 0``, again as torchao). Then round-half-to-even, saturating at ±max. Every scale is a power
 of two, so elements are scaled exactly, subnormal inputs included (XLA reads those as zero; they are
 rebuilt from their bits): codes match torchao's for every finite input.
@@ -35,13 +35,12 @@ means 2^-127 for the elements too, and under byte 253 (2^126) GGML's candidates 
 the largest element is 3. One byte cannot be matched: gguf's wrapped 255 (amax in [2^-126, 2^-125))
 is NaN in E8M0, so jquant stores 254, which gives the same zero codes and dequantized zeros.
 
-``element_rounding="compressed-tensors"`` (MXFP4, with ``scale_mode="even"``: the
-``like="compressed-tensors"`` preset) is compressed-tensors' MXFP4A16 quantizer (``generate_mx_scales``:
-the group amax rounded up to the next power of two from 1.75 · 2^e in the weight's dtype, then
-``floor(log2) - 2``, which is "even" on that amax; ``cast_to_fp4``: half to even): as "even", except
-that -0.0 is stored as +0 (its ``sign(x) · |q|``). Its MXFP8 quantizer (``mxfp8-quantized``, the
-``like="compressed-tensors"`` preset of ``"mxfp8_e4m3"``) takes ``scale_mode="even_e2m1"`` and casts
-elements half to even, -0.0 kept: ``element_rounding="even"``.
+``element_rounding="compressed-tensors"`` (with ``scale_mode="even"`` for MXFP4 and ``"even_e2m1"`` for
+MXFP8: the ``like="compressed-tensors"`` presets) is compressed-tensors' MXFP4A16 / MXFP8A16 quantizer
+(``generate_mx_scales``: the group amax rounded up to the next power of two from 1.75 · 2^e in the
+weight's dtype, then ``floor(log2) - emax``): elements are divided by the scale itself, 2^-127 under byte
+0 where torchao divides by 2^-126 (groups of amax below about 2^-124 for MXFP4, 2^-118 for MXFP8), then
+rounded half to even; MXFP4 stores -0.0 as +0 (``cast_to_fp4``'s ``sign(x) · |q|``), MXFP8 keeps it (a float8 cast).
 
 Non-finite and zero blocks (torchao's behaviour): a NaN in a block makes its scale NaN (0xFF), so the
 whole block dequantizes to NaN (its element codes are unspecified), at every tensor size (the amax is
@@ -266,7 +265,7 @@ def _shared_exponent(amax_bits: jax.Array, mode: str, element: _Element) -> jax.
     return jnp.where(nan, 255, biased)
 
 
-def _scale_elements(blocks: jax.Array, biased: jax.Array, mode: str) -> jax.Array:
+def _scale_elements(blocks: jax.Array, biased: jax.Array, mode: str, floor_divisor: bool = True) -> jax.Array:
     """Blocks (from ``to_blocks``) brought to the element range, before rounding; every scale is a
     power of two, so scaling is exact (subnormal inputs included, see ``_times_pow2_exact``)."""
     biased = per_block(biased, blocks.ndim // 2)
@@ -280,8 +279,10 @@ def _scale_elements(blocks: jax.Array, biased: jax.Array, mode: str) -> jax.Arra
         scaled = _times_pow2_exact(blocks, -jnp.clip(biased - _E8M0_BIAS, -127, 127))
         scaled = jnp.where(biased == 253, jnp.clip(scaled, -3.0, 3.0), scaled)
     else:
-        # x / max(2^(b-127), 2^-126): torchao floors the divisor at the smallest normal number.
-        scaled = _times_pow2_exact(blocks, -jnp.clip(biased - _E8M0_BIAS, -126, 127))
+        # x / max(2^(b-127), 2^-126): torchao floors the divisor at the smallest normal number;
+        # compressed-tensors divides by 2^-127 itself (``floor_divisor=False``).
+        lowest = -126 if floor_divisor else -127
+        scaled = _times_pow2_exact(blocks, -jnp.clip(biased - _E8M0_BIAS, lowest, 127))
     return jnp.where(biased == 255, jnp.nan, scaled)  # a NaN block stays NaN
 
 
@@ -298,7 +299,7 @@ def quantize_mx(x, fmt: str = "mxfp4", *, axis: int = -1, scale_mode: str = "flo
       scale_mode: ``"floor"``, ``"ceil"``, ``"even"``, ``"even_e2m1"``, ``"rceil"`` or ``"rceil_log2f"``
         (module docstring).
       element_rounding: ``"even"`` (torchao, OCP), ``"ggml"`` (MXFP4 with "floor" only) or
-        ``"compressed-tensors"`` (MXFP4: half to even, -0.0 stored as +0).
+        ``"compressed-tensors"`` (the true scale as divisor; half to even; MXFP4 stores -0.0 as +0).
     """
     if fmt not in ELEMENTS:
         raise ValueError(f"fmt must be one of {sorted(ELEMENTS)}, got {fmt!r}")
@@ -309,9 +310,9 @@ def quantize_mx(x, fmt: str = "mxfp4", *, axis: int = -1, scale_mode: str = "flo
     if element_rounding == "ggml" and (fmt != "mxfp4" or scale_mode != "floor"):
         raise ValueError(f"element_rounding='ggml' is GGML's MXFP4 quantizer: it needs fmt='mxfp4' and "
                          f"scale_mode='floor', got fmt={fmt!r}, scale_mode={scale_mode!r}")
-    if element_rounding == "compressed-tensors" and fmt != "mxfp4":
-        raise ValueError(f"element_rounding='compressed-tensors' rounds E2M1 elements: it needs fmt='mxfp4', "
-                         f"got {fmt!r}")
+    if element_rounding == "compressed-tensors" and fmt not in ("mxfp4", "mxfp8_e4m3"):
+        raise ValueError(f"element_rounding='compressed-tensors' is compressed-tensors' MXFP4 / MXFP8 quantizer: "
+                         f"it needs fmt='mxfp4' or 'mxfp8_e4m3', got {fmt!r}")
     x = check_float_input(x, "x")
     block = group_block(x.shape, axis, BLOCK_SIZE, "x")
     axis %= x.ndim
@@ -330,7 +331,7 @@ def _encode(x, fmt, block, axis, scale_mode, element_rounding):
     amax_bits = jnp.max(abs_bits(blocks), axis=block_axes(x.ndim))
     mode = "ggml" if element_rounding == "ggml" else scale_mode
     biased = _shared_exponent(amax_bits, mode, element)
-    scaled = _scale_elements(blocks, biased, mode).reshape(x.shape)
+    scaled = _scale_elements(blocks, biased, mode, element_rounding != "compressed-tensors").reshape(x.shape)
     if element.fp8_fmt is None:
         ties, sign = _E2M1_RULES[element_rounding]
         data = pack_bits(e2m1_codes(scaled, ties, sign), 4, axis)
@@ -379,4 +380,4 @@ register_preset("gguf", "mxfp4", {"scale_mode": "floor", "element_rounding": "gg
 # compressed-tensors' MXFP4A16 (generate_mx_scales, cast_to_fp4): "even" scales, sign(x) · |q| elements.
 register_preset("compressed-tensors", "mxfp4", {"scale_mode": "even", "element_rounding": "compressed-tensors"})
 # Its MXFP8A16 / MXFP8 (generate_mx_scales with E2M1's mantissa width, a float8_e4m3fn cast).
-register_preset("compressed-tensors", "mxfp8_e4m3", {"scale_mode": "even_e2m1", "element_rounding": "even"})
+register_preset("compressed-tensors", "mxfp8_e4m3", {"scale_mode": "even_e2m1", "element_rounding": "compressed-tensors"})

@@ -116,7 +116,7 @@ def mxfp8_compressed_tensors() -> Scheme:
     ``mxfp8-quantized`` checkpoints with ``CompressedTensorsW8A8Mxfp8``, which on Hopper runs them
     weight-only (Marlin, or its emulation's bfloat16 dequantization): so does this scheme."""
     return Scheme(name="mxfp8_ct",
-                  weight=WeightSpec("mxfp8_e4m3", 8, scale_mode="even_e2m1", element_rounding="even"),
+                  weight=WeightSpec("mxfp8_e4m3", 8, scale_mode="even_e2m1", element_rounding="compressed-tensors"),
                   checkpoint_layout="compressed-tensors/mxfp8-quantized",
                   description="MXFP8 weights as compressed-tensors rounds them (scale from the group amax "
                               "rounded to one mantissa bit); bf16 activations")

@@ -272,7 +272,7 @@ def test_compressed_tensors_mxfp4_round_trip_and_refusals():
     with pytest.raises(ValueError, match="'weight_scale' must be uint8"):
         jquant.from_checkpoint(dict(tensors, weight_scale=tensors["weight_scale"].astype(np.float32)), CT_MXFP4)
     with pytest.raises(ValueError, match="element_rounding='compressed-tensors'"):
-        jquant.quantize(random((2, 32)), "mxfp8_e4m3", element_rounding="compressed-tensors")
+        jquant.quantize(random((2, 32)), "mxfp8_e5m2", element_rounding="compressed-tensors")
     # NVFP4 tensors (with their global scale) are still told apart from MXFP4 ones.
     nv = jquant.to_checkpoint(jquant.quantize(random((8, 64)), "nvfp4"), CT)
     assert jquant.from_checkpoint(nv, CT).fmt == "nvfp4"

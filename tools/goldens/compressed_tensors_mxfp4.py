@@ -6,7 +6,8 @@ rounded up to the next power of two from 1.75 · 2^e, as ``generate_mx_scales`` 
 dtype); ``MXFP4PackedCompressor.compress`` quantizes, packs (even element in the low nibble) and
 stores the scales as biased exponents; ``decompress`` dequantizes. Inputs (float32 and bfloat16):
 the NVFP4 goldens' rows (1e-3..1e2, an all-zero group, a tiny group, every E2M1 midpoint, -0.0)
-in groups of 32, a group of 1e-30 and group amaxes just below, at and above 1.75 · 2^k.
+in groups of 32, a group of 1e-30, group amaxes just below, at and above 1.75 · 2^k, and two rows of
+groups at random magnitudes from 2^-140 to 2^120.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ def _inputs(generator, rows=12, cols=256):
     # Group amaxes around 1.75 · 2^k: the scale's round-up point.
     for i, amax in enumerate([1.75, 1.7421875, 1.7578125, 3.5, 3.4999998, 0.875]):
         x[4, (i + 1) * GROUP] = amax
+    # Groups across float32's range, from 2^-140 (subnormal; scale byte 0 divides by 2^-127) to 2^120.
+    exponents = torch.randint(-140, 120, (2, cols // GROUP), generator=generator).repeat_interleave(GROUP, -1)
+    x[6:8] = torch.randn(2, cols, generator=generator) * torch.exp2(exponents.float())
+    # Scale byte 0 with elements that round to nonzero codes only under the divisor 2^-127 (not 2^-126).
+    for i, e in enumerate((-124.5, -125.5, -118.5, -119.5)):
+        x[7, i * GROUP:(i + 1) * GROUP] = torch.randn(GROUP, generator=generator) * 2.0 ** e
     return x
 
 

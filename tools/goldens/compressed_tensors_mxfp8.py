@@ -8,7 +8,8 @@ with 8 bits: the group amax rounded to one mantissa bit, E2M1's width, so up fro
 ``MXFP8QuantizationCompressor.compress`` divides, clamps to ±448, casts to float8_e4m3fn and stores
 the scales as biased exponents; ``decompress`` dequantizes. Inputs (float32 and bfloat16): the NVFP4
 goldens' rows (1e-3..1e2, an all-zero group, a tiny group, -0.0) in groups of 32, a group of 1e-30,
-e4m3 midpoints under scale 2^0, group amaxes at 1.5 · 2^k and just below, at and above 1.75 · 2^k.
+e4m3 midpoints under scale 2^0, group amaxes at 1.5 · 2^k and just below, at and above 1.75 · 2^k, and
+two rows of groups at random magnitudes from 2^-140 to 2^120.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def _inputs(generator, rows=12, cols=256):
     # Group amaxes around the one-bit round-up point 1.75 · 2^k, and at 1.5 · 2^k (kept).
     for i, amax in enumerate([1.5, 1.4999999, 1.5000001, 1.75, 1.7421875, 3.0, 0.75]):
         x[4, (i + 1) * GROUP] = amax
+    # Groups across float32's range: amaxes from 2^-140 (subnormal) to 2^120, one random exponent a group.
+    exponents = torch.randint(-140, 120, (2, cols // GROUP), generator=generator).repeat_interleave(GROUP, -1)
+    x[6:8] = torch.randn(2, cols, generator=generator) * torch.exp2(exponents.float())
+    # Scale byte 0 with elements that round to nonzero codes only under the divisor 2^-127 (not 2^-126).
+    for i, e in enumerate((-124.5, -125.5, -118.5, -119.5)):
+        x[7, i * GROUP:(i + 1) * GROUP] = torch.randn(GROUP, generator=generator) * 2.0 ** e
     return x
 
 
