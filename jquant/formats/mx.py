@@ -41,6 +41,8 @@ MXFP8: the ``like="compressed-tensors"`` presets) is compressed-tensors' MXFP4A1
 weight's dtype, then ``floor(log2) - emax``): elements are divided by the scale itself, 2^-127 under byte
 0 where torchao divides by 2^-126 (groups of amax below about 2^-124 for MXFP4, 2^-118 for MXFP8), then
 rounded half to even; MXFP4 stores -0.0 as +0 (``cast_to_fp4``'s ``sign(x) · |q|``), MXFP8 keeps it (a float8 cast).
+Its rounded amax overflows to Inf from 1.75 · 2^127 up and for ±Inf, and a NaN makes its exponent 0: such
+blocks come out of it as zero codes (or ±max under 2^-127); jquant keeps torchao's results for them (below).
 
 Non-finite and zero blocks (torchao's behaviour): a NaN in a block makes its scale NaN (0xFF), so the
 whole block dequantizes to NaN (its element codes are unspecified), at every tensor size (the amax is

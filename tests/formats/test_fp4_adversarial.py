@@ -110,6 +110,38 @@ def test_mx_subnormal_elements_scale_exactly():
         np.testing.assert_array_equal(codes, [6, 1, 9, 2])  # 4, 0.5, -0.5, 0.75 → 1 (ties to even)
 
 
+# ---- compressed-tensors 0.20.1 MXFP4A16 / MXFP8A16 -----------------------------------------------------
+
+# compressed-tensors rounds the amax on its bits: from 1.75 · 2^127 up that overflows to Inf, and the
+# block comes out with scale byte 127 and zero codes (its values ~1e38 dequantize to 0). jquant keeps
+# torchao's saturation there (scale 2^126 for MXFP4, 2^120 for MXFP8), as for non-finite blocks.
+CT_OVERFLOW_AMAX = np.float32(1.75 * 2.0 ** 127)
+
+
+def ct_mx_deviating_blocks(x):
+    """[rows, K/32] blocks where compressed-tensors' scale overflows or the block is not finite."""
+    blocks = np.abs(x.reshape(x.shape[0], -1, 32))
+    return ~np.isfinite(blocks).all(-1) | (blocks.max(-1) >= CT_OVERFLOW_AMAX)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8_e4m3"])
+def test_mx_compressed_tensors_adversarial(fmt):
+    qt = jquant.quantize(X, fmt, like="compressed-tensors")
+    scale, data = u8(qt.scale), u8(qt.data)
+    deviating = ct_mx_deviating_blocks(X)
+    assert deviating.sum() == 3   # the two near-float32-max rows
+    np.testing.assert_array_equal(scale[~deviating], G[f"ct_mx_{fmt}_scale"][~deviating])
+    per_code = 16 if fmt == "mxfp4" else 32
+    same = np.repeat(~deviating, per_code, axis=-1)
+    np.testing.assert_array_equal(data[same], G[f"ct_mx_{fmt}_data"][same])
+    assert (scale[deviating] == (253 if fmt == "mxfp4" else 247)).all()
+    out = np.asarray(qt.dequantize(jnp.float32)).reshape(X.shape[0], -1, 32)[deviating]
+    big = np.abs(X.reshape(X.shape[0], -1, 32)[deviating]).max(-1)
+    # Not zeroed: the block keeps its magnitude (float32's max itself dequantizes to ±Inf under the
+    # rounded-up scale, 4 · 2^126 for MXFP4, as torchao's "even" gives too).
+    assert not np.isnan(out).any() and (np.abs(out).max(-1) >= big / 2).all()
+
+
 # ---- gguf-py MXFP4 (element_rounding="ggml") ---------------------------------------------------------
 
 def gguf_scales_codes():
@@ -213,6 +245,28 @@ def test_big_mx(kind, fmt, mode):
     out = np.asarray(qt.dequantize(jnp.float32))
     if kind in ("nan", "both"):
         assert np.isnan(out[1, 96:128]).all() and np.isnan(out).sum() == 32  # that block only
+    if kind in ("inf", "both"):
+        assert out[2, 2000] == np.inf and np.isfinite(np.delete(out[2], 2000)).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8_e4m3"])
+def test_big_mx_compressed_tensors(kind, fmt):
+    """compressed-tensors gives a NaN block scale byte 0 (its other values then saturate to ±max under
+    2^-127, and dequantize to ~1e-38) and an Inf block byte 127 with zero codes, the Inf itself NaN:
+    jquant keeps torchao's NaN block and ±Inf (test_big_mx). Every finite block is bit for bit."""
+    x = big_input(kind)
+    qt = jquant.quantize(x, fmt, like="compressed-tensors")
+    key = f"big_{kind}_ct_mx_{fmt}_"
+    scale, data = u8(qt.scale)[:KEEP], u8(qt.data)[:KEEP]
+    finite = ~ct_mx_deviating_blocks(x[:KEEP])
+    assert (~finite).sum() == (2 if kind == "both" else 1)
+    np.testing.assert_array_equal(scale[finite], G[key + "scale"][finite])
+    same = np.repeat(finite, 16 if fmt == "mxfp4" else 32, axis=-1)
+    np.testing.assert_array_equal(data[same], G[key + "data"][same])
+    out = np.asarray(qt.dequantize(jnp.float32))
+    if kind in ("nan", "both"):
+        assert np.isnan(out[1, 96:128]).all() and np.isnan(out).sum() == 32
     if kind in ("inf", "both"):
         assert out[2, 2000] == np.inf and np.isfinite(np.delete(out[2], 2000)).all()
 

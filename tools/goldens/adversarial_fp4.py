@@ -1,4 +1,5 @@
-"""Adversarial FP4 / FP8 goldens: torchao 0.18 MX and NVFP4, compressed-tensors 0.20.1 NVFP4,
+"""Adversarial FP4 / FP8 goldens: torchao 0.18 MX and NVFP4, compressed-tensors 0.20.1 NVFP4 and MX
+(its MXFP4A16 / MXFP8A16 weights),
 gguf-py MXFP4 and bitsandbytes 0.50.2 NF4 / FP4 (+ double quantization) on inputs chosen to hit
 every rounding and range edge.
 
@@ -19,7 +20,7 @@ import torch
 import bitsandbytes.functional as F
 from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
 from compressed_tensors.quantization import QuantizationScheme
-from compressed_tensors.quantization.quant_scheme import NVFP4
+from compressed_tensors.quantization.quant_scheme import MXFP4A16, MXFP8A16, NVFP4
 from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
@@ -28,6 +29,8 @@ from torchao.prototype.mx_formats.mx_tensor import to_mx
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 
 from goldens import _common
+from goldens.compressed_tensors_mxfp4 import _case as _ct_mxfp4
+from goldens.compressed_tensors_mxfp8 import _case as _ct_mxfp8
 
 VENV = "ref"
 COLS = 64
@@ -152,6 +155,16 @@ def _ct_nvfp4(x, scheme, with_global):
     return out
 
 
+def _ct_mx(x):
+    """compressed-tensors' MXFP4A16 and MXFP8A16 weights of x (one tensor): scales and codes as uint8."""
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    with np.errstate(all="ignore"):
+        mx4 = _ct_mxfp4(t, QuantizationScheme(targets=["Linear"], **MXFP4A16))
+        mx8 = _ct_mxfp8(t, QuantizationScheme(targets=["Linear"], **MXFP8A16))
+    return {"mxfp4_scale": mx4["weight_scale"], "mxfp4_data": mx4["weight_packed"],
+            "mxfp8_e4m3_scale": mx8["weight_scale"], "mxfp8_e4m3_data": mx8["weight"]}
+
+
 def _bnb(x, quant_type, dq):
     packed, state = F.quantize_4bit(torch.from_numpy(x), blocksize=64, compress_statistics=dq, quant_type=quant_type)
     out = {"packed": packed.numpy().reshape(-1)}
@@ -176,6 +189,8 @@ def make(out_dir):
     for fmt in MX_ELEMENTS:
         for mode in MX_MODES:
             arrays[f"mx_{fmt}_{mode}_scale"], arrays[f"mx_{fmt}_{mode}_data"] = _mx(x, fmt, mode)
+    for name, value in _ct_mx(x).items():
+        arrays[f"ct_mx_{name}"] = value
     with np.errstate(all="ignore"):
         arrays["gguf_blocks"] = gguf_quantize(x, GGMLQuantizationType.MXFP4)
     for name, value in _per_row(x, lambda r: _torchao_nvfp4(r, True)).items():
@@ -203,6 +218,8 @@ def make(out_dir):
             scale, data = _mx(big, fmt, mode)
             arrays[f"big_{kind}_mx_{fmt}_{mode}_scale"] = scale[:KEEP_ROWS]
             arrays[f"big_{kind}_mx_{fmt}_{mode}_data"] = data[:KEEP_ROWS]
+        for name, value in _ct_mx(big).items():
+            arrays[f"big_{kind}_ct_mx_{name}"] = value[:KEEP_ROWS]
         for name, value in _torchao_nvfp4(big, True).items():
             arrays[f"big_{kind}_torchao_nvfp4_{name}"] = value if name == "global" else value[:KEEP_ROWS]
         for name, value in _ct_nvfp4(big, scheme, True).items():
