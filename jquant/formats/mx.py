@@ -21,8 +21,8 @@ per byte (low nibble = even element) for MXFP4, or float8 codes for MXFP8; ``x �
 
 Exponents are clamped to [-127, 127] ("floor", "ceil" and the "even" modes allow 128, which only NaN
 reaches). Elements: these modes divide by the scale (floored at 2^-126, as torchao does so an
-all-zero block divides by a normal number; compressed-tensors' elements below do not floor it); "rceil" multiplies by ``2^(127-b)`` (by 1 when
-``b == 0``, again as torchao). Then round-half-to-even, saturating at ±max. Every scale is a power
+all-zero block divides by a normal number; compressed-tensors' elements below do not floor it);
+"rceil" multiplies by ``2^(127-b)`` (by 1 when ``b == 0``, again as torchao). Then round-half-to-even, saturating at ±max. Every scale is a power
 of two, so elements are scaled exactly, subnormal inputs included (XLA reads those as zero; they are
 rebuilt from their bits): codes match torchao's for every finite input.
 
@@ -40,8 +40,8 @@ MXFP8: the ``like="compressed-tensors"`` presets) is compressed-tensors' MXFP4A1
 (``generate_mx_scales``: the group amax rounded up to the next power of two from 1.75 · 2^e in the
 weight's dtype, then ``floor(log2) - emax``): elements are divided by the scale itself, 2^-127 under byte
 0 where torchao divides by 2^-126 (groups of amax below about 2^-124 for MXFP4, 2^-118 for MXFP8), then
-rounded half to even; MXFP4 stores -0.0 as +0 (``cast_to_fp4``'s ``sign(x) · |q|``), MXFP8 keeps it (a float8 cast).
-Its rounded amax overflows to Inf from 1.75 · 2^127 up and for ±Inf, and a NaN makes its exponent 0: such
+rounded half to even; MXFP4 stores -0.0 as +0 (``cast_to_fp4``'s ``sign(x) · |q|``), MXFP8 keeps it (a
+float8 cast). Its rounded amax overflows to Inf from 1.75 · 2^127 up and for ±Inf, and a NaN makes its exponent 0: such
 blocks come out of it as zero codes (or ±max under 2^-127); jquant keeps torchao's results for them (below).
 
 Non-finite and zero blocks (torchao's behaviour): a NaN in a block makes its scale NaN (0xFF), so the
@@ -382,4 +382,5 @@ register_preset("gguf", "mxfp4", {"scale_mode": "floor", "element_rounding": "gg
 # compressed-tensors' MXFP4A16 (generate_mx_scales, cast_to_fp4): "even" scales, sign(x) · |q| elements.
 register_preset("compressed-tensors", "mxfp4", {"scale_mode": "even", "element_rounding": "compressed-tensors"})
 # Its MXFP8A16 / MXFP8 (generate_mx_scales with E2M1's mantissa width, a float8_e4m3fn cast).
-register_preset("compressed-tensors", "mxfp8_e4m3", {"scale_mode": "even_e2m1", "element_rounding": "compressed-tensors"})
+register_preset("compressed-tensors", "mxfp8_e4m3",
+                {"scale_mode": "even_e2m1", "element_rounding": "compressed-tensors"})

@@ -1,6 +1,6 @@
 """The W8A16 kernel as a registry implementation for 8-bit weight-only schemes on Hopper: an 8-bit
-``[N, K]`` QTensor (int8, uint8 with zero points, FP8 e4m3 per tensor, channel or block, MXFP8 e4m3) laid out
-once by ``prepack_w8``; ``apply`` runs ``w8a16_matmul``, which picks the kernel or XLA by M. W8A8
+``[N, K]`` QTensor (int8, uint8 with zero points, FP8 e4m3 per tensor, channel or block, MXFP8 e4m3)
+laid out once by ``prepack_w8``; ``apply`` runs ``w8a16_matmul``, which picks the kernel or XLA by M. W8A8
 schemes never run here: their activations are quantized as the scheme says, by their own path."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def unified_w8(qt: QTensor) -> dict | None:
     n, k = qt.shape
     rows, cols = qt.block
     if qt.fmt == "mxfp8_e4m3":   # E8M0 scales per 32 codes along K: groups of 32 (exact in bf16)
-        return dict(q=qt.data.T, scale=qt.scale.T, group_size=cols) if qt.k_axis == 1 else None
+        return dict(q=qt.data.T, scale=qt.scale.T, group_size=cols)
     scale = qt.scale.astype(jnp.float32) if qt.scale.dtype == jnp.float64 else qt.scale
     if qt.fmt == "fp8_e4m3":
         codes = qt.data.T
@@ -70,8 +70,7 @@ def pack_w8_qtensor(qt: QTensor) -> PackedW8NK:
         raise ValueError(f"w8a16_matmul: a {qt.fmt} QTensor with shape {qt.shape}, block {qt.block} and "
                          f"k_axis={qt.k_axis} has no 8-bit kernel layout (int8 / uint8 per channel or in groups "
                          "along K, FP8 e4m3 per tensor, channel or square block, MXFP8 e4m3, [N, K] with "
-                         "k_axis=1); use "
-                         "Scheme.apply or jquant.qdot")
+                         "k_axis=1); use Scheme.apply or jquant.qdot")
     try:
         return prepack_w8(**args)
     except ValueError as err:
