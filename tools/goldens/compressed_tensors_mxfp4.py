@@ -32,35 +32,48 @@ def _inputs(generator, rows=12, cols=256):
     # Group amaxes around 1.75 · 2^k: the scale's round-up point.
     for i, amax in enumerate([1.75, 1.7421875, 1.7578125, 3.5, 3.4999998, 0.875]):
         x[4, (i + 1) * GROUP] = amax
-    # Groups across float32's range, from 2^-140 (subnormal; scale byte 0 divides by 2^-127) to 2^120.
-    exponents = torch.randint(-140, 120, (2, cols // GROUP), generator=generator).repeat_interleave(GROUP, -1)
-    x[6:8] = torch.randn(2, cols, generator=generator) * torch.exp2(exponents.float())
-    # Scale byte 0 with elements that round to nonzero codes only under the divisor 2^-127 (not 2^-126).
+    wide_range_rows(x, generator)
+    return x
+
+
+def wide_range_rows(x, generator):
+    """Rows 6 and 7: groups at random magnitudes from 2^-140 (subnormal) to 2^120, then in row 7 groups
+    under scale byte 0 whose elements round to nonzero codes only under the divisor 2^-127 (not 2^-126)."""
+    exponents = torch.randint(-140, 120, (2, x.shape[1] // GROUP), generator=generator)
+    x[6:8] = torch.randn(2, x.shape[1], generator=generator) * torch.exp2(exponents.repeat_interleave(GROUP, -1).float())
     for i, e in enumerate((-124.5, -125.5, -118.5, -119.5)):
         x[7, i * GROUP:(i + 1) * GROUP] = torch.randn(GROUP, generator=generator) * 2.0 ** e
-    return x
 
 
 def _bits(x):
     return x.view(torch.uint16).numpy() if x.dtype == torch.bfloat16 else x.numpy()
 
 
-def _case(x, scheme):
+def ct_mx_case(x, scheme, compressor, codes: str):
+    """compressed-tensors' stored ``codes`` tensor (uint8 bytes) and ``weight_scale`` of weight x, and its
+    decompressed weight (bits), the scales from per-32 group min/max through ``calculate_qparams``."""
     groups = x.unflatten(-1, (x.shape[-1] // GROUP, GROUP))
     scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
-    compressed = MXFP4PackedCompressor.compress({"weight": x, "weight_scale": scale.to(x.dtype)}, scheme)
-    restored = MXFP4PackedCompressor.decompress(dict(compressed), scheme)
-    return {"weight_packed": compressed["weight_packed"].numpy(),
-            "weight_scale": compressed["weight_scale"].numpy(),
+    compressed = compressor.compress({"weight": x, "weight_scale": scale.to(x.dtype)}, scheme)
+    restored = compressor.decompress(dict(compressed), scheme)
+    return {codes: compressed[codes].view(torch.uint8).numpy(), "weight_scale": compressed["weight_scale"].numpy(),
             "dequantized": _bits(restored["weight"])}
+
+
+def _case(x, scheme):
+    return ct_mx_case(x, scheme, MXFP4PackedCompressor, "weight_packed")
+
+
+def save_cases(out_dir, name, x, scheme, case):
+    """The golden ``name``: x in float32 and bfloat16 (``w_f32``, ``w_bf16``) and ``case`` of each."""
+    inputs = {"w_f32": x, "w_bf16": x.to(torch.bfloat16)}
+    arrays = {key: _bits(value) for key, value in inputs.items()}
+    for key, value in inputs.items():
+        arrays.update({f"{key}_{k}": v for k, v in case(value, scheme).items()})
+    return [_common.save(out_dir, name, ("torch", "compressed-tensors"), **arrays)]
 
 
 def make(out_dir):
     generator = torch.Generator().manual_seed(3232)
-    scheme = QuantizationScheme(targets=["Linear"], **MXFP4A16)
     x = _inputs(generator)
-    inputs = {"w_f32": x, "w_bf16": x.to(torch.bfloat16)}
-    arrays = {name: _bits(value) for name, value in inputs.items()}
-    for name, value in inputs.items():
-        arrays.update({f"{name}_{key}": v for key, v in _case(value, scheme).items()})
-    return [_common.save(out_dir, "compressed_tensors_mxfp4", ("torch", "compressed-tensors"), **arrays)]
+    return save_cases(out_dir, "compressed_tensors_mxfp4", x, QuantizationScheme(targets=["Linear"], **MXFP4A16), _case)

@@ -18,13 +18,11 @@ import torch
 from compressed_tensors.compressors.mxfp8 import MXFP8QuantizationCompressor
 from compressed_tensors.quantization import QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import MXFP8A16
-from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
-from goldens import _common
+from goldens.compressed_tensors_mxfp4 import GROUP, ct_mx_case, save_cases, wide_range_rows
 from goldens.compressed_tensors_nvfp4 import nvfp4_inputs
 
 VENV = "ref"
-GROUP = 32
 
 
 def _inputs(generator, rows=12, cols=256):
@@ -39,35 +37,15 @@ def _inputs(generator, rows=12, cols=256):
     # Group amaxes around the one-bit round-up point 1.75 · 2^k, and at 1.5 · 2^k (kept).
     for i, amax in enumerate([1.5, 1.4999999, 1.5000001, 1.75, 1.7421875, 3.0, 0.75]):
         x[4, (i + 1) * GROUP] = amax
-    # Groups across float32's range: amaxes from 2^-140 (subnormal) to 2^120, one random exponent a group.
-    exponents = torch.randint(-140, 120, (2, cols // GROUP), generator=generator).repeat_interleave(GROUP, -1)
-    x[6:8] = torch.randn(2, cols, generator=generator) * torch.exp2(exponents.float())
-    # Scale byte 0 with elements that round to nonzero codes only under the divisor 2^-127 (not 2^-126).
-    for i, e in enumerate((-124.5, -125.5, -118.5, -119.5)):
-        x[7, i * GROUP:(i + 1) * GROUP] = torch.randn(GROUP, generator=generator) * 2.0 ** e
+    wide_range_rows(x, generator)
     return x
 
 
-def _bits(x):
-    return x.view(torch.uint16).numpy() if x.dtype == torch.bfloat16 else x.numpy()
-
-
 def _case(x, scheme):
-    groups = x.unflatten(-1, (x.shape[-1] // GROUP, GROUP))
-    scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
-    compressed = MXFP8QuantizationCompressor.compress({"weight": x, "weight_scale": scale.to(x.dtype)}, scheme)
-    restored = MXFP8QuantizationCompressor.decompress(dict(compressed), scheme)
-    return {"weight": compressed["weight"].view(torch.uint8).numpy(),
-            "weight_scale": compressed["weight_scale"].numpy(),
-            "dequantized": _bits(restored["weight"])}
+    return ct_mx_case(x, scheme, MXFP8QuantizationCompressor, "weight")
 
 
 def make(out_dir):
     generator = torch.Generator().manual_seed(3233)
-    scheme = QuantizationScheme(targets=["Linear"], **MXFP8A16)
     x = _inputs(generator)
-    inputs = {"w_f32": x, "w_bf16": x.to(torch.bfloat16)}
-    arrays = {name: _bits(value) for name, value in inputs.items()}
-    for name, value in inputs.items():
-        arrays.update({f"{name}_{key}": v for key, v in _case(value, scheme).items()})
-    return [_common.save(out_dir, "compressed_tensors_mxfp8", ("torch", "compressed-tensors"), **arrays)]
+    return save_cases(out_dir, "compressed_tensors_mxfp8", x, QuantizationScheme(targets=["Linear"], **MXFP8A16), _case)
