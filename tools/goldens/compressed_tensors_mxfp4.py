@@ -39,8 +39,8 @@ def _inputs(generator, rows=12, cols=256):
 def wide_range_rows(x, generator):
     """Rows 6 and 7: groups at random magnitudes from 2^-140 (subnormal) to 2^120, then in row 7 groups
     under scale byte 0 whose elements round to nonzero codes only under the divisor 2^-127 (not 2^-126)."""
-    exponents = torch.randint(-140, 120, (2, x.shape[1] // GROUP), generator=generator)
-    x[6:8] = torch.randn(2, x.shape[1], generator=generator) * torch.exp2(exponents.repeat_interleave(GROUP, -1).float())
+    exponents = torch.randint(-140, 120, (2, x.shape[1] // GROUP), generator=generator).repeat_interleave(GROUP, -1)
+    x[6:8] = torch.randn(2, x.shape[1], generator=generator) * torch.exp2(exponents.float())
     for i, e in enumerate((-124.5, -125.5, -118.5, -119.5)):
         x[7, i * GROUP:(i + 1) * GROUP] = torch.randn(GROUP, generator=generator) * 2.0 ** e
 
