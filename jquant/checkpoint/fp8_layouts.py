@@ -19,7 +19,8 @@ layout                                  tensors
                                         (a multiplier, despite its name), block from the config's
                                         ``weight_block_size`` (default 128 × 128)
 ``compressed-tensors/mxfp8-quantized``  ``"mxfp8_e4m3"`` QTensors: ``weight`` e4m3 [N, K]; ``weight_scale``
-                                        uint8 [N, K/32], biased E8M0 exponents (2^(s-127))
+``modelopt/mxfp8``                      uint8 [N, K/32], biased E8M0 exponents (2^(s-127)); the two layouts
+                                        store the same tensors
 ======================================  ==========================================================
 
 ``to_checkpoint(qt, layout, input_scale=...)`` adds the activation scale; ``from_checkpoint`` checks
@@ -181,36 +182,40 @@ def from_compressed_tensors(tensors: dict, dtype=jnp.float32, block_size=_DEFAUL
 
 def _detect_compressed_tensors(tensors: dict) -> bool:
     return (_is_fp8_weight(tensors) and "weight_scale" in tensors and "weight_packed" not in tensors
-            and not _detect_ct_mxfp8(tensors))
+            and not _detect_mxfp8(tensors))
 
 
-# ---- compressed-tensors mxfp8-quantized --------------------------------------------------------------
+# ---- MXFP8: compressed-tensors mxfp8-quantized and ModelOpt MXFP8 -------------------------------------
 
-def to_ct_mxfp8(qt: QTensor) -> dict[str, np.ndarray]:
-    scale = np.asarray(qt.scale)
-    if (qt.fmt != "mxfp8_e4m3" or qt.ndim != 2 or qt.block != (1, mx.BLOCK_SIZE)
-            or scale.dtype != ml_dtypes.float8_e8m0fnu):
-        raise ValueError(f"{_CT_MXFP8} stores [N, K] 'mxfp8_e4m3' QTensors blocked by {mx.BLOCK_SIZE} along K "
-                         f"with E8M0 scales; got fmt={qt.fmt!r}, shape {qt.shape}, block {qt.block}, "
-                         f"scales {scale.dtype}")
-    return {"weight": np.asarray(qt.data), "weight_scale": scale.view(np.uint8)}
-
-
-def from_ct_mxfp8(tensors: dict, dtype=jnp.float32, group_size: int | None = None) -> QTensor:
-    if group_size is not None and group_size != mx.BLOCK_SIZE:
-        raise ValueError(f"{_CT_MXFP8}: group_size={group_size!r} given, but MXFP8 blocks are {mx.BLOCK_SIZE} "
-                         "elements along K")
-    weight = _read_weight(tensors, _CT_MXFP8)
-    scale = _read_scale(tensors, "weight_scale", _CT_MXFP8, (np.dtype(np.uint8),))
-    n, k = weight.shape
-    if k % mx.BLOCK_SIZE or scale.shape != (n, k // mx.BLOCK_SIZE):
-        raise ValueError(f"{_CT_MXFP8}: tensors 'weight' {weight.shape} and 'weight_scale' {scale.shape} do not "
-                         f"fit: expected [N, K] and [N, K/{mx.BLOCK_SIZE}] with K a multiple of {mx.BLOCK_SIZE}")
-    return QTensor(data=jnp.asarray(weight), scale=jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)),
-                   fmt="mxfp8_e4m3", shape=weight.shape, dtype=dtype, block=(1, mx.BLOCK_SIZE))
+def _to_mxfp8(layout: str):
+    def to_mxfp8(qt: QTensor) -> dict[str, np.ndarray]:
+        scale = np.asarray(qt.scale)
+        if (qt.fmt != "mxfp8_e4m3" or qt.ndim != 2 or qt.block != (1, mx.BLOCK_SIZE)
+                or scale.dtype != ml_dtypes.float8_e8m0fnu):
+            raise ValueError(f"{layout} stores [N, K] 'mxfp8_e4m3' QTensors blocked by {mx.BLOCK_SIZE} along K "
+                             f"with E8M0 scales; got fmt={qt.fmt!r}, shape {qt.shape}, block {qt.block}, "
+                             f"scales {scale.dtype}")
+        return {"weight": np.asarray(qt.data), "weight_scale": scale.view(np.uint8)}
+    return to_mxfp8
 
 
-def _detect_ct_mxfp8(tensors: dict) -> bool:
+def _from_mxfp8(layout: str):
+    def from_mxfp8(tensors: dict, dtype=jnp.float32, group_size: int | None = None) -> QTensor:
+        if group_size is not None and group_size != mx.BLOCK_SIZE:
+            raise ValueError(f"{layout}: group_size={group_size!r} given, but MXFP8 blocks are {mx.BLOCK_SIZE} "
+                             "elements along K")
+        weight = _read_weight(tensors, layout)
+        scale = _read_scale(tensors, "weight_scale", layout, (np.dtype(np.uint8),))
+        n, k = weight.shape
+        if k % mx.BLOCK_SIZE or scale.shape != (n, k // mx.BLOCK_SIZE):
+            raise ValueError(f"{layout}: tensors 'weight' {weight.shape} and 'weight_scale' {scale.shape} do not "
+                             f"fit: expected [N, K] and [N, K/{mx.BLOCK_SIZE}] with K a multiple of {mx.BLOCK_SIZE}")
+        return QTensor(data=jnp.asarray(weight), scale=jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)),
+                       fmt="mxfp8_e4m3", shape=weight.shape, dtype=dtype, block=(1, mx.BLOCK_SIZE))
+    return from_mxfp8
+
+
+def _detect_mxfp8(tensors: dict) -> bool:
     return _is_fp8_weight(tensors) and getattr(tensors.get("weight_scale"), "dtype", None) == np.uint8
 
 
@@ -277,7 +282,8 @@ def from_modelopt(tensors: dict, dtype=jnp.float32, granularity: str | None = No
 
 
 def _detect_modelopt(tensors: dict) -> bool:
-    return _is_fp8_weight(tensors) and "weight_scale" in tensors and "weight_scale_2" not in tensors
+    return (_is_fp8_weight(tensors) and "weight_scale" in tensors and "weight_scale_2" not in tensors
+            and not _detect_mxfp8(tensors))
 
 
 # ---- vLLM fp8 (per tensor / per channel) ------------------------------------------------------------
@@ -324,6 +330,7 @@ def from_fp8_block(tensors: dict, dtype=jnp.float32, block_size=_DEFAULT_BLOCK) 
 register_layout(_CT, to_compressed_tensors, from_compressed_tensors, fmts=(_FMT,),
                 detect=_detect_compressed_tensors)
 register_layout(_MODELOPT, to_modelopt, from_modelopt, fmts=(_FMT,), detect=_detect_modelopt)
-register_layout(_CT_MXFP8, to_ct_mxfp8, from_ct_mxfp8, fmts=("mxfp8_e4m3",), detect=_detect_ct_mxfp8)
+for _layout in (_CT_MXFP8, "modelopt/mxfp8"):
+    register_layout(_layout, _to_mxfp8(_layout), _from_mxfp8(_layout), fmts=("mxfp8_e4m3",), detect=_detect_mxfp8)
 register_layout("fp8", to_fp8, from_fp8, fmts=(_FMT,))
 register_layout(_BLOCK, to_fp8_block, from_fp8_block, fmts=(_FMT,))

@@ -5,7 +5,7 @@ Accepted: ``fp8`` (with ``weight_block_size`` and ``scale_fmt``), ``awq`` (GEMM-
 ``int-quantized``, ``naive-quantized``, ``nvfp4-pack-quantized``, ``mxfp4-pack-quantized``,
 ``mxfp8-quantized``; several config groups, like
 GPTQModel's per-module overrides, through ``jquant.checkpoint.module_scheme``), ``modelopt``
-(``quant_algo`` FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, NVFP4, W4A16_NVFP4; flat or under
+(``quant_algo`` FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, NVFP4, W4A16_NVFP4, MXFP8; flat or under
 ``"quantization"``), ``mxfp4`` and ``bitsandbytes`` (4- and 8-bit). Anything else, or
 a malformed config, raises a ValueError that names the key.
 ``skipped_modules`` reads the same config's ignore list: the modules that stay in float.
@@ -270,7 +270,6 @@ def _int_quantized(weights: dict, acts: dict | None, where: str) -> Scheme:
 
 # quant_algo values vLLM's ModelOpt configs accept that jquant does not read, and why.
 _MODELOPT_REFUSED = {
-    "MXFP8": "MXFP8 checkpoints (E4M3 codes, an E8M0 scale per 32 values) have no jquant scheme or layout yet",
     "MIXED_PRECISION": "it sets a quant_algo per layer (quantized_layers), and jquant reads one scheme per "
                        "checkpoint",
 }
@@ -295,10 +294,12 @@ def _modelopt(cfg: dict) -> Scheme:
         # as vLLM runs W4A16_NVFP4 (Marlin).
         _nvfp4_group(_get(inner, "group_size", int, 16, where=where), where)
         return bs.nvfp4(convention="modelopt")
+    if algo == "MXFP8":
+        return bs.mxfp8_modelopt()
     if algo in _MODELOPT_REFUSED:
         raise ValueError(f"{where}['quant_algo'] {algo!r} is not supported: {_MODELOPT_REFUSED[algo]}")
-    raise ValueError(f"{where}['quant_algo'] must be 'FP8', 'FP8_PER_CHANNEL_PER_TOKEN', 'FP8_PB_WO', 'NVFP4' or "
-                     f"'W4A16_NVFP4' for modelopt, got {algo!r}")
+    raise ValueError(f"{where}['quant_algo'] must be 'FP8', 'FP8_PER_CHANNEL_PER_TOKEN', 'FP8_PB_WO', 'NVFP4', "
+                     f"'W4A16_NVFP4' or 'MXFP8' for modelopt, got {algo!r}")
 
 
 def _nvfp4_group(group: int, where: str) -> None:

@@ -76,7 +76,7 @@ def presets() -> dict[str, tuple[str, ...]]:
     Examples:
       >>> from jquant.formats import presets
       >>> presets()["modelopt"]
-      ('nvfp4',)
+      ('mxfp8_e4m3', 'nvfp4')
       >>> {"mxfp4", "nvfp4"} <= set(presets()["torchao"])
       True
     """

@@ -44,6 +44,10 @@ rounded half to even; MXFP4 stores -0.0 as +0 (``cast_to_fp4``'s ``sign(x) · |q
 float8 cast). Its rounded amax overflows to Inf from 1.75 · 2^127 up and for ±Inf, and a NaN makes its exponent 0: such
 blocks come out of it as zero codes (or ±max under 2^-127); jquant keeps torchao's results for them (below).
 
+``element_rounding="modelopt"`` (MXFP8, with ``scale_mode="rceil_log2f"``: the ``like="modelopt"`` preset) is
+TensorRT Model Optimizer's ``MXFP8QTensor`` (``2^ceil(log2(amax / 448))`` in float32, as torchao's eager RCEIL):
+elements are multiplied by ``2^(127-b)`` for every byte, 2^127 under byte 0 where torchao multiplies by 1.
+
 Non-finite and zero blocks (torchao's behaviour): a NaN in a block makes its scale NaN (0xFF), so the
 whole block dequantizes to NaN (its element codes are unspecified), at every tensor size (the amax is
 an integer max of |x|'s bits, which keeps NaN where XLA's float max drops it); ±Inf saturates to
@@ -77,7 +81,7 @@ from jquant.qtensor import QTensor, register_format
 
 BLOCK_SIZE = 32
 SCALE_MODES = ("floor", "ceil", "even", "even_e2m1", "rceil", "rceil_log2f")
-ELEMENT_ROUNDINGS = ("even", "ggml", "compressed-tensors")
+ELEMENT_ROUNDINGS = ("even", "ggml", "compressed-tensors", "modelopt")
 # element_rounding → (E2M1 ties, when the sign bit is set): see ``e2m1_codes``.
 _E2M1_RULES = {"even": ("even", "signbit"), "ggml": ("zero", "nonzero"), "compressed-tensors": ("even", "negative")}
 E2M1_MAX = 6.0
@@ -267,14 +271,15 @@ def _shared_exponent(amax_bits: jax.Array, mode: str, element: _Element) -> jax.
     return jnp.where(nan, 255, biased)
 
 
-def _scale_elements(blocks: jax.Array, biased: jax.Array, mode: str, floor_divisor: bool = True) -> jax.Array:
+def _scale_elements(blocks: jax.Array, biased: jax.Array, mode: str, element_rounding: str) -> jax.Array:
     """Blocks (from ``to_blocks``) brought to the element range, before rounding; every scale is a
     power of two, so scaling is exact (subnormal inputs included, see ``_times_pow2_exact``)."""
     biased = per_block(biased, blocks.ndim // 2)
     if mode in ("rceil", "rceil_log2f"):
         # x · 2^(127-b); 2^-127 (b = 254, an Inf block) must not be flushed.
-        scaled = _times_pow2_exact(blocks, jnp.clip(_E8M0_BIAS - biased, -127, 126))
-        scaled = jnp.where(biased == 0, blocks, scaled)  # torchao multiplies by 1 when b == 0
+        scaled = _times_pow2_exact(blocks, jnp.clip(_E8M0_BIAS - biased, -127, 127))
+        if element_rounding != "modelopt":
+            scaled = jnp.where(biased == 0, blocks, scaled)  # torchao multiplies by 1 when b == 0
     elif mode == "ggml":
         # x / 2^(b-127): GGML's byte 0 is 2^-127 for the elements too. Under 2^126 (b = 253) GGML's
         # candidates 4 and 6 overflow to Inf (4 · 2^126 = 2^128), so its nearest value stops at 3.
@@ -282,8 +287,8 @@ def _scale_elements(blocks: jax.Array, biased: jax.Array, mode: str, floor_divis
         scaled = jnp.where(biased == 253, jnp.clip(scaled, -3.0, 3.0), scaled)
     else:
         # x / max(2^(b-127), 2^-126): torchao floors the divisor at the smallest normal number;
-        # compressed-tensors divides by 2^-127 itself (``floor_divisor=False``).
-        lowest = -126 if floor_divisor else -127
+        # compressed-tensors divides by 2^-127 itself.
+        lowest = -127 if element_rounding == "compressed-tensors" else -126
         scaled = _times_pow2_exact(blocks, -jnp.clip(biased - _E8M0_BIAS, lowest, 127))
     return jnp.where(biased == 255, jnp.nan, scaled)  # a NaN block stays NaN
 
@@ -300,8 +305,9 @@ def quantize_mx(x, fmt: str = "mxfp4", *, axis: int = -1, scale_mode: str = "flo
       axis: the blocked axis (for a PyTorch ``[N, K]`` weight, -1).
       scale_mode: ``"floor"``, ``"ceil"``, ``"even"``, ``"even_e2m1"``, ``"rceil"`` or ``"rceil_log2f"``
         (module docstring).
-      element_rounding: ``"even"`` (torchao, OCP), ``"ggml"`` (MXFP4 with "floor" only) or
-        ``"compressed-tensors"`` (the true scale as divisor; half to even; MXFP4 stores -0.0 as +0).
+      element_rounding: ``"even"`` (torchao, OCP), ``"ggml"`` (MXFP4 with "floor" only),
+        ``"compressed-tensors"`` (the true scale as divisor; half to even; MXFP4 stores -0.0 as +0) or
+        ``"modelopt"`` (MXFP8 with an rceil mode: 2^127 under byte 0).
     """
     if fmt not in ELEMENTS:
         raise ValueError(f"fmt must be one of {sorted(ELEMENTS)}, got {fmt!r}")
@@ -312,6 +318,9 @@ def quantize_mx(x, fmt: str = "mxfp4", *, axis: int = -1, scale_mode: str = "flo
     if element_rounding == "ggml" and (fmt != "mxfp4" or scale_mode != "floor"):
         raise ValueError(f"element_rounding='ggml' is GGML's MXFP4 quantizer: it needs fmt='mxfp4' and "
                          f"scale_mode='floor', got fmt={fmt!r}, scale_mode={scale_mode!r}")
+    if element_rounding == "modelopt" and (fmt == "mxfp4" or scale_mode not in ("rceil", "rceil_log2f")):
+        raise ValueError(f"element_rounding='modelopt' is Model Optimizer's MXFP8 quantizer: it needs an MXFP8 fmt "
+                         f"and an rceil scale_mode, got fmt={fmt!r}, scale_mode={scale_mode!r}")
     if element_rounding == "compressed-tensors" and fmt not in ("mxfp4", "mxfp8_e4m3"):
         raise ValueError(f"element_rounding='compressed-tensors' is compressed-tensors' MXFP4 / MXFP8 quantizer: "
                          f"it needs fmt='mxfp4' or 'mxfp8_e4m3', got {fmt!r}")
@@ -333,7 +342,7 @@ def _encode(x, fmt, block, axis, scale_mode, element_rounding):
     amax_bits = jnp.max(abs_bits(blocks), axis=block_axes(x.ndim))
     mode = "ggml" if element_rounding == "ggml" else scale_mode
     biased = _shared_exponent(amax_bits, mode, element)
-    scaled = _scale_elements(blocks, biased, mode, element_rounding != "compressed-tensors").reshape(x.shape)
+    scaled = _scale_elements(blocks, biased, mode, element_rounding).reshape(x.shape)
     if element.fp8_fmt is None:
         ties, sign = _E2M1_RULES[element_rounding]
         data = pack_bits(e2m1_codes(scaled, ties, sign), 4, axis)
@@ -384,3 +393,5 @@ register_preset("compressed-tensors", "mxfp4", {"scale_mode": "even", "element_r
 # Its MXFP8A16 / MXFP8 (generate_mx_scales with E2M1's mantissa width, a float8_e4m3fn cast).
 register_preset("compressed-tensors", "mxfp8_e4m3",
                 {"scale_mode": "even_e2m1", "element_rounding": "compressed-tensors"})
+# Model Optimizer's MXFP8QTensor (float32 log2 ceiling, elements times 2^(127-b) for every byte).
+register_preset("modelopt", "mxfp8_e4m3", {"scale_mode": "rceil_log2f", "element_rounding": "modelopt"})

@@ -122,6 +122,16 @@ def mxfp8_compressed_tensors() -> Scheme:
                               "rounded to one mantissa bit); bf16 activations")
 
 
+def mxfp8_modelopt() -> Scheme:
+    """MXFP8 as TensorRT Model Optimizer quantizes it (``quant_algo`` MXFP8; vLLM's
+    ``ModelOptMxFp8LinearMethod``, weight-only on Hopper like ``mxfp8_ct``)."""
+    return Scheme(name="mxfp8_modelopt",
+                  weight=WeightSpec("mxfp8_e4m3", 8, scale_mode="rceil_log2f", element_rounding="modelopt"),
+                  checkpoint_layout="modelopt",
+                  description="MXFP8 weights as Model Optimizer rounds them (scale 2^ceil(log2(amax / 448))); "
+                              "bf16 activations")
+
+
 def nvfp4(convention: str = "compressed-tensors") -> Scheme:
     layout = "modelopt" if convention == "modelopt" else "compressed-tensors"
     return Scheme(name="nvfp4" + ("_modelopt" if convention == "modelopt" else ""),

@@ -261,3 +261,26 @@ def test_compressed_tensors_mxfp8_round_trip_and_refusals():
     fp8_channel = to_checkpoint(jquant.quantize(weight((8, 64)), "fp8_e4m3", granularity="channel"),
                                 "compressed-tensors")
     assert from_checkpoint(fp8_channel, "compressed-tensors").fmt == "fp8_e4m3"
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("case", ["x", "w_f32", "w_bf16"])
+def test_modelopt_mxfp8_golden(case, use_jit):
+    """Model Optimizer 0.47.0's MXFP8QTensor export (2^ceil(log2(amax / 448)) in float32, elements times
+    2^(127 - b), 2^127 under byte 0) on the adversarial rows and on groups from 2^-140 to 2^120, through
+    the mxfp8_modelopt scheme and the modelopt layout, and its dequantization."""
+    g = np.load(GOLDENS / "modelopt_mxfp8.npz")
+    x = from_bits(g[case])
+    scheme = jquant.scheme_from_config({"quant_method": "modelopt", "quant_algo": "MXFP8"})
+    qt = (jax.jit(scheme.quantize_weight) if use_jit else scheme.quantize_weight)(x)
+    tensors = to_checkpoint(qt, "modelopt")
+    np.testing.assert_array_equal(tensors["weight_scale"], g[f"{case}_scale"])
+    np.testing.assert_array_equal(tensors["weight"].view(np.uint8), g[f"{case}_codes"])
+    assert (g[f"{case}_scale"] == 0).any()   # byte 0: the 2^127 multiplier is tested
+    restored = from_checkpoint(tensors, "modelopt")
+    assert restored.fmt == "mxfp8_e4m3"
+    np.testing.assert_array_equal(np.asarray(restored.dequantize(jnp.float32)).view(np.uint32),
+                                  g[f"{case}_dequantized"].view(np.uint32))
+    # torchao's rceil multiplies byte-0 blocks by 1: other codes there.
+    torchao = np.asarray(jquant.quantize(x, "mxfp8_e4m3", scale_mode="rceil_log2f").data).view(np.uint8)
+    assert (torchao != g[f"{case}_codes"]).any()

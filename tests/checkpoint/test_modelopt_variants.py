@@ -68,11 +68,19 @@ def test_w4a16_nvfp4_is_modelopt_nvfp4_weight_only(wrap):
         "nvfp4", "modelopt", "none", "modelopt")
 
 
+@pytest.mark.parametrize("wrap", [_flat, _nested])
+def test_mxfp8_is_modelopt_mxfp8_weight_only(wrap):
+    """vLLM's ModelOptMxFp8LinearMethod: E4M3 codes with E8M0 scales per 32, weight-only on Hopper."""
+    s = scheme_from_config(wrap("MXFP8"))
+    assert s.name == "mxfp8_modelopt" and s.checkpoint_layout == "modelopt" and s.activation.mode == "none"
+    assert (s.weight.format, s.weight.scale_mode, s.weight.element_rounding) == ("mxfp8_e4m3", "rceil_log2f",
+                                                                                "modelopt")
+
+
 @pytest.mark.parametrize("config, match", [
     (_flat("INT8_SQ"), r"quantization_config\['quant_algo'\] must be 'FP8', 'FP8_PER_CHANNEL_PER_TOKEN', "
-                       r"'FP8_PB_WO', 'NVFP4' or 'W4A16_NVFP4' for modelopt, got 'INT8_SQ'"),
+                       r"'FP8_PB_WO', 'NVFP4', 'W4A16_NVFP4' or 'MXFP8' for modelopt, got 'INT8_SQ'"),
     (_nested("W4A8_AWQ"), r"quantization_config\['quantization'\]\['quant_algo'\] must be .* got 'W4A8_AWQ'"),
-    (_flat("MXFP8"), r"'MXFP8' is not supported: MXFP8 checkpoints .* no jquant scheme"),
     (_nested("MIXED_PRECISION"), r"\['quantization'\]\['quant_algo'\] 'MIXED_PRECISION' is not supported: it "
                                  r"sets a quant_algo per layer"),
     (_nested("W4A16_NVFP4", group_size=32), r"\['quantization'\]\['group_size'\] must be 16"),
@@ -123,13 +131,21 @@ def test_layout_refusals():
 # ---- checkpoints ----------------------------------------------------------------------------------------
 
 def _scale(granularity, n, k, rng):
-    """Non-power-of-two fp32 scales in the shape ModelOpt stores for ``granularity``."""
+    """Non-power-of-two fp32 scales in the shape ModelOpt stores for ``granularity``; MXFP8 ("mx"): E8M0
+    bytes [n, k/32] from 2^-15 to 2^-4, and 2^-127 (byte 0, subnormal products) in the first block."""
+    if granularity == "mx":
+        scale = rng.integers(112, 124, (n, k // 32)).astype(np.uint8)
+        scale[0, 0] = 0
+        return scale
     shape = {"tensor": (), "channel": (n,), "block": (n // 128, 1, k // 128, 1)}[granularity]
     return rng.uniform(0.001, 0.01, shape).astype(np.float32)
 
 
 def _expanded(scale, n, k):
-    """A per-channel [n] or block [n/128, 1, k/128, 1] ``scale`` per element of an [n, k] weight."""
+    """A per-channel [n], block [n/128, 1, k/128, 1] or E8M0 [n, k/32] ``scale`` per element of an [n, k]
+    weight."""
+    if scale.dtype == np.uint8:
+        return np.repeat(np.exp2(scale.astype(np.float64) - 127), 32, axis=1)
     if scale.ndim == 4:
         return np.kron(scale.reshape(scale.shape[0], scale.shape[2]), np.ones((128, 128), np.float32))
     return np.broadcast_to(scale.reshape(-1, 1), (n, k))
@@ -161,7 +177,8 @@ def _write(directory, params, granularity, *, config=None, float_modules=(), inp
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["config.json", "hf_quant_config"])
-@pytest.mark.parametrize("algo, granularity", [("FP8_PER_CHANNEL_PER_TOKEN", "channel"), ("FP8_PB_WO", "block")])
+@pytest.mark.parametrize("algo, granularity", [("FP8_PER_CHANNEL_PER_TOKEN", "channel"), ("FP8_PB_WO", "block"),
+                                               ("MXFP8", "mx")])
 def test_loaded_weights_are_the_stored_codes_times_scales(tmp_path, tiny, algo, granularity, nested):
     model, params, ids = tiny
     config = _nested(algo) if nested else _flat(algo)
@@ -173,14 +190,15 @@ def test_loaded_weights_are_the_stored_codes_times_scales(tmp_path, tiny, algo, 
             codes, scale = stored[f"model.layers.0.{group}.{proj}"]
             n, k = codes.shape
             assert isinstance(q, QParam) and q.input_scale is None and q.scheme == scheme_from_config(config)
-            assert q.qtensor.option("granularity") == granularity and q.qtensor.shape == (n, k)
+            assert q.qtensor.shape == (n, k) and (q.qtensor.option("granularity") == granularity
+                                                   or q.qtensor.fmt == "mxfp8_e4m3" and granularity == "mx")
             np.testing.assert_array_equal(np.asarray(q.qtensor.dequantize(jnp.float32)),
-                                          codes.astype(np.float32) * _expanded(scale, n, k))
+                                          (codes.astype(np.float64) * _expanded(scale, n, k)).astype(np.float32))
     prepared = load_hf_checkpoint(tmp_path, params, quantization_config=config if nested else None)
     x = jax.random.normal(jax.random.key(5), (4, CONFIG.hidden_size), jnp.float32)
     q = prepared["layers_0"]["q_proj"]["kernel"]
     want = x @ jnp.asarray(loaded["layers_0"]["q_proj"]["kernel"].qtensor.dequantize(jnp.float32)).T
-    # W8A8: FP8 activations cost a few percent against the dequantized weight in float.
+    # W8A8: FP8 activations cost a few percent against the dequantized weight in float (MXFP8: weight-only).
     assert float(jnp.linalg.norm(q.apply(x) - want) / jnp.linalg.norm(want)) < 0.05
     logits = jax.jit(lambda p: quantized_apply(model, {"params": p}, ids)[0])(prepared)
     assert bool(jnp.all(jnp.isfinite(logits)))
