@@ -4,6 +4,7 @@ Run it in a Python 3.11 venv with the machine's CPU torch (JAX is not needed the
 
     python3.11 -m venv /tmp/ref && /tmp/ref/bin/pip install torch==2.13.0
     /tmp/ref/bin/pip install torchao compressed-tensors bitsandbytes gguf transformers ml_dtypes
+    /tmp/ref/bin/pip install --no-deps nvidia-modelopt==0.47.0 && /tmp/ref/bin/pip install omegaconf pulp scipy
     /tmp/ref/bin/python tools/make_goldens.py
 
 gptqmodel downgrades numpy, so its modules run from their own venv:
