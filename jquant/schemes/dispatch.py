@@ -56,6 +56,10 @@ W8A16_MGPU_MAX_M = 1024
 # of x takes its own fp32 tile of registers). Block FP8 stays on XLA's path at M = 1 (96.7 µs against the
 # GEMV's 106.3 at 28672×8192: a reduction every 128 codes).
 GEMV_MAX_M = 1
+# ... for weights without group scales or with groups of at least this many codes along K: MXFP8's groups of
+# 32 took 464.7 µs on the GEMV against the W8A16 kernel's 102.3 (H100, 28672×8192, M = 1, gemm8 run of
+# commit 1fbfc90; block FP8's 128 took 108.2 against 101.7 in gemm8_gemv_sweep.md).
+GEMV_MIN_GROUP = 128
 # The FP8 W8A8 GEMM kernel with one K block (per-token × per-channel or per-tensor scales) runs up to
 # this many rows, XLA's FP8 dot above: on the H100 the kernel took 43.0-46.3 µs at M = 2, 4, 8 on
 # 8192×8192 against 43.4-62.0 (57.9 against 76.8 at M = 1), and 99.3-109.9 µs at M = 1-16 on
@@ -209,15 +213,17 @@ def w4a16_fallback(capability: int) -> str:
     return "reference" if capability == 0 else "xla"
 
 
-def w8a16_impl(m: int, capability: int) -> str:
+def w8a16_impl(m: int, capability: int, group_size: int | None = None) -> str:
     """The 8-bit weight-only GEMM's "auto" choice for ``m`` rows of x: on Hopper ``"triton"`` (the
-    GEMV) up to ``GEMV_MAX_M`` rows, ``"mgpu"`` up to ``W8A16_MGPU_MAX_M``, else ``"xla"``;
+    GEMV) up to ``GEMV_MAX_M`` rows for weights without group scales (``group_size`` None) or with
+    groups of at least ``GEMV_MIN_GROUP``, ``"mgpu"`` up to ``W8A16_MGPU_MAX_M``, else ``"xla"``;
     ``"reference"`` off CUDA GPUs."""
     if capability == 0:
         return w4a16_fallback(capability)
     if not has_wgmma(capability) or m > W8A16_MGPU_MAX_M:
         return "xla"
-    return "triton" if m <= GEMV_MAX_M else "mgpu"
+    gemv_groups = group_size is None or group_size >= GEMV_MIN_GROUP
+    return "triton" if m <= GEMV_MAX_M and gemv_groups else "mgpu"
 
 
 def moe_experts_impl(scheme, capability: int) -> str:

@@ -23,8 +23,9 @@ from jquant.qtensor import QTensor
 from jquant.schemes import dispatch as device_lib
 
 
-def resolve_w8_impl(impl: str, m: int, interpret: bool = False) -> str:
-    """The implementation ``w8a16_matmul`` runs for ``impl`` at ``m`` rows on the default device.
+def resolve_w8_impl(impl: str, m: int, interpret: bool = False, group_size: int | None = None) -> str:
+    """The implementation ``w8a16_matmul`` runs for ``impl`` at ``m`` rows on the default device, for a
+    weight with groups of ``group_size`` codes along K (None: no group scales).
 
     Examples:
       >>> import jax
@@ -36,7 +37,7 @@ def resolve_w8_impl(impl: str, m: int, interpret: bool = False) -> str:
     """
     if impl == "triton":
         return resolve_gemv_impl(m, interpret, "w8a16")
-    return resolve_kernel_impl(impl, interpret, lambda cc: device_lib.w8a16_impl(m, cc), "w8a16")
+    return resolve_kernel_impl(impl, interpret, lambda cc: device_lib.w8a16_impl(m, cc, group_size), "w8a16")
 
 
 def default_w8_config(m: int, packed: PackedW8NK) -> MgpuConfig:
@@ -107,7 +108,9 @@ def w8a16_matmul(x, packed: PackedW8NK | QTensor, *, bias=None, impl: str = "aut
     x, bias = check_matmul_args(x, packed.k, packed.n, bias, config, (MgpuConfig, GemvConfig))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, packed.k)
-    kind = kernel_for_config(resolve_w8_impl(impl, x2.shape[0], interpret), impl, config, x2.shape[0], MgpuConfig)
+    group_size = None if packed.unit_scales else packed.group_size
+    kind = kernel_for_config(resolve_w8_impl(impl, x2.shape[0], interpret, group_size), impl, config, x2.shape[0],
+                             MgpuConfig)
     if kind == "mgpu" and x2.dtype == jnp.float32:
         if impl != "auto" and not interpret:
             raise TypeError(f"impl={impl!r} runs the Mosaic GPU kernel, which takes bf16 or fp16 x; "
