@@ -5,7 +5,11 @@ import pytest
 # JQUANT_TEST_GPU=1 runs the same tests on the real accelerator: the CPU pin is lifted and the
 # `interpret` fixture turns Pallas interpret mode off, so kernels compile for the GPU.
 ON_GPU = os.environ.get("JQUANT_TEST_GPU") == "1"
-if not ON_GPU:
+if ON_GPU:
+    # pytest -n N runs N processes on one GPU: with JAX's default preallocation (75 % of the memory each)
+    # the later workers failed cuDNN and autotuning with 1.5 MB free (H100, tests/kernels/w8a16, -n 4).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+else:
     # Eight simulated CPU devices so sharding tests run anywhere; must precede the first jax import.
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
