@@ -209,7 +209,7 @@ def compressed_tensors_group_scheme(cfg: dict, gname: str, group) -> Scheme:
 
 def _ct_mx(weights: dict, wwhere: str, fmt: str) -> Scheme:
     """vLLM's ``_is_mxfp4`` / ``_is_mxfp8``: float, 4 or 8 bits, symmetric groups of 32. Input activations
-    (the MXFP4 and MXFP8 W8A8 presets) are not quantized: on Hopper vLLM runs every such layer weight-only
+    (the W4A4 MXFP4 and W8A8 MXFP8 presets) are not quantized: on Hopper vLLM runs every such layer weight-only
     (``CompressedTensorsW4A16Mxfp4``; ``CompressedTensorsW8A8Mxfp8`` through Marlin or a bfloat16
     dequantization)."""
     bits = 4 if fmt == "mxfp4-pack-quantized" else 8

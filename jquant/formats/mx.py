@@ -22,9 +22,10 @@ per byte (low nibble = even element) for MXFP4, or float8 codes for MXFP8; ``x �
 Exponents are clamped to [-127, 127] ("floor", "ceil" and the "even" modes allow 128, which only NaN
 reaches). Elements: these modes divide by the scale (floored at 2^-126, as torchao does so an
 all-zero block divides by a normal number; compressed-tensors' elements below do not floor it);
-"rceil" multiplies by ``2^(127-b)`` (by 1 when ``b == 0``, again as torchao). Then round-half-to-even, saturating at ±max. Every scale is a power
-of two, so elements are scaled exactly, subnormal inputs included (XLA reads those as zero; they are
-rebuilt from their bits): codes match torchao's for every finite input.
+"rceil" multiplies by ``2^(127-b)`` (by 1 when ``b == 0``, again as torchao). Then round-half-to-even,
+saturating at ±max. Every scale is a power of two, so elements are scaled exactly, subnormal inputs
+included (XLA reads those as zero; they are rebuilt from their bits): codes match torchao's for every
+finite input.
 
 ``element_rounding="ggml"`` (MXFP4) is gguf-py's MXFP4 quantizer, which picks the nearest E2M1
 value by an ``argmin`` over its table: ties go to the smaller magnitude and a value that rounds to
@@ -41,8 +42,9 @@ MXFP8: the ``like="compressed-tensors"`` presets) is compressed-tensors' MXFP4A1
 weight's dtype, then ``floor(log2) - emax``): elements are divided by the scale itself, 2^-127 under byte
 0 where torchao divides by 2^-126 (groups of amax below about 2^-124 for MXFP4, 2^-118 for MXFP8), then
 rounded half to even; MXFP4 stores -0.0 as +0 (``cast_to_fp4``'s ``sign(x) · |q|``), MXFP8 keeps it (a
-float8 cast). Its rounded amax overflows to Inf from 1.75 · 2^127 up and for ±Inf, and a NaN makes its exponent 0: such
-blocks come out of it as zero codes (or ±max under 2^-127); jquant keeps torchao's results for them (below).
+float8 cast). Its rounded amax overflows to Inf from 1.75 · 2^127 up and for ±Inf, and a NaN makes its
+exponent 0: such blocks come out of it as zero codes (or ±max under 2^-127); jquant keeps torchao's results
+for them (below).
 
 ``element_rounding="modelopt"`` (MXFP8, with ``scale_mode="rceil_log2f"``: the ``like="modelopt"`` preset) is
 TensorRT Model Optimizer's ``MXFP8QTensor`` (``2^ceil(log2(amax / 448))`` in float32, as torchao's eager RCEIL):

@@ -153,7 +153,8 @@ def llm_int8(threshold: float = DEFAULT_THRESHOLD) -> Scheme:
     output channel; activations int8 per token, except columns holding a value of magnitude ≥
     ``threshold``, which run in bfloat16 (0: none)."""
     # repr: distinct thresholds get distinct names (6.0000001 is not "6").
-    return Scheme(name="llm_int8" + ("" if threshold == DEFAULT_THRESHOLD else f"_t{float(threshold)!r}".removesuffix(".0")),
+    suffix = "" if threshold == DEFAULT_THRESHOLD else f"_t{float(threshold)!r}".removesuffix(".0")
+    return Scheme(name="llm_int8" + suffix,
                   weight=WeightSpec("int8_bnb", 8),
                   activation=ActivationSpec("llm_int8", "int8", outlier_threshold=threshold),
                   checkpoint_layout="bnb",
