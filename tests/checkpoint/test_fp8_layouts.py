@@ -284,3 +284,13 @@ def test_modelopt_mxfp8_golden(case, use_jit):
     # torchao's rceil multiplies byte-0 blocks by 1: other codes there.
     torchao = np.asarray(jquant.quantize(x, "mxfp8_e4m3", scale_mode="rceil_log2f").data).view(np.uint8)
     assert (torchao != g[f"{case}_codes"]).any()
+
+
+def test_mx_element_rounding_refusals_name_the_options():
+    w = weight((4, 64))
+    with pytest.raises(ValueError, match="element_rounding='modelopt' .* got fmt='mxfp4', scale_mode='rceil'"):
+        jquant.quantize(w, "mxfp4", scale_mode="rceil", element_rounding="modelopt")
+    with pytest.raises(ValueError, match="an rceil scale_mode, got fmt='mxfp8_e4m3', scale_mode='floor'"):
+        jquant.quantize(w, "mxfp8_e4m3", scale_mode="floor", element_rounding="modelopt")
+    with pytest.raises(ValueError, match="scale_mode must be one of"):
+        jquant.quantize(w, "mxfp8_e4m3", scale_mode="even1")
